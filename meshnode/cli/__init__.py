@@ -1,0 +1,88 @@
+"""`meshnode` command line.
+
+Each command group lives in its own module exposing ``register(subparsers)``; handlers
+import heavy modules (llama_cpp, aioquic, textual) lazily so ``--help`` stays instant.
+A handler returns an exit code. A :class:`~meshnode.errors.MeshnodeError` (the user's
+mistake or the environment's) is printed as one line, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from meshnode import __version__
+from meshnode.errors import MeshnodeError
+
+# Command modules, in the order they appear in --help.
+COMMAND_MODULES = ("run", "mesh", "models", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshnode",
+        description="Pool the computers on a LAN into one LLM server. "
+        "With no command: start this node and open the TUI.",
+    )
+    parser.add_argument("--version", action="version", version=f"meshnode {__version__}")
+    add_common_options(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"meshnode.cli.{name}").register(sub)
+    return parser
+
+
+def add_common_options(parser: argparse.ArgumentParser) -> None:
+    """Options every command accepts (before or after the command name)."""
+    parser.add_argument(
+        "--home", metavar="DIR", default=argparse.SUPPRESS,
+        help="keep identity, config, models and cache under DIR "
+        "(default: $MESHNODE_HOME, else the platform's user directories)",
+    )
+    parser.add_argument(
+        "--log-level", default=argparse.SUPPRESS,
+        choices=["debug", "info", "warning", "error"],
+        help="logging level (default: info; also $MESHNODE_LOG_LEVEL)",
+    )
+
+
+def setup_logging(level_name: str | None) -> None:
+    import os
+
+    level_name = (level_name or os.environ.get("MESHNODE_LOG_LEVEL") or "info").upper()
+    logging.basicConfig(
+        level=getattr(logging, level_name, logging.INFO),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for opt in ("home", "log_level"):
+        if not hasattr(args, opt):
+            setattr(args, opt, None)
+    if args.command is None:
+        # Bare `meshnode`: the node plus its TUI (see cli/run.py).
+        args = parser.parse_args(["run", *(argv if argv is not None else sys.argv[1:])])
+        for opt in ("home", "log_level"):
+            if not hasattr(args, opt):
+                setattr(args, opt, None)
+    if not getattr(args, "tui_logging", False):
+        setup_logging(args.log_level)
+    try:
+        return int(args.func(args) or 0)
+    except MeshnodeError as exc:
+        print(f"meshnode: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("meshnode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Atomic file writes and hashing: a reader never sees a half-written file."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+CHUNK = 1 << 20
+
+
+@contextlib.contextmanager
+def atomic_write(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
+    """Write to a temp file beside ``path`` and rename it into place on success.
+
+    On any exception the temp file is removed and ``path`` is untouched.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f  # type: ignore[misc]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    """Hex sha256 of a file; ``progress(n)`` is called with each chunk's size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            if progress:
+                progress(len(chunk))
+    return h.hexdigest()

@@ -1,0 +1,220 @@
+"""The node's public state: what the TUI, `meshnode status` and tests may see.
+
+Theory of operation: the running node owns mutable state; at any time it can produce a
+:class:`NodeSnapshot` (frozen dataclasses, cheap to copy, safe to hand to another
+thread) and it publishes :class:`NodeEvent`s (past-tense, frozen) as things happen.
+Consumers (``ui/``) read snapshots at a bounded rate and react to events; they change
+the node only through the command methods of :class:`NodeAPI`. Nothing here imports
+asyncio internals of the node, Textual or llama_cpp.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class StageState(enum.Enum):
+    ASSIGNED = "assigned"
+    PREPARING = "preparing"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class SpecState(enum.Enum):
+    OFF = "off"              # speculation disabled for this model / run
+    COLD = "cold"            # observing: counting would-be hits, no verify cost
+    ENABLED = "enabled"      # drafting and verifying
+    COOLING_DOWN = "cooling-down"  # turned itself off after low acceptance
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    free_ram_bytes: int
+    free_vram_bytes: int = 0
+    backend: str = "cpu"       # cpu | cuda | metal | vulkan ...
+    cores: int = 1
+    models: tuple["HeldModel", ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class HeldModel:
+    name: str
+    sha256: str
+    n_layers: int
+    size_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    node_id: str
+    name: str
+    address: str            # "host:port" of its QUIC endpoint
+    rtt_ms: float | None
+    authenticated: bool
+    capabilities: Capabilities | None = None
+    role: str = ""          # e.g. "stage 1 [10,20)" or "" when idle
+    bytes_per_s_in: float = 0.0
+    bytes_per_s_out: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StageInfo:
+    index: int
+    node_id: str
+    node_name: str
+    layer_start: int
+    layer_end: int          # exclusive
+    state: StageState
+    detail: str = ""        # e.g. failure reason, load progress
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    path: str
+    sha256: str
+    n_layers: int
+    size_bytes: int
+    architecture: str
+    kind: str = "model"     # "model" | "slice"
+    layer_range: tuple[int, int] | None = None
+    source: str = "local"   # "local" | "peer:<name>"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferInfo:
+    name: str
+    done_bytes: int
+    total_bytes: int
+    what: str = "download"  # download | slice | load | transfer
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    request_id: str
+    model: str
+    status: str             # queued | prefill | decoding | done | cancelled | error
+    prompt_tokens: int
+    generated_tokens: int
+    tokens_per_s: float
+    ttft_ms: float | None
+    started_at: float       # unix time
+    finished_at: float | None = None
+    strategy: str = ""      # speculative strategy used ("" when none)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecStats:
+    strategy: str           # "ngram", "draft", "none"
+    state: SpecState
+    proposed: int
+    accepted: int
+    windows: int
+    current_window: int
+    verify_ms: float        # mean time of a verify pass
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetryPoint:
+    t: float                # unix time
+    tokens_per_s: float
+    ttft_ms: float | None
+    tpot_ms: float | None   # time per output token
+    hop_ms: float | None    # mean per-hop latency
+    link_bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str
+    name: str
+    mesh_id: str
+    address: str
+    http_url: str           # the local OpenAI endpoint, e.g. http://127.0.0.1:8642/v1
+    capabilities: Capabilities
+    version: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSnapshot:
+    node: NodeInfo
+    peers: tuple[PeerInfo, ...]
+    model: str | None                 # the model this node coordinates / serves
+    model_layers: int
+    stages: tuple[StageInfo, ...]
+    requests: tuple[RequestInfo, ...]  # active first, then recent
+    spec: tuple[SpecStats, ...]
+    telemetry: tuple[TelemetryPoint, ...]  # recent history, oldest first
+    models: tuple[ModelInfo, ...]
+    transfers: tuple[TransferInfo, ...]
+
+
+# ---- events (past tense) ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDiscovered:
+    peer: PeerInfo
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLost:
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageChanged:
+    stage: StageInfo
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdated:
+    request: RequestInfo
+
+
+@dataclass(frozen=True, slots=True)
+class DraftVerified:
+    """One speculative window: ``proposed`` tokens, the first ``n_accepted`` kept."""
+
+    request_id: str
+    strategy: str
+    proposed: tuple[str, ...]   # token texts, for display
+    n_accepted: int
+    bonus: str                  # the token the target produced after the accepted prefix
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LogEmitted:
+    level: int
+    logger: str
+    message: str
+    t: float
+
+
+NodeEvent = PeerDiscovered | PeerLost | StageChanged | RequestUpdated | DraftVerified | LogEmitted
+
+
+class NodeAPI(Protocol):
+    """The seam between the node and any front end (TUI, status command, tests)."""
+
+    def snapshot(self) -> NodeSnapshot:
+        """A consistent copy of the node's state now; cheap, callable from any thread."""
+        ...
+
+    def events(self) -> AsyncIterator[NodeEvent]:
+        """A new subscription to events from now on (bounded queue; slow readers lose the oldest)."""
+        ...
+
+    @property
+    def http_url(self) -> str: ...
