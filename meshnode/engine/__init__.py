@@ -1,1 +1,19 @@
+"""The llama.cpp stage engine: the only package that imports llama_cpp.
 
+See :mod:`meshnode.engine.stage` for the theory of operation.
+"""
+
+from .errors import (
+    ContextOverflowError,
+    DecodeError,
+    EngineBusyError,
+    EngineError,
+    EngineInputError,
+    ModelLoadError,
+)
+from .stage import MAX_VERIFY_WINDOW, EngineSpec, Segment, StageEngine
+
+__all__ = [
+    "MAX_VERIFY_WINDOW", "ContextOverflowError", "DecodeError", "EngineBusyError",
+    "EngineError", "EngineInputError", "EngineSpec", "ModelLoadError", "Segment", "StageEngine",
+]

@@ -1,1 +1,9 @@
+"""meshnode.mesh: membership, the stage planner and stage control.
 
+* :mod:`meshnode.mesh.planner` -- pure: which nodes run which layer ranges (``plan()``).
+* :mod:`meshnode.mesh.stage_control` -- sans-IO: the Claim -> Prepare -> Inventory ->
+  Load -> Ready negotiation (``CoordinatorControl``, ``StageServerControl``).
+
+Submodules are imported explicitly (``from meshnode.mesh.planner import plan``); this
+package imports nothing eagerly so that ``meshnode.mesh.fabric`` (aioquic) stays optional.
+"""

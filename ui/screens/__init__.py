@@ -1,1 +1,1 @@
-
+"""The TUI's screens, one module each; ``base.NodeScreen`` is their common base."""

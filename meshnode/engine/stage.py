@@ -1,0 +1,382 @@
+"""One loaded layer range (a *slice*, or a whole model) on llama.cpp.
+
+Theory of operation
+-------------------
+A slice GGUF holds blocks [a, b) of a model renumbered from 0 (see meshnode.models.slicer).
+The first stage feeds token ids; later stages feed the previous stage's hidden states
+through ``batch.embd``. A non-final stage reads the residual stream after its last layer
+(``l_out-{n_layer-1}``) with a :class:`~meshnode.engine.ggml.LayerTap` and stops the graph
+there; a final stage returns logits, computed only for the rows that will be sampled.
+Chaining slices this way is bit-identical to the whole model (DESIGN.md §3) provided:
+
+* every row of a non-final stage is marked as an output (llama.cpp prunes the last
+  layer to output rows otherwise, and an unmarked row never reaches ``l_out``);
+* ``n_ubatch == n_batch`` (the tap fires once per ubatch);
+* ``kv_unified`` is on, so rows of several sessions come back in batch order;
+* every participant uses the same batch schedule (verify windows <= 32).
+
+Sessions are caller-chosen integers mapped onto llama.cpp sequence ids. Positions are
+explicit; the engine tracks each session's next position and refuses gaps, so a caller
+must :meth:`rollback` before re-decoding rejected positions.
+
+Every method blocks (llama_decode): call them from one worker thread
+(:class:`meshnode.engine.worker.EngineWorker`), never from the event loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import llama_cpp
+
+from .errors import (
+    ContextOverflowError,
+    DecodeError,
+    EngineBusyError,
+    EngineInputError,
+    ModelLoadError,
+)
+from .ggml import LayerTap
+from .llama_log import install_log_bridge
+
+log = logging.getLogger(__name__)
+
+MAX_VERIFY_WINDOW = 32  # batch invariance holds up to 32 rows on CPU (DESIGN.md §3)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Rows of one session to run in one engine call.
+
+    Exactly one of ``tokens`` (int32, shape (n,)) or ``hidden`` (float32, shape
+    (n, n_embd)) is set. ``n_logits``: on a final stage, how many trailing rows to return
+    logits for (0 = none, e.g. a prefill chunk that is not the last).
+    """
+
+    session: int
+    pos: int
+    tokens: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    n_logits: int = 0
+
+    @property
+    def n_rows(self) -> int:
+        data = self.tokens if self.tokens is not None else self.hidden
+        return 0 if data is None else int(data.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """How to load a stage. ``takes_tokens``: slice holds the token embedding (first
+    stage or whole model). ``has_head``: slice ends with norm + lm_head (final stage or
+    whole model)."""
+
+    path: Path
+    takes_tokens: bool = True
+    has_head: bool = True
+    n_ctx: int = 2048          # per session
+    n_batch: int = 256         # rows per llama_decode (also n_ubatch)
+    n_seq_max: int = 4         # concurrent sessions
+    n_threads: int | None = None
+    gpu_layers: int = 0
+    taps: tuple[int, ...] = ()  # extra layers to capture (certification)
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+class StageEngine:
+    """A loaded slice with its own llama.cpp context. Use as a context manager or close()."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        install_log_bridge()
+        self.spec = spec
+        self._model = None
+        self._ctx = None
+        path = Path(spec.path)
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {path}")
+        if spec.n_batch < 1 or spec.n_ctx < 1 or spec.n_seq_max < 1:
+            raise EngineInputError("n_batch, n_ctx and n_seq_max must be positive")
+
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = spec.gpu_layers
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {path} (not a valid GGUF model?)")
+        self._model = model
+        if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+            self.close()
+            raise ModelLoadError(f"{path.name}: recurrent/hybrid models cannot roll back KV; not supported")
+
+        self.n_embd = int(llama_cpp.llama_model_n_embd(model))
+        self.n_layer = int(llama_cpp.llama_model_n_layer(model))
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)))
+        self.takes_tokens = spec.takes_tokens
+        self.has_head = spec.has_head
+        self.n_batch = spec.n_batch
+        self.n_ctx = spec.n_ctx
+
+        stop = None if spec.has_head else self.n_layer - 1
+        self._tap = LayerTap(self.n_embd, stop, spec.taps) if (stop is not None or spec.taps) else None
+        if self._tap is not None:
+            for il in self._tap.bytes_written:
+                self._tap.buffers[il] = np.empty((spec.n_batch, self.n_embd), dtype=np.float32)
+
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = spec.n_ctx * spec.n_seq_max
+        cparams.n_batch = spec.n_batch
+        cparams.n_ubatch = spec.n_batch
+        cparams.n_seq_max = spec.n_seq_max
+        threads = spec.n_threads or default_threads()
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.kv_unified = True
+        cparams.swa_full = True   # exact rollback inside sliding-window layers
+        cparams.no_perf = True
+        if self._tap is not None:
+            cparams.cb_eval = self._tap.c_callback
+            cparams.cb_eval_user_data = None
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            self.close()
+            raise ModelLoadError(f"llama.cpp could not create a context for {path.name} "
+                                 f"(n_ctx={cparams.n_ctx}; out of memory?)")
+        self._ctx = ctx
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        self._alloc_batch()
+        self._seq_of: dict[int, int] = {}     # session -> llama seq id
+        self._free_seqs = list(range(spec.n_seq_max - 1, -1, -1))
+        self._next_pos: dict[int, int] = {}   # session -> next position expected
+
+    # ---- batch buffers (owned by numpy, referenced by one llama_batch struct) ----------
+
+    def _alloc_batch(self) -> None:
+        n = self.n_batch
+        self._tok = np.zeros(n, dtype=np.int32)
+        self._embd = np.zeros((n, self.n_embd), dtype=np.float32) if not self.takes_tokens else None
+        self._pos = np.zeros(n, dtype=np.int32)
+        self._n_seq_id = np.ones(n, dtype=np.int32)
+        self._seq_store = np.zeros(n, dtype=np.int32)
+        self._out_flags = np.zeros(n, dtype=np.int8)
+        ptr_t = ctypes.POINTER(llama_cpp.llama_seq_id)
+        self._seq_ptrs = (ptr_t * n)(*[
+            ctypes.cast(self._seq_store.ctypes.data + 4 * i, ptr_t) for i in range(n)
+        ])
+        b = llama_cpp.llama_batch()
+        if self.takes_tokens:
+            b.token = self._tok.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token))
+        else:
+            b.embd = self._embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        b.pos = self._pos.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_pos))
+        b.n_seq_id = self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ptr_t))
+        b.logits = self._out_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = b
+
+    # ---- sessions -----------------------------------------------------------------------
+
+    def _seq(self, session: int) -> int:
+        seq = self._seq_of.get(session)
+        if seq is None:
+            if not self._free_seqs:
+                raise EngineBusyError(f"all {self.spec.n_seq_max} session slots are in use")
+            seq = self._free_seqs.pop()
+            self._seq_of[session] = seq
+            self._next_pos[session] = 0
+        return seq
+
+    def sessions(self) -> list[int]:
+        return list(self._seq_of)
+
+    def next_pos(self, session: int) -> int:
+        return self._next_pos.get(session, 0)
+
+    def rollback(self, session: int, pos: int) -> None:
+        """Forget positions >= ``pos`` of ``session`` (rejected draft tokens)."""
+        seq = self._seq_of.get(session)
+        if seq is None:
+            return
+        if pos < 0:
+            raise EngineInputError(f"rollback position must be >= 0, got {pos}")
+        if pos >= self._next_pos[session]:
+            return
+        if not llama_cpp.llama_memory_seq_rm(self._mem, seq, pos, -1):
+            raise DecodeError(f"llama.cpp refused to roll session {session} back to {pos}")
+        self._next_pos[session] = pos
+
+    def drop(self, session: int) -> None:
+        """Free a session's KV cells and its sequence slot."""
+        seq = self._seq_of.pop(session, None)
+        self._next_pos.pop(session, None)
+        if seq is not None:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._free_seqs.append(seq)
+
+    # ---- compute ------------------------------------------------------------------------
+
+    def _check(self, segs: Sequence[Segment]) -> int:
+        total = 0
+        seen: set[int] = set()
+        for s in segs:
+            if s.session in seen:
+                raise EngineInputError(f"session {s.session} appears twice in one batch")
+            seen.add(s.session)
+            if self.takes_tokens:
+                if s.tokens is None or s.hidden is not None:
+                    raise EngineInputError("this stage takes token ids, not hidden states")
+                if s.tokens.ndim != 1:
+                    raise EngineInputError(f"tokens must be 1-D, got shape {s.tokens.shape}")
+                if s.tokens.size and (int(s.tokens.min()) < 0 or int(s.tokens.max()) >= self.n_vocab):
+                    raise EngineInputError(f"token id out of range [0, {self.n_vocab})")
+            else:
+                h = s.hidden
+                if h is None or s.tokens is not None:
+                    raise EngineInputError("this stage takes hidden states, not token ids")
+                if h.ndim != 2 or h.shape[1] != self.n_embd:
+                    raise EngineInputError(
+                        f"hidden states must have shape (n, {self.n_embd}), got {h.shape}")
+                if h.dtype != np.float32:
+                    raise EngineInputError(f"hidden states must be float32, got {h.dtype}")
+            n = s.n_rows
+            if n == 0:
+                raise EngineInputError("empty segment")
+            if not 0 <= s.n_logits <= n:
+                raise EngineInputError(f"n_logits={s.n_logits} outside [0, {n}]")
+            expected = self._next_pos.get(s.session, 0)
+            if s.pos != expected:
+                raise EngineInputError(
+                    f"session {s.session}: position {s.pos} given, {expected} expected "
+                    "(roll back before re-decoding)")
+            if s.pos + n > self.n_ctx:
+                raise ContextOverflowError(s.pos + n, self.n_ctx)
+            total += n
+        if total > self.n_batch:
+            raise EngineInputError(f"{total} rows in one call; this engine takes at most {self.n_batch}")
+        return total
+
+    def forward(self, segs: Sequence[Segment], *, rewind: bool = False) -> list[np.ndarray]:
+        """Run one llama_decode over the rows of several sessions.
+
+        ``rewind``: a segment whose ``pos`` lies before its session's next position first
+        rolls the session back to ``pos`` (how pipeline stages drop rejected draft rows
+        without a separate trim message: the next window simply starts earlier).
+
+        Returns, per segment: on a non-final stage the float32 hidden states
+        ``(n_rows, n_embd)`` after this slice's last layer; on a final stage the float32
+        logits ``(n_logits, n_vocab)`` of its last ``n_logits`` rows.
+        Raises EngineInputError / ContextOverflowError / EngineBusyError (nothing was
+        changed) or DecodeError.
+        """
+        if rewind:
+            for s in segs:
+                if s.session in self._next_pos and s.pos < self._next_pos[s.session]:
+                    self.rollback(s.session, s.pos)
+        total = self._check(segs)
+        row = 0
+        seqs = [self._seq(s.session) for s in segs]
+        for s, seq in zip(segs, seqs):
+            n = s.n_rows
+            if self.takes_tokens:
+                self._tok[row:row + n] = s.tokens
+            else:
+                self._embd[row:row + n] = s.hidden
+            self._pos[row:row + n] = np.arange(s.pos, s.pos + n, dtype=np.int32)
+            self._seq_store[row:row + n] = seq
+            if self.has_head:
+                self._out_flags[row:row + n] = 0
+                self._out_flags[row + n - s.n_logits:row + n] = 1
+            else:
+                self._out_flags[row:row + n] = 1
+            row += n
+        self._batch.n_tokens = total
+        if self._tap is not None:
+            self._tap.reset()
+        rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        if rc == 1:
+            raise EngineBusyError("no KV cache slot for this batch (too many long sessions)")
+        if rc != 0:
+            raise DecodeError(f"llama_decode failed with code {rc}")
+        for s in segs:
+            self._next_pos[s.session] = s.pos + s.n_rows
+        return self._outputs(segs, total)
+
+    def _outputs(self, segs: Sequence[Segment], total: int) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        if not self.has_head:
+            assert self._tap is not None and self._tap.stop_layer is not None
+            il = self._tap.stop_layer
+            got = self._tap.bytes_written[il] // (4 * self.n_embd)
+            if got != total:
+                raise DecodeError(f"captured {got} rows of layer {il}, expected {total}")
+            buf = self._tap.buffers[il]
+            row = 0
+            for s in segs:
+                out.append(buf[row:row + s.n_rows].copy())
+                row += s.n_rows
+            return out
+        row = 0
+        for s in segs:
+            n = s.n_rows
+            logits = np.empty((s.n_logits, self.n_vocab), dtype=np.float32)
+            for j, i in enumerate(range(row + n - s.n_logits, row + n)):
+                ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
+                ctypes.memmove(logits[j].ctypes.data, ptr, 4 * self.n_vocab)
+            out.append(logits)
+            row += n
+        return out
+
+    def tapped(self, layer: int, rows: int) -> np.ndarray:
+        """Rows captured at ``l_out-{layer}`` by the last forward (certification)."""
+        if self._tap is None or layer not in self._tap.buffers:
+            raise EngineInputError(f"layer {layer} is not tapped")
+        return self._tap.buffers[layer][:rows].copy()
+
+    # ---- convenience for single sessions ------------------------------------------------
+
+    def run_session(self, session: int, pos: int, data: np.ndarray, n_logits: int = 1) -> np.ndarray:
+        """Feed ``data`` (tokens or hidden rows) in chunks of n_batch; output of all chunks
+        concatenated (hidden) or the last ``n_logits`` logits rows (final stage)."""
+        outs = []
+        n = data.shape[0]
+        for start in range(0, n, self.n_batch):
+            chunk = data[start:start + self.n_batch]
+            last = start + self.n_batch >= n
+            seg = Segment(session, pos + start,
+                          tokens=chunk if self.takes_tokens else None,
+                          hidden=None if self.takes_tokens else chunk,
+                          n_logits=min(n_logits, chunk.shape[0]) if last else 0)
+            outs.append(self.forward([seg])[0])
+        if self.has_head:
+            return outs[-1]
+        return np.concatenate(outs, axis=0)
+
+    # ---- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "StageEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort; close() is the contract
+        try:
+            self.close()
+        except Exception:
+            pass

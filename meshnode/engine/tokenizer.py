@@ -1,0 +1,71 @@
+"""Tokenizer and chat template of a model, without loading its weights.
+
+Stage 0 needs text <-> tokens and the model's chat template; it reads them from the
+source GGUF with a vocab-only llama.cpp model (milliseconds, a few MB).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llama_cpp
+from llama_cpp import llama_chat_format
+
+from .errors import ModelLoadError
+from .llama_log import install_log_bridge
+
+# Used when a GGUF carries no chat template (ChatML is what small instruct models expect).
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class Tokenizer:
+    def __init__(self, path: Path) -> None:
+        install_log_bridge()
+        try:
+            self._llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        except (ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"cannot read the tokenizer of {path}: {exc}") from None
+        meta = self._llm.metadata
+        self.eos_id = int(self._llm.token_eos())
+        self.bos_id = int(self._llm.token_bos())
+        self.n_vocab = int(self._llm.n_vocab())
+        template = meta.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
+        eos = self._piece(self.eos_id)
+        bos = self._piece(self.bos_id) if self.bos_id >= 0 else ""
+        self._chat = llama_chat_format.Jinja2ChatFormatter(
+            template=template, eos_token=eos, bos_token=bos, stop_token_ids=[self.eos_id])
+        self.eog_ids = {i for i in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab(), i)} \
+            if self.n_vocab <= 300_000 else {self.eos_id}
+
+    def _vocab(self):
+        return llama_cpp.llama_model_get_vocab(self._llm.model)
+
+    def _piece(self, token: int) -> str:
+        return self._llm.detokenize([token], special=True).decode("utf-8", "replace")
+
+    def encode(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+
+    def decode_bytes(self, tokens: list[int]) -> bytes:
+        """Bytes of ``tokens`` (a token may end mid UTF-8 character: join bytes, then decode)."""
+        return self._llm.detokenize(tokens)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.decode_bytes(tokens).decode("utf-8", "replace")
+
+    def apply_chat_template(self, messages: list[dict]) -> tuple[list[int], list[str]]:
+        """Prompt tokens for ``messages`` and the template's extra stop strings."""
+        result = self._chat(messages=messages)
+        prompt = result.prompt
+        # The template already writes BOS when the model wants it; don't add a second.
+        add_bos = not (self.bos_id >= 0 and prompt.startswith(self._piece(self.bos_id)))
+        tokens = self.encode(prompt, add_bos=add_bos, special=True)
+        stops = result.stop if isinstance(result.stop, list) else ([result.stop] if result.stop else [])
+        return tokens, [s for s in stops if s]
+
+    def close(self) -> None:
+        self._llm.close()

@@ -1,0 +1,410 @@
+"""The node's mesh fabric: discovery + authenticated QUIC links + message routing.
+
+Theory of operation: the fabric advertises this node over mDNS
+(:mod:`meshnode.net.discovery`), runs a QUIC server, and dials peers of the same mesh
+(:mod:`meshnode.net.link`). A peer is *a member* only while an authenticated link to
+it is up; mDNS records are hints (a killed process leaves its record in caches).
+
+One connection per peer pair: for a discovered peer, the node with the lower node id
+dials at once, the other only after a grace period (asymmetric discovery). When two
+authenticated links to the same peer exist anyway, both ends keep the one dialled by
+the lower node id and close the other; that rule needs no coordination.
+
+Requests: :meth:`MeshFabric.request` gives the message a fresh ``ref`` when it has
+``ref == 0`` and resolves with the first message from that peer carrying the same ref
+(on any stream). Everything else goes to the ``on_message`` callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from meshnode import PROTOCOL_VERSION
+from meshnode.errors import MeshnodeError
+from meshnode.net import caps as capsmod
+from meshnode.net.auth import AuthHandshake
+from meshnode.net.discovery import DiscoveredPeer, Discovery
+from meshnode.net.identity import Identity
+from meshnode.net.link import LinkSettings, PeerLink, quic_configuration
+from meshnode.net.secret import SecretStore, mesh_id
+from meshnode.paths import NodePaths
+from meshnode.state import PeerInfo
+from meshnode.wire import Error, Hello
+
+log = logging.getLogger(__name__)
+
+MessageCallback = Callable[[str, Any], "Awaitable[None] | None"]
+PeerChangeCallback = Callable[[str, "PeerInfo | None", str], "Awaitable[None] | None"]
+
+DIAL_GRACE_S = 1.0      # the higher node id waits this long for the lower one to dial
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 5.0
+
+
+class PeerUnavailableError(MeshnodeError):
+    """No authenticated link to that peer."""
+
+
+class PeerReplyError(MeshnodeError):
+    """The peer answered a request with ``Error``; ``.error`` holds it."""
+
+    def __init__(self, error: Error) -> None:
+        super().__init__(f"peer error {error.code.name}: {error.message}")
+        self.error = error
+
+
+class MeshFabric:
+    """Peers, links and messages of one node. See the module docstring.
+
+    ``identity``/``secret`` default to the ones stored under ``paths`` (created on first
+    use). ``port`` is the UDP port of the QUIC server (0 = any). ``interfaces``: IPv4
+    addresses for mDNS (None = all). ``static_peers``: ``"host:port"`` endpoints to dial
+    without discovery. ``discovery=False`` turns mDNS off (benchmarks, static setups).
+    """
+
+    def __init__(
+        self,
+        paths: NodePaths,
+        identity: Identity | None = None,
+        secret: bytes | None = None,
+        port: int = 0,
+        interfaces: list[str] | None = None,
+        *,
+        name: str | None = None,
+        capabilities: dict[str, Any] | None = None,
+        static_peers: list[str] | tuple[str, ...] = (),
+        discovery: bool = True,
+        settings: LinkSettings | None = None,
+        bind_host: str = "0.0.0.0",
+    ) -> None:
+        self.paths = paths
+        self.identity = identity or Identity.load_or_create(paths.identity)
+        self.secret = secret if secret is not None else SecretStore(paths).load_or_create()
+        self.mesh_id = mesh_id(self.secret)
+        self.node_id = self.identity.node_id
+        self.name = name or socket.gethostname()
+        self.settings = settings or LinkSettings()
+        self._port = port
+        self._bind_host = bind_host
+        self._interfaces = interfaces
+        self._caps: dict[str, Any] = capabilities if capabilities is not None else capsmod.to_dict(capsmod.local_capabilities())
+        self._static = [_parse_hostport(p) for p in static_peers]
+        self._static_ids: dict[str, str] = {}  # "host:port" -> node id seen there
+        self._use_discovery = discovery
+        self._discovery: Discovery | None = None
+        self._server: Any = None
+        self._links: dict[str, PeerLink] = {}        # node id -> the authenticated link in use
+        self._all_links: set[PeerLink] = set()
+        self._discovered: dict[str, DiscoveredPeer] = {}
+        self._dialing: dict[str, asyncio.Task] = {}  # node id or "host:port" -> dial task
+        self._pending: dict[tuple[str, int], asyncio.Future] = {}
+        self._msg_cbs: list[MessageCallback] = []
+        self._peer_cbs: list[PeerChangeCallback] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._running = False
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The bound QUIC (UDP) port, valid after :meth:`start`."""
+        return self._port
+
+    async def start(self) -> None:
+        """Start the QUIC server, advertise over mDNS, dial static peers."""
+        from aioquic.asyncio import serve
+
+        self._running = True
+        self._server = await serve(
+            self._bind_host,
+            self._port,
+            configuration=quic_configuration(self.identity, is_client=False, settings=self.settings),
+            create_protocol=lambda quic, **kw: PeerLink(quic, owner=self, is_client=False, **kw),
+        )
+        self._port = self._server._transport.get_extra_info("sockname")[1]
+        log.info("node %s (%s) in mesh %s: QUIC on port %d", self.node_id, self.name, self.mesh_id, self._port)
+        if self._use_discovery:
+            self._discovery = Discovery(
+                node_id=self.node_id, mesh_id=self.mesh_id, name=self.name, port=self._port,
+                protocol=PROTOCOL_VERSION, capabilities=self._caps, interfaces=self._interfaces,
+                on_found=self._on_found, on_lost=self._on_lost,
+            )
+            await self._discovery.start()
+        for host, port in self._static:
+            self._ensure_dial(f"{host}:{port}", host, port, delay=0.0, persistent=True)
+
+    async def stop(self) -> None:
+        """Withdraw the mDNS record, close every link and the server (idempotent)."""
+        if not self._running:
+            return
+        self._running = False
+        if self._discovery is not None:
+            await self._discovery.stop()
+        for t in list(self._dialing.values()) + list(self._tasks):
+            t.cancel()
+        for link in list(self._all_links):
+            if link.closed_reason is None:
+                link.close_with("node stopping")
+        await asyncio.sleep(0.05)  # let CONNECTION_CLOSE frames leave
+        if self._server is not None:
+            self._server.close()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(PeerUnavailableError("fabric stopped"))
+
+    # ---- public API ------------------------------------------------------------
+
+    def peers(self) -> list[PeerInfo]:
+        """Peers with an authenticated link, sorted by name."""
+        out = []
+        for node_id, link in self._links.items():
+            peer = link.auth.peer if link.auth else None
+            disc = self._discovered.get(node_id)
+            caps = capsmod.from_dict(disc.capabilities if disc else (peer.capabilities if peer else None))
+            out.append(PeerInfo(
+                node_id=node_id,
+                name=peer.name if peer else "",
+                address=link.address,
+                rtt_ms=round(link.rtt_ms, 3) if link.rtt_ms is not None else None,
+                authenticated=link.authenticated,
+                capabilities=caps,
+                bytes_per_s_in=link.rx.rate,
+                bytes_per_s_out=link.tx.rate,
+            ))
+        return sorted(out, key=lambda p: (p.name, p.node_id))
+
+    def on_message(self, callback: MessageCallback) -> None:
+        """Call ``callback(node_id, msg)`` (sync or async) for each received message
+        that is not a reply to one of our requests (control and data streams)."""
+        self._msg_cbs.append(callback)
+
+    def on_peer_change(self, callback: PeerChangeCallback) -> None:
+        """Call ``callback(node_id, peer_info_or_None, reason)`` when a peer joins
+        (PeerInfo) or leaves (None, with a reason)."""
+        self._peer_cbs.append(callback)
+
+    def next_ref(self, node_id: str) -> int:
+        return self._link(node_id).next_ref()
+
+    async def send(self, node_id: str, msg: Any) -> None:
+        """Queue ``msg`` on the control stream to ``node_id``.
+
+        Raises :class:`PeerUnavailableError` when there is no authenticated link."""
+        link = self._link(node_id)
+        try:
+            link.send(msg)
+        except ConnectionError as exc:
+            raise PeerUnavailableError(f"peer {node_id}: {exc}") from exc
+
+    async def send_data(self, node_id: str, msg: Any, stream_key: Any) -> None:
+        """Queue ``msg`` on the data stream ``stream_key`` to ``node_id`` (one QUIC
+        stream per (peer, key): ordered within a key, independent of control)."""
+        link = self._link(node_id)
+        try:
+            link.send_data(msg, stream_key)
+        except ConnectionError as exc:
+            raise PeerUnavailableError(f"peer {node_id}: {exc}") from exc
+
+    def close_data_stream(self, node_id: str, stream_key: Any) -> None:
+        link = self._links.get(node_id)
+        if link is not None:
+            link.close_data_stream(stream_key)
+
+    async def request(self, node_id: str, msg: Any, timeout: float = 5.0, *, data_stream: Any = None) -> Any:
+        """Send ``msg`` and wait for the reply with the same ref.
+
+        A ``msg.ref`` of 0 is replaced by a fresh ref. Returns the reply message; raises
+        :class:`PeerReplyError` when the reply is ``Error``, ``asyncio.TimeoutError``
+        after ``timeout`` s and :class:`PeerUnavailableError` when the link is (or goes)
+        down. ``data_stream``: send on that data stream instead of control.
+        """
+        link = self._link(node_id)
+        if msg.ref == 0:
+            msg = dataclasses.replace(msg, ref=link.next_ref())
+        key = (node_id, msg.ref)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[key] = fut
+        try:
+            if data_stream is None:
+                await self.send(node_id, msg)
+            else:
+                await self.send_data(node_id, msg, data_stream)
+            reply = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pending.pop(key, None)
+        if isinstance(reply, Error):
+            raise PeerReplyError(reply)
+        return reply
+
+    async def set_capabilities(self, capabilities: dict[str, Any] | Any) -> None:
+        """Replace this node's capability summary and re-announce the mDNS record.
+        Accepts the dict form (:mod:`meshnode.net.caps`) or a ``Capabilities``."""
+        if not isinstance(capabilities, dict):
+            capabilities = capsmod.to_dict(capabilities)
+        self._caps = capabilities
+        if self._discovery is not None:
+            await self._discovery.update(capabilities)
+
+    @property
+    def capabilities(self) -> dict[str, Any]:
+        return dict(self._caps)
+
+    # ---- LinkOwner callbacks -------------------------------------------------------
+
+    def make_hello(self) -> Hello:
+        return Hello(
+            ref=0, node_id=self.node_id, name=self.name, mesh_id=self.mesh_id,
+            protocol=PROTOCOL_VERSION, capabilities={**self._caps, "quic_port": self._port},
+        )
+
+    def make_auth(self, link: PeerLink, **kwargs: Any) -> AuthHandshake:
+        return AuthHandshake(secret=self.secret, hello=self.make_hello(), protocol=PROTOCOL_VERSION, **kwargs)
+
+    def link_created(self, link: PeerLink) -> None:
+        self._all_links.add(link)
+
+    def link_authenticated(self, link: PeerLink) -> None:
+        node_id = link.peer_node_id
+        assert node_id is not None
+        old = self._links.get(node_id)
+        if old is not None and old is not link and old.closed_reason is None:
+            # Duplicate: keep the link dialled by the lower node id.
+            keep_new = link.is_client == (self.node_id < node_id)
+            loser = old if keep_new else link
+            if not keep_new:
+                log.debug("duplicate link to %s: keeping the existing one", node_id)
+                loser.close_with("duplicate connection")
+                return
+            log.debug("duplicate link to %s: replacing the existing one", node_id)
+            self._links[node_id] = link
+            old.close_with("duplicate connection")
+            return
+        self._links[node_id] = link
+        info = next((p for p in self.peers() if p.node_id == node_id), None)
+        log.info("peer %s (%s) at %s authenticated", node_id, info.name if info else "?", link.address)
+        self._emit_peer(node_id, info, "authenticated")
+
+    def link_message(self, link: PeerLink, msg: Any) -> None:
+        node_id = link.peer_node_id or ""
+        fut = self._pending.get((node_id, msg.ref)) if msg.ref else None
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+            return
+        for cb in self._msg_cbs:
+            self._call(cb, node_id, msg)
+
+    def link_closed(self, link: PeerLink, reason: str) -> None:
+        self._all_links.discard(link)
+        node_id = link.peer_node_id
+        if node_id is None or self._links.get(node_id) is not link:
+            return
+        del self._links[node_id]
+        log.info("peer %s lost: %s", node_id, reason)
+        for key, fut in list(self._pending.items()):
+            if key[0] == node_id and not fut.done():
+                fut.set_exception(PeerUnavailableError(f"peer {node_id} lost: {reason}"))
+        self._emit_peer(node_id, None, reason)
+        disc = self._discovered.get(node_id)
+        if self._running and disc is not None and reason != "node stopping":
+            self._ensure_dial(node_id, disc.addresses[0], disc.port, delay=RETRY_MIN_S)
+
+    # ---- discovery and dialing ---------------------------------------------------------
+
+    def _on_found(self, peer: DiscoveredPeer) -> None:
+        self._discovered[peer.node_id] = peer
+        if peer.node_id in self._links:
+            return
+        delay = 0.0 if self.node_id < peer.node_id else DIAL_GRACE_S
+        self._ensure_dial(peer.node_id, peer.addresses[0], peer.port, delay=delay)
+
+    def _on_lost(self, node_id: str) -> None:
+        self._discovered.pop(node_id, None)
+        task = self._dialing.pop(node_id, None)
+        if task is not None:
+            task.cancel()
+
+    def _ensure_dial(self, key: str, host: str, port: int, *, delay: float, persistent: bool = False) -> None:
+        if not self._running or (key in self._dialing and not self._dialing[key].done()):
+            return
+        task = asyncio.get_running_loop().create_task(self._dial_loop(key, host, port, delay, persistent))
+        self._dialing[key] = task
+
+    async def _dial_loop(self, key: str, host: str, port: int, delay: float, persistent: bool) -> None:
+        backoff = RETRY_MIN_S
+        await asyncio.sleep(delay)
+        while self._running:
+            if not persistent and (key in self._links or key not in self._discovered):
+                return
+            if not persistent:
+                disc = self._discovered[key]
+                host, port = disc.addresses[0], disc.port
+            elif self._static_ids.get(key) in self._links:
+                await asyncio.sleep(RETRY_MIN_S)  # already linked (the peer dialled us)
+                continue
+            reason = await self._dial_once(host, port, static_key=key if persistent else None)
+            if not persistent and key in self._links:
+                return
+            log.debug("dial %s:%d ended: %s; retrying in %.1f s", host, port, reason, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RETRY_MAX_S)
+
+    async def _dial_once(self, host: str, port: int, static_key: str | None = None) -> str:
+        """Dial, and hold the connection until it closes; returns why it ended."""
+        from aioquic.asyncio import connect
+
+        cfg = quic_configuration(self.identity, is_client=True, settings=self.settings)
+        try:
+            async with connect(
+                host, port, configuration=cfg, wait_connected=True,
+                create_protocol=lambda quic, **kw: PeerLink(
+                    quic, owner=self, is_client=True, dial_address=(host, port), **kw),
+            ) as link:
+                assert isinstance(link, PeerLink)
+                if static_key is not None and link.peer_node_id:
+                    self._static_ids[static_key] = link.peer_node_id
+                await link.wait_closed()
+                return link.closed_reason or "closed"
+        except (ConnectionError, OSError) as exc:
+            return f"connect failed: {exc or type(exc).__name__}"
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _link(self, node_id: str) -> PeerLink:
+        link = self._links.get(node_id)
+        if link is None or not link.authenticated:
+            raise PeerUnavailableError(f"no authenticated link to peer {node_id}")
+        return link
+
+    def _emit_peer(self, node_id: str, info: PeerInfo | None, reason: str) -> None:
+        for cb in self._peer_cbs:
+            self._call(cb, node_id, info, reason)
+
+    def _call(self, cb: Callable[..., Any], *args: Any) -> None:
+        try:
+            res = cb(*args)
+        except Exception:
+            log.exception("callback %r failed", cb)
+            return
+        if inspect.isawaitable(res):
+            task = asyncio.ensure_future(res)
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("callback failed", exc_info=task.exception())
+
+
+def _parse_hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise MeshnodeError(f"bad peer address {text!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+

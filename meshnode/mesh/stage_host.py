@@ -1,0 +1,121 @@
+"""The data plane of a stage served for another node's model (stages 1..n-1).
+
+Frames arrive in order on one stream from the upstream stage. Each ``Forward`` runs
+through this stage's slice in one engine call (all its sessions' rows together). A
+middle stage forwards the hidden states downstream; the final stage samples or verifies
+and sends ``TokenReturn`` straight to the coordinator (stage 0), not hop by hop.
+A failure answers ``DataError`` to the coordinator; it never takes the node down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshnode import wire
+from meshnode.engine import EngineError, Segment
+from meshnode.engine.worker import EngineWorker
+from meshnode.serve.final import FinalSampler, Sampling
+
+log = logging.getLogger(__name__)
+
+DATA_STREAM = "data"
+
+
+@dataclass(frozen=True, slots=True)
+class StageRoute:
+    coordinator: str
+    downstream: str | None       # None: this is the final stage
+    wire_dtype: str = "f32"
+
+
+class StageHost:
+    def __init__(self, fabric, worker: EngineWorker, route: StageRoute) -> None:
+        self.fabric = fabric
+        self.worker = worker
+        self.route = route
+        self.is_last = route.downstream is None
+        self.sampler = FinalSampler()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._serve(), name="stage-host")
+        self._out_dtype = np.float16 if route.wire_dtype == "f16" else np.float32
+        self.batches = 0
+
+    def accept(self, peer: str, msg: object) -> bool:
+        """Queue a data-plane message; False if it is not one."""
+        if isinstance(msg, (wire.Forward, wire.Trim, wire.SessionEnd)):
+            self._queue.put_nowait(msg)
+            return True
+        return False
+
+    async def close(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        await self.worker.close()
+
+    async def _serve(self) -> None:
+        while True:
+            msg = await self._queue.get()
+            try:
+                match msg:
+                    case wire.Forward():
+                        await self._forward(msg)
+                    case wire.Trim(session=session, pos=pos):
+                        await self.worker.rollback(session, pos)
+                    case wire.SessionEnd(session=session):
+                        self.sampler.forget(session)
+                        await self.worker.drop(session)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bad batch must not stop the stage
+                log.warning("stage failed on %s: %s", type(msg).__name__, exc,
+                            exc_info=not isinstance(exc, EngineError))
+                if isinstance(msg, wire.Forward):
+                    await self._send(self.route.coordinator, wire.DataError(
+                        ref=0, batch_id=msg.batch_id,
+                        session=msg.segments[0].session if msg.segments else 0,
+                        code=wire.ErrorCode.ENGINE_ERROR, message=str(exc)))
+
+    def _compute(self, msg: wire.Forward):
+        act = np.asarray(msg.act, dtype=np.float32)
+        segs, row = [], 0
+        for s in msg.segments:
+            segs.append(Segment(s.session, s.pos, hidden=act[row:row + s.n_rows],
+                                n_logits=s.n_logits if self.is_last else 0))
+            row += s.n_rows
+        outs = self.worker.engine.forward(segs, rewind=True)
+        if not self.is_last:
+            out = np.concatenate(outs, axis=0)
+            return out if out.dtype == self._out_dtype else out.astype(self._out_dtype)
+        results = []
+        for s, logits in zip(msg.segments, outs):
+            if s.n_logits:
+                fin = self.sampler.finalize(s.session, logits, tuple(s.drafts),
+                                            Sampling(s.temperature, s.top_k, s.top_p, s.seed))
+                results.append(wire.SegmentResult(session=s.session, tokens=fin.tokens,
+                                                  n_accepted=fin.n_accepted, n_drafted=fin.n_drafted))
+        return results
+
+    async def _forward(self, msg: wire.Forward) -> None:
+        out = await self.worker.call(self._compute, msg)
+        self.batches += 1
+        if not self.is_last:
+            await self._send(self.route.downstream, wire.Forward(
+                ref=0, batch_id=msg.batch_id, step=msg.step, segments=msg.segments, act=out))
+        elif out:
+            await self._send(self.route.coordinator,
+                             wire.TokenReturn(ref=0, batch_id=msg.batch_id, results=tuple(out)))
+
+    async def _send(self, node: str | None, msg: object) -> None:
+        if node is None:
+            return
+        try:
+            await self.fabric.send_data(node, msg, DATA_STREAM)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("cannot send %s to %s: %s", type(msg).__name__, node, exc)

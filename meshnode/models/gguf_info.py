@@ -1,0 +1,250 @@
+"""GGUF metadata: what a model file is, read without loading its weights.
+
+:func:`open_gguf` wraps :class:`gguf.GGUFReader` (which memory-maps the file, so nothing
+is read until touched) and turns every way a file can be wrong into a
+:class:`~meshnode.models.errors.ModelFileError` naming the file: missing, empty, not GGUF
+(bad magic), an unsupported GGUF version, or truncated (header or tensor data running past
+the end of the file). :func:`read_model_info` then summarises the file as a frozen
+:class:`GGUFInfo`: architecture, block count, widths, vocabulary, chat template and the
+tensor list grouped by block.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, LlamaFileType
+
+from meshnode.models.errors import ModelFileError
+
+GGUF_MAGIC = b"GGUF"
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+
+__all__ = [
+    "GGUFInfo",
+    "TensorEntry",
+    "block_index",
+    "field_value",
+    "open_gguf",
+    "read_model_info",
+    "require_field",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of a GGUF: name, ggml type name, shape (ggml order: ne0 first), bytes."""
+
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    n_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFInfo:
+    """Summary of one GGUF model file."""
+
+    path: Path
+    architecture: str
+    n_layers: int                     # {arch}.block_count
+    n_embd: int                       # {arch}.embedding_length
+    n_vocab: int                      # {arch}.vocab_size, else len(tokenizer tokens), else token_embd
+    size: int                         # file size in bytes
+    file_type: int | None             # general.file_type (llama_ftype), None when absent
+    chat_template: str | None         # tokenizer.chat_template
+    name: str | None                  # general.name
+    tokenizer_model: str | None       # tokenizer.ggml.model ("gpt2", "llama", "none", ...)
+    blocks: tuple[tuple[TensorEntry, ...], ...]  # blocks[i]: tensors named blk.{i}.*
+    other_tensors: tuple[TensorEntry, ...]       # token_embd, output_norm, output, ...
+
+    @property
+    def file_type_name(self) -> str | None:
+        """``general.file_type`` as a name like ``MOSTLY_Q4_1`` (None when absent/unknown)."""
+        if self.file_type is None:
+            return None
+        try:
+            return LlamaFileType(self.file_type).name
+        except ValueError:
+            return None
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        return frozenset(t.name for blk in self.blocks for t in blk) | frozenset(
+            t.name for t in self.other_tensors
+        )
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """True when there is no ``output.weight``: llama.cpp uses token_embd as the head."""
+        return "output.weight" not in self.tensor_names
+
+    @property
+    def n_tensor_bytes(self) -> int:
+        return sum(t.n_bytes for blk in self.blocks for t in blk) + sum(
+            t.n_bytes for t in self.other_tensors
+        )
+
+
+class _Reader(GGUFReader):
+    """GGUFReader that slices a plain ndarray view of its memmap.
+
+    Parsing a tokenizer of ~50k-260k strings calls ``_get`` a few hundred thousand times;
+    on ``np.memmap`` each slice pays for ``memmap.__array_finalize__`` (5 s for SmolLM2's
+    header). A plain view of the same mapping behaves identically and parses ~5x faster.
+    Tensor data arrays are then plain views of the mapping too (still paged lazily).
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        plain = self.__dict__.get("_plain_data")
+        if plain is None:
+            plain = self.data.view(np.ndarray)
+            self.__dict__["_plain_data"] = plain
+        count = int(count)
+        dt = np.dtype(dtype)
+        arr = plain[offset:offset + dt.itemsize * count].view(dtype=dt)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+def block_index(tensor_name: str) -> int | None:
+    """The block number of ``blk.{i}.*`` tensor names, None for the others."""
+    m = _BLOCK_RE.match(tensor_name)
+    return int(m.group(1)) if m else None
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    """Open ``path`` with :class:`gguf.GGUFReader` (memory-mapped, read-only).
+
+    Raises :class:`ModelFileError` (naming the file) when it is missing, not a regular
+    file, empty, not GGUF, of an unsupported version, or truncated.
+    """
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ModelFileError(f"model file not found: {p}") from None
+    except OSError as exc:
+        raise ModelFileError(f"cannot read model file {p}: {exc.strerror or exc}") from None
+    if not p.is_file():
+        raise ModelFileError(f"not a file: {p}")
+    if st.st_size < 24:  # magic + version + tensor count + kv count
+        raise ModelFileError(f"{p} is not a GGUF file (only {st.st_size} bytes)")
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelFileError(f"cannot read model file {p}: {exc.strerror or exc}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{p} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = _Reader(p, "r")
+    except (ValueError, IndexError, OverflowError, UnicodeDecodeError, KeyError) as exc:
+        # The reader slices a memmap: a file cut short shows up as short reads (reshape
+        # ValueError / IndexError) somewhere in the header or the tensor table.
+        msg = str(exc)
+        if "version" in msg:
+            raise ModelFileError(f"{p}: unsupported GGUF file ({msg})") from None
+        raise ModelFileError(
+            f"{p} is truncated or corrupt (the GGUF reader failed: {msg})"
+        ) from None
+    # The reader does not check that tensor data lies inside the file when the cut falls
+    # exactly in padding; check every tensor's extent explicitly.
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=reader.data_offset)
+    if end > st.st_size:
+        raise ModelFileError(
+            f"{p} is truncated: tensor data needs {end} bytes, the file has {st.st_size}"
+        )
+    return reader
+
+
+def field_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """The decoded value of metadata ``key`` (str, int, float, bool or list), or ``default``."""
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.types) > 2:
+        return default  # nested arrays: not used by anything we read
+    return field.contents()
+
+
+def require_field(reader: GGUFReader, key: str, path: Path, kind: type = int) -> Any:
+    """Like :func:`field_value` but a missing or mistyped key is a :class:`ModelFileError`."""
+    value = field_value(reader, key)
+    if value is None:
+        raise ModelFileError(f"{path}: missing GGUF metadata key '{key}'")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ModelFileError(f"{path}: metadata key '{key}' should be an integer, got {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise ModelFileError(f"{path}: metadata key '{key}' should be a string, got {value!r}")
+    return value
+
+
+def read_model_info(path: str | os.PathLike[str]) -> GGUFInfo:
+    """Read the summary of a GGUF model file.
+
+    Raises :class:`ModelFileError` for unreadable, non-GGUF or truncated files and for a
+    missing ``general.architecture``, ``{arch}.block_count`` or ``{arch}.embedding_length``.
+    """
+    p = Path(path)
+    reader = open_gguf(p)
+    return info_from_reader(reader, p)
+
+
+def info_from_reader(reader: GGUFReader, path: Path) -> GGUFInfo:
+    """:func:`read_model_info` for an already opened reader."""
+    arch = require_field(reader, "general.architecture", path, str)
+    n_layers = require_field(reader, f"{arch}.block_count", path)
+    n_embd = require_field(reader, f"{arch}.embedding_length", path)
+
+    blocks: list[list[TensorEntry]] = [[] for _ in range(n_layers)]
+    others: list[TensorEntry] = []
+    by_name: dict[str, TensorEntry] = {}
+    for t in reader.tensors:
+        entry = TensorEntry(t.name, t.tensor_type.name, tuple(int(x) for x in t.shape), int(t.n_bytes))
+        by_name[t.name] = entry
+        i = block_index(t.name)
+        if i is None:
+            others.append(entry)
+        elif i >= n_layers:
+            raise ModelFileError(
+                f"{path}: tensor '{t.name}' is beyond {arch}.block_count = {n_layers}"
+            )
+        else:
+            blocks[i].append(entry)
+
+    n_vocab = field_value(reader, f"{arch}.vocab_size")
+    if not isinstance(n_vocab, int):
+        tokens = reader.get_field("tokenizer.ggml.tokens")
+        if tokens is not None:
+            n_vocab = len(tokens.data)
+        elif "token_embd.weight" in by_name and len(by_name["token_embd.weight"].shape) == 2:
+            n_vocab = by_name["token_embd.weight"].shape[1]
+        else:
+            raise ModelFileError(
+                f"{path}: cannot tell the vocabulary size (no '{arch}.vocab_size', "
+                "no tokenizer.ggml.tokens, no token_embd.weight)"
+            )
+
+    file_type = field_value(reader, "general.file_type")
+    chat_template = field_value(reader, "tokenizer.chat_template")
+    name = field_value(reader, "general.name")
+    tok_model = field_value(reader, "tokenizer.ggml.model")
+    return GGUFInfo(
+        path=path,
+        architecture=arch,
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_vocab=int(n_vocab),
+        size=path.stat().st_size,
+        file_type=file_type if isinstance(file_type, int) else None,
+        chat_template=chat_template if isinstance(chat_template, str) else None,
+        name=name if isinstance(name, str) else None,
+        tokenizer_model=tok_model if isinstance(tok_model, str) else None,
+        blocks=tuple(tuple(b) for b in blocks),
+        other_tensors=tuple(others),
+    )

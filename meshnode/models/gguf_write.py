@@ -1,0 +1,71 @@
+"""Streaming, atomic GGUF writing on top of :class:`gguf.GGUFWriter`.
+
+GGUFWriter can write a file one tensor at a time: declare every tensor first
+(``add_tensor_info``: name, shape, dtype, byte count), write the header, metadata and
+tensor table, then hand it each tensor's data in the declared order
+(``write_tensor_data``). Only one tensor is in memory at a time, which is what lets us
+slice multi-GB models and write ~1B-parameter synthetic models.
+
+:func:`atomic_gguf_writer` adds the temp-file-and-rename discipline of
+:mod:`meshnode.fsutil`: the writer writes ``.<name>.*.part`` beside the destination; the
+file is fsynced and renamed into place only when the block finishes without error, and
+removed otherwise, so a reader never sees a half-written GGUF.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from gguf import GGUFWriter
+
+__all__ = ["atomic_gguf_writer", "begin_tensor_data"]
+
+# GGUFWriter logs its plan (endianness, file list) at INFO for every file it writes;
+# that is noise in a node's log. Its warnings still come through.
+_writer_log = logging.getLogger("gguf.gguf_writer")
+
+
+@contextlib.contextmanager
+def atomic_gguf_writer(dest: Path, arch: str) -> Iterator[GGUFWriter]:
+    """A GGUFWriter aimed at a temp file beside ``dest``; renamed to ``dest`` on success.
+
+    Inside the block: add metadata and tensor infos, call :func:`begin_tensor_data`, then
+    ``writer.write_tensor_data(array)`` for each tensor in declaration order.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a model file is an ordinary file
+    if _writer_log.level == logging.NOTSET:
+        _writer_log.setLevel(logging.WARNING)
+    writer = GGUFWriter(tmp, arch)
+    try:
+        yield writer
+        if writer.fout is None:
+            raise RuntimeError("atomic_gguf_writer: nothing was written")
+        for f in writer.fout:
+            f.flush()
+            os.fsync(f.fileno())
+        writer.close()
+        os.replace(tmp, dest)
+    except BaseException:
+        writer.close()
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def begin_tensor_data(writer: GGUFWriter) -> None:
+    """Write header, metadata and tensor table; the writer then takes tensor data."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()

@@ -1,0 +1,355 @@
+"""One QUIC connection to one peer: the thin asyncio adapter over aioquic.
+
+Theory of operation: :class:`PeerLink` is an aioquic ``QuicConnectionProtocol``. Both
+ends present their self-signed certificates (the server asks for the client's; no CA
+check, ``verify_mode=CERT_NONE``). When the TLS handshake completes, the link reads
+the peer's certificate from the TLS context, and runs the sans-IO
+:class:`~meshnode.net.auth.AuthHandshake` over the *control stream* (the client's
+first bidirectional stream). Until that handshake succeeds every other message closes
+the connection. After it:
+
+* the control stream carries control messages and heartbeats (every
+  ``heartbeat_s``; the echo gives the RTT);
+* each ``(stream_key)`` of :meth:`send_data` gets its own unidirectional stream, so
+  a session's activations stay ordered and never wait behind control traffic;
+* every stream has its own :class:`~meshnode.wire.FrameDecoder`; a fatal framing error
+  closes the connection, a non-fatal one is answered with ``Error(ref, code)``.
+
+A peer is declared gone when no byte arrived for ``dead_after_s`` (heartbeat watchdog)
+or QUIC's idle timeout fires, whichever comes first. The owner (the fabric) gets
+callbacks for authenticated / message / closed; the link never decides membership.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aioquic.asyncio import QuicConnectionProtocol
+from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+
+from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
+from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
+from meshnode.wire import Error, ErrorCode, FrameDecoder, Heartbeat, Hello, WireError, encode
+
+log = logging.getLogger(__name__)
+
+ALPN = "meshnode/1"
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSettings:
+    idle_timeout_s: float = 1.5      # QUIC idle timeout
+    heartbeat_s: float = 0.3         # Heartbeat period on the control stream
+    dead_after_s: float = 1.2        # silence after which the peer is dropped
+    auth_timeout_s: float = 3.0      # TLS + mesh proof must finish within this
+    max_datagram_size: int = 1350    # safe on a 1500-byte MTU LAN; loopback allows more
+
+
+def quic_configuration(identity: Identity, *, is_client: bool, settings: LinkSettings) -> QuicConfiguration:
+    cfg = QuicConfiguration(
+        is_client=is_client,
+        alpn_protocols=[ALPN],
+        idle_timeout=settings.idle_timeout_s,
+        max_datagram_size=settings.max_datagram_size,
+        verify_mode=ssl.CERT_NONE,
+        max_data=64 << 20,
+        max_stream_data=16 << 20,
+    )
+    cfg.certificate = identity.certificate
+    cfg.private_key = identity.private_key
+    return cfg
+
+
+class LinkOwner(Protocol):
+    identity: Identity
+    settings: LinkSettings
+
+    def make_hello(self) -> Hello: ...
+    def make_auth(self, link: "PeerLink", **kwargs: Any) -> AuthHandshake: ...
+    def link_created(self, link: "PeerLink") -> None: ...
+    def link_authenticated(self, link: "PeerLink") -> None: ...
+    def link_message(self, link: "PeerLink", msg: Any) -> None: ...
+    def link_closed(self, link: "PeerLink", reason: str) -> None: ...
+
+
+class _RateMeter:
+    """Bytes per second, smoothed over roughly one second."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._last_total = 0
+        self._last_t = time.monotonic()
+        self.rate = 0.0
+
+    def tick(self, now: float) -> None:
+        dt = now - self._last_t
+        if dt <= 0:
+            return
+        inst = (self.total - self._last_total) / dt
+        a = min(1.0, dt / 1.0)
+        self.rate = (1 - a) * self.rate + a * inst
+        self._last_total, self._last_t = self.total, now
+
+
+class PeerLink(QuicConnectionProtocol):
+    """A QUIC connection to one peer (client or server side)."""
+
+    def __init__(self, quic: QuicConnection, *, owner: LinkOwner, is_client: bool,
+                 dial_address: tuple[str, int] | None = None, **kwargs: Any) -> None:
+        super().__init__(quic, **kwargs)
+        self.owner = owner
+        self.is_client = is_client
+        self.remote_addr: tuple[str, int] | None = dial_address
+        self.peer_node_id: str | None = None
+        self.auth: AuthHandshake | None = None
+        self.closed_reason: str | None = None
+        self.rtt_ms: float | None = None
+        self.rx = _RateMeter()
+        self.tx = _RateMeter()
+        self._control_sid: int | None = None
+        self._data_sids: dict[Any, int] = {}
+        self._decoders: dict[int, FrameDecoder] = {}
+        self._last_rx = time.monotonic()
+        self._hb_seq = 0
+        self._ref = 0
+        self._tasks: list[asyncio.Task] = []
+        self._notified_closed = False
+        self._hb_started = False
+        if not is_client:
+            # aioquic only asks for a client certificate when this (private) flag of the
+            # TLS context is set; the context is created lazily in _initialize().
+            orig_init = quic._initialize
+
+            def _initialize(peer_cid: bytes) -> None:
+                orig_init(peer_cid)
+                quic.tls._request_client_certificate = True
+
+            quic._initialize = _initialize  # type: ignore[method-assign]
+        self._tasks.append(asyncio.get_running_loop().create_task(self._auth_deadline()))
+        owner.link_created(self)
+
+    # ---- state ---------------------------------------------------------------
+
+    @property
+    def authenticated(self) -> bool:
+        return self.auth is not None and self.auth.state is AuthState.AUTHENTICATED and self.closed_reason is None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the peer's QUIC endpoint (its advertised port once known)."""
+        host = self.remote_addr[0] if self.remote_addr else "?"
+        port = self.remote_addr[1] if self.remote_addr else 0
+        if self.auth is not None and self.auth.peer is not None:
+            port = int(self.auth.peer.capabilities.get("quic_port", port) or port)
+        return f"{host}:{port}"
+
+    def next_ref(self) -> int:
+        """A fresh request id. The two ends of a link use disjoint ids (odd for the
+        lower node id, even for the higher), so our requests never collide with the
+        peer's."""
+        self._ref += 1
+        low = self.owner.identity.node_id < (self.peer_node_id or "")
+        return ((self._ref * 2 + (1 if low else 0)) & 0xFFFFFFFF) or 2
+
+    # ---- sending -------------------------------------------------------------
+
+    def send(self, msg: Any) -> None:
+        """Queue ``msg`` on the control stream (raises ConnectionError when closed)."""
+        self._send_on(self._control_stream(), encode(msg))
+
+    def send_data(self, msg: Any, stream_key: Any) -> None:
+        """Queue ``msg`` on the data stream for ``stream_key`` (opened on first use)."""
+        sid = self._data_sids.get(stream_key)
+        if sid is None:
+            sid = self._quic.get_next_available_stream_id(is_unidirectional=True)
+            self._data_sids[stream_key] = sid
+        self._send_on(sid, encode(msg))
+
+    def close_data_stream(self, stream_key: Any) -> None:
+        sid = self._data_sids.pop(stream_key, None)
+        if sid is not None and self.closed_reason is None:
+            self._quic.send_stream_data(sid, b"", end_stream=True)
+            self.transmit()
+
+    def close_with(self, reason: str, delay: float = 0.0) -> None:
+        """Close the connection (after ``delay`` s so queued messages can leave)."""
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay, self.close_with, reason)
+            return
+        if self.closed_reason is None:
+            self.closed_reason = reason
+        self._quic.close(error_code=0, reason_phrase=reason[:200])
+        self.transmit()
+
+    def _close_later(self, delay: float) -> None:
+        def _close() -> None:
+            self._quic.close(error_code=0, reason_phrase=(self.closed_reason or "")[:200])
+            self.transmit()
+
+        asyncio.get_running_loop().call_later(delay, _close)
+
+    def _control_stream(self) -> int:
+        if self._control_sid is None:
+            if not self.is_client:
+                raise ConnectionError("control stream not open yet")
+            self._control_sid = self._quic.get_next_available_stream_id()
+        return self._control_sid
+
+    def _send_on(self, sid: int, data: bytes) -> None:
+        if self.closed_reason is not None:
+            raise ConnectionError(f"link closed: {self.closed_reason}")
+        self._quic.send_stream_data(sid, data)
+        self.tx.total += len(data)
+        self.transmit()
+
+    # ---- aioquic events --------------------------------------------------------
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        if self.remote_addr is None:
+            self.remote_addr = (addr[0], addr[1])
+        super().datagram_received(data, addr)
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.HandshakeCompleted):
+            self._on_handshake()
+        elif isinstance(event, events.StreamDataReceived):
+            self._on_stream_data(event)
+        elif isinstance(event, events.ConnectionTerminated):
+            reason = event.reason_phrase or f"connection closed (code {event.error_code})"
+            if self.closed_reason is None:
+                self.closed_reason = reason if event.error_code == 0 or event.reason_phrase else "idle timeout"
+            self._notify_closed()
+
+    def connection_lost(self, exc: Exception | None) -> None:  # transport gone
+        if self.closed_reason is None:
+            self.closed_reason = "transport closed"
+        self._notify_closed()
+
+    def _on_handshake(self) -> None:
+        if event_alpn := getattr(self._quic.tls, "alpn_negotiated", None):
+            if event_alpn != ALPN:
+                return self.close_with(f"unexpected ALPN {event_alpn}")
+        peer_cert = getattr(self._quic.tls, "_peer_certificate", None)
+        if peer_cert is None:
+            return self.close_with("peer presented no certificate")
+        self.peer_node_id = node_id_of_cert(peer_cert)
+        if self.peer_node_id == self.owner.identity.node_id:
+            return self.close_with("connected to ourselves")
+        self.auth = self.owner.make_auth(
+            self,
+            is_client=self.is_client,
+            nonce=os.urandom(NONCE_LEN),
+            local_fp=self.owner.identity.fingerprint,
+            peer_fp=cert_fingerprint(peer_cert),
+            peer_node_id=self.peer_node_id,
+        )
+        if self.is_client:
+            self.auth.start()
+            self._flush_auth()
+
+    def _on_stream_data(self, event: events.StreamDataReceived) -> None:
+        self._last_rx = time.monotonic()
+        self.rx.total += len(event.data)
+        sid = event.stream_id
+        if self._control_sid is None and not self.is_client and sid % 4 == 0:
+            self._control_sid = sid  # the client's first bidirectional stream
+        dec = self._decoders.get(sid)
+        if dec is None:
+            dec = self._decoders[sid] = FrameDecoder()
+        for item in dec.feed(event.data):
+            if self.closed_reason is not None:
+                return
+            if isinstance(item, WireError):
+                self._on_wire_error(item)
+            elif not self.authenticated:
+                self._on_auth_message(sid, item)
+            elif isinstance(item, Heartbeat):
+                self._on_heartbeat(item)
+            else:
+                self.owner.link_message(self, item)
+        if event.end_stream:
+            self._decoders.pop(sid, None)
+
+    def _on_wire_error(self, err: WireError) -> None:
+        log.warning("peer %s sent a bad frame: %s %s", self.peer_node_id, err.code.name, err.detail)
+        try:
+            self.send(Error(ref=err.ref, code=err.code, message=err.detail[:200]))
+        except ConnectionError:
+            pass
+        if err.fatal:
+            self.close_with(f"protocol error: {err.code.name}", delay=0.05)
+
+    def _on_auth_message(self, sid: int, msg: Any) -> None:
+        if self.auth is None or sid != self._control_sid:
+            return self.close_with("message before authentication")
+        self.auth.receive(msg)
+        self._flush_auth()
+
+    def _flush_auth(self) -> None:
+        assert self.auth is not None
+        for out in self.auth.messages_to_send():
+            self._send_on(self._control_stream(), encode(out))
+        if self.auth.state is AuthState.AUTHENTICATED and not self._hb_started:
+            self._hb_started = True
+            self._last_rx = time.monotonic()
+            self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat_loop()))
+            self.owner.link_authenticated(self)
+        elif self.auth.state is AuthState.FAILED and self.closed_reason is None:
+            who = "peer refused us" if self.auth.refused_by_peer else "refused peer"
+            log.warning("%s %s at %s: %s", who, self.peer_node_id, self.address, self.auth.reason)
+            self.closed_reason = f"authentication failed: {self.auth.reason}"
+            self._close_later(0.1)
+
+    # ---- keep-alive --------------------------------------------------------------
+
+    def _on_heartbeat(self, hb: Heartbeat) -> None:
+        if hb.echo:
+            self.rtt_ms = (time.monotonic_ns() - hb.sent_ns) / 1e6
+        else:
+            self.send(Heartbeat(ref=hb.ref, seq=hb.seq, sent_ns=hb.sent_ns, echo=True))
+
+    async def _heartbeat_loop(self) -> None:
+        s = self.owner.settings
+        try:
+            while self.closed_reason is None:
+                now = time.monotonic()
+                if now - self._last_rx > s.dead_after_s:
+                    log.info("peer %s silent for %.1f s: dropping it", self.peer_node_id, now - self._last_rx)
+                    self.close_with("peer vanished (no heartbeat)")
+                    self._notify_closed()
+                    return
+                self._hb_seq += 1
+                self.send(Heartbeat(ref=0, seq=self._hb_seq, sent_ns=time.monotonic_ns(), echo=False))
+                self.rx.tick(now)
+                self.tx.tick(now)
+                await asyncio.sleep(s.heartbeat_s)
+        except ConnectionError:
+            pass
+
+    async def _auth_deadline(self) -> None:
+        await asyncio.sleep(self.owner.settings.auth_timeout_s)
+        if not self.authenticated and self.closed_reason is None:
+            log.warning("peer %s at %s: authentication timed out", self.peer_node_id, self.address)
+            self.close_with("authentication timed out")
+
+    def _notify_closed(self) -> None:
+        if self._notified_closed:
+            return
+        self._notified_closed = True
+        for t in self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+        self.owner.link_closed(self, self.closed_reason or "closed")
+        self._closed.set()
+
+
+LinkFactory = Callable[..., PeerLink]

@@ -1,0 +1,225 @@
+"""The running node: mesh fabric + HTTP server in one event loop.
+
+Theory of operation: :class:`Node` owns a :class:`~meshnode.mesh.fabric.MeshFabric`
+and a uvicorn server running :func:`meshnode.serve.app.create_app` as a task of the same
+loop. When both are up it writes ``paths.runtime_file`` (pid, ports) so that
+``meshnode status`` can find it, and removes it on :meth:`stop`. Front ends see it only
+through :class:`meshnode.state.NodeAPI`: :meth:`snapshot` and :meth:`events`.
+
+The serving parts (model, stages, requests, speculation) are added by later layers; their
+snapshot fields stay empty here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from meshnode import __version__
+from meshnode.errors import MeshnodeError
+from meshnode.fsutil import atomic_write
+from meshnode.net import caps as capsmod
+from meshnode.paths import NodePaths
+from meshnode.state import (
+    LogEmitted,
+    NodeEvent,
+    NodeInfo,
+    NodeSnapshot,
+    PeerDiscovered,
+    PeerInfo,
+    PeerLost,
+)
+
+log = logging.getLogger(__name__)
+
+EVENT_QUEUE = 1000
+CAPS_REFRESH_S = 30.0
+
+
+class Node:
+    """One meshnode process (implements :class:`meshnode.state.NodeAPI`)."""
+
+    def __init__(
+        self,
+        paths: NodePaths,
+        *,
+        port: int = 0,
+        http_port: int = 8642,
+        http_host: str = "127.0.0.1",
+        interfaces: list[str] | None = None,
+        name: str | None = None,
+        static_peers: list[str] | tuple[str, ...] = (),
+    ) -> None:
+        from meshnode.mesh.fabric import MeshFabric
+
+        self.paths = paths.ensure()
+        self.name = name or socket.gethostname()
+        self.fabric = MeshFabric(
+            self.paths, port=port, interfaces=interfaces, name=self.name, static_peers=static_peers,
+        )
+        self._http_host = http_host
+        self._interfaces = interfaces
+        self._http_port = http_port
+        self._server: Any = None
+        self._server_task: asyncio.Task | None = None
+        self._caps_task: asyncio.Task | None = None
+        self._subscribers: set[asyncio.Queue] = set()
+        self._log_handler: logging.Handler | None = None
+        self._started_at: float | None = None
+        self.fabric.on_peer_change(self._on_peer_change)
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the fabric and the HTTP server, then write the runtime file.
+
+        Raises :class:`MeshnodeError` when the HTTP port cannot be bound."""
+        import uvicorn
+
+        from meshnode.serve.app import create_app
+
+        self._install_log_handler()
+        await self.fabric.start()
+        config = uvicorn.Config(
+            create_app(self), host=self._http_host, port=self._http_port,
+            log_level="warning", lifespan="off", access_log=False,
+        )
+        self._server = _EmbeddedServer(config)
+        self._server_task = asyncio.get_running_loop().create_task(self._server.serve())
+        while not self._server.started:
+            if self._server_task.done():
+                await self.fabric.stop()
+                exc = self._server_task.exception() if not self._server_task.cancelled() else None
+                raise MeshnodeError(
+                    f"cannot serve HTTP on {self._http_host}:{self._http_port}"
+                    + (f": {exc}" if exc else " (port in use?)")
+                )
+            await asyncio.sleep(0.01)
+        self._http_port = self._server.servers[0].sockets[0].getsockname()[1]
+        self._started_at = time.time()
+        with atomic_write(self.paths.runtime_file) as f:
+            f.write(json.dumps({
+                "pid": os.getpid(), "http_port": self._http_port, "http_host": self._http_host,
+                "quic_port": self.fabric.port, "node_id": self.fabric.node_id,
+                "started": self._started_at,
+            }).encode())
+        self._caps_task = asyncio.get_running_loop().create_task(self._refresh_caps())
+        log.info("node %s up: HTTP %s, QUIC port %d", self.name, self.http_url, self.fabric.port)
+
+    async def stop(self) -> None:
+        """Withdraw from the mesh, stop HTTP, remove the runtime file (idempotent)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.runtime_file.unlink()
+        if self._caps_task is not None:
+            self._caps_task.cancel()
+        await self.fabric.stop()
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._server_task is not None:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.wait_for(self._server_task, 3.0)
+            self._server = None
+        if self._log_handler is not None:
+            logging.getLogger("meshnode").removeHandler(self._log_handler)
+            self._log_handler = None
+
+    # ---- NodeAPI ---------------------------------------------------------------
+
+    @property
+    def http_url(self) -> str:
+        host = "127.0.0.1" if self._http_host in ("0.0.0.0", "") else self._http_host
+        return f"http://{host}:{self._http_port}/v1"
+
+    @property
+    def http_port(self) -> int:
+        return self._http_port
+
+    def snapshot(self) -> NodeSnapshot:
+        f = self.fabric
+        caps = capsmod.from_dict(f.capabilities) or capsmod.local_capabilities()
+        info = NodeInfo(
+            node_id=f.node_id, name=self.name, mesh_id=f.mesh_id,
+            address=f"{self._address()}:{f.port}", http_url=self.http_url,
+            capabilities=caps, version=__version__,
+        )
+        return NodeSnapshot(
+            node=info, peers=tuple(f.peers()), model=None, model_layers=0, stages=(),
+            requests=(), spec=(), telemetry=(), models=(), transfers=(),
+        )
+
+    async def events(self) -> AsyncIterator[NodeEvent]:
+        q: asyncio.Queue = asyncio.Queue(EVENT_QUEUE)
+        self._subscribers.add(q)
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self._subscribers.discard(q)
+
+    def publish(self, event: NodeEvent) -> None:
+        """Hand ``event`` to every subscriber (a full queue drops its oldest event)."""
+        for q in self._subscribers:
+            if q.full():
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    q.get_nowait()
+            q.put_nowait(event)
+
+    # ---- internals ------------------------------------------------------------
+
+    def _address(self) -> str:
+        from meshnode.net.discovery import advertised_addresses
+
+        if self._interfaces:
+            return advertised_addresses(self._interfaces)[0]
+        return _primary_address()
+
+    def _on_peer_change(self, node_id: str, info: PeerInfo | None, reason: str) -> None:
+        self.publish(PeerDiscovered(info) if info is not None else PeerLost(node_id, reason))
+
+    async def _refresh_caps(self) -> None:
+        while True:
+            await asyncio.sleep(CAPS_REFRESH_S)
+            current = capsmod.from_dict(self.fabric.capabilities)
+            models = current.models if current else ()
+            await self.fabric.set_capabilities(capsmod.local_capabilities(models))
+
+    def _install_log_handler(self) -> None:
+        node = self
+
+        class _Handler(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if node._subscribers:
+                    with contextlib.suppress(Exception):
+                        node.publish(LogEmitted(record.levelno, record.name, record.getMessage(), record.created))
+
+        self._log_handler = _Handler(logging.INFO)
+        logging.getLogger("meshnode").addHandler(self._log_handler)
+
+
+class _EmbeddedServer:
+    """uvicorn's Server without its signal capture (the node's owner handles signals)."""
+
+    def __new__(cls, config: Any) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # type: ignore[override]
+                yield
+
+        return Server(config)
+
+
+def _primary_address() -> str:
+    with contextlib.suppress(OSError):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    return "127.0.0.1"

@@ -1,0 +1,227 @@
+"""The seam between the OpenAI layer and whatever generates text (vLLM's EngineClient).
+
+Theory of operation: the HTTP layer parses a request into a frozen
+:class:`GenerationRequest` and calls :meth:`EngineClient.generate`, which returns an
+async iterator of :data:`GenerationEvent` s:
+
+    [Admitted]  TextDelta*  Finished
+
+Contract for implementations (the real pipeline driver and test fakes alike):
+
+* ``generate`` is an async generator function (``async def ... yield``). Problems with the
+  request itself (``UnknownModelError``, ``ContextOverflowError``, ``InvalidRequestError``)
+  and ``EngineUnavailableError`` must be raised *before* the first event: the layer pulls
+  the first event before it commits to an HTTP 200, so these become proper 4xx/503
+  responses even for ``stream=true``. Yielding :class:`Admitted` right after tokenizing
+  and admission (before prefill) lets a streaming response start early; it is optional.
+* Errors after the first event become in-band SSE errors (or a 500 for non-streaming).
+* The engine client owns tokenization, the chat template *and stop strings*: it knows
+  tokens, can stop decoding the moment a stop string completes and free the session,
+  and reports usage/timings that match what it actually computed. Text in
+  :class:`TextDelta` never contains a stop string or anything after it; a stop-string hit
+  ends with ``Finished(finish_reason="stop")``. :class:`StopMatcher` does the text side.
+* Cancellation: when the HTTP client goes away the layer cancels the task awaiting the
+  generator and/or calls ``aclose()`` on it. Either arrives at the generator's current
+  ``await``/``yield`` as ``CancelledError``/``GeneratorExit``; the engine frees the
+  session in a ``finally`` block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeAlias, runtime_checkable
+
+__all__ = [
+    "Admitted",
+    "ChatMessage",
+    "EngineClient",
+    "Finished",
+    "FinishReason",
+    "GenerationEvent",
+    "GenerationRequest",
+    "ModelCard",
+    "StopMatcher",
+    "TextDelta",
+    "Timings",
+    "Usage",
+]
+
+FinishReason: TypeAlias = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """One servable model, as listed by ``GET /v1/models``."""
+
+    id: str
+    created: int = 0                # unix seconds; 0 when unknown
+    owned_by: str = "meshnode"
+    n_ctx: int | None = None        # context window, when known (non-standard, informative)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str                       # system | user | assistant | tool
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What to generate. Exactly one of ``messages`` (chat) and ``prompt`` (raw text) is set.
+
+    ``max_tokens`` None means "until the context is full". ``top_k`` None or 0 disables
+    top-k. ``stop`` strings are matched on the generated text (not on the prompt).
+    """
+
+    request_id: str
+    model: str
+    messages: tuple[ChatMessage, ...] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("GenerationRequest needs exactly one of messages and prompt")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Per-request timings in llama.cpp server's vocabulary (its ``timings`` object).
+
+    ``draft_n`` counts drafted tokens sent for verification, ``draft_n_accepted`` those
+    accepted (acceptance rate = accepted / drafted), both 0 without speculation.
+    """
+
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+    def to_json(self) -> dict[str, float | int]:
+        """The llama.cpp-shaped dict, with the derived per-token and per-second rates."""
+        return {
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
+            "predicted_per_second": (
+                1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
+            ),
+            "draft_n": self.draft_n,
+            "draft_n_accepted": self.draft_n_accepted,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The engine tokenized and admitted the request; errors after this are in-band."""
+
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """New generated text (may be empty while a possible stop string is held back)."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Generation ended. Always the last event."""
+
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings = field(default_factory=Timings)
+
+
+GenerationEvent: TypeAlias = Admitted | TextDelta | Finished
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the OpenAI layer needs from the engine side. See the module docstring."""
+
+    def models(self) -> list[ModelCard]:
+        """The models servable now (cheap, non-blocking; called on every request)."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Start generating; implement as ``async def generate(...)`` with ``yield``.
+
+        Raises (before the first event): UnknownModelError, ContextOverflowError,
+        InvalidRequestError, EngineUnavailableError. Later failures: EngineFailedError.
+        The caller must exhaust or ``aclose()`` the iterator.
+        """
+        ...
+
+
+class StopMatcher:
+    """Sans-IO stop-string matcher for engine clients.
+
+    Feed each piece of detokenized text; get back the text that is safe to emit now.
+    Text that could be the start of a stop string is held back until it either completes
+    the stop string (then ``stopped`` turns True and the held text is dropped) or can no
+    longer match (then it is released). Call :meth:`flush` when generation ends for
+    another reason to get the held tail.
+    """
+
+    __slots__ = ("_stops", "_held", "stopped")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Return the text to emit; afterwards check :attr:`stopped`."""
+        if self.stopped:
+            return ""
+        if not self._stops:
+            return text
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return buf[: min(hits)]
+        keep = self._longest_partial(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """The held-back tail (empty after a stop). Call once when generation ends."""
+        held, self._held = ("" if self.stopped else self._held), ""
+        return held
+
+    def _longest_partial(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of some stop."""
+        best = 0
+        for s in self._stops:
+            for k in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,136 @@
+"""Typed errors of the serving layer and the one table that maps them to OpenAI JSON.
+
+Theory of operation: whoever detects a problem raises the matching subclass of
+:class:`ServeError` (the request parser raises :class:`InvalidRequestError`, the engine
+client raises :class:`ContextOverflowError`, :class:`EngineUnavailableError` ...). The HTTP
+edge turns it into ``{"error": {"message", "type", "param", "code"}}`` with the status
+code from :data:`ERROR_TABLE`, or, once an SSE stream has started, into an in-band error
+chunk followed by ``data: [DONE]``. Classification is by type only (walking the MRO),
+never by message text.
+
+The error shape follows OpenAI's API reference ("Error codes" and the error object):
+``type`` is ``invalid_request_error`` for the caller's mistakes and ``server_error`` for
+ours; ``code`` is a short machine-readable string or null; ``param`` names the offending
+request field or is null.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from meshnode.errors import MeshnodeError
+
+__all__ = [
+    "ERROR_TABLE",
+    "ContextOverflowError",
+    "EngineFailedError",
+    "EngineUnavailableError",
+    "ErrorSpec",
+    "InvalidRequestError",
+    "MalformedRequestError",
+    "ServeError",
+    "UnknownModelError",
+    "UnsupportedValueError",
+    "error_body",
+    "error_spec",
+]
+
+
+class ServeError(MeshnodeError):
+    """Base of every error the OpenAI layer reports. ``param`` names the request field."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+# --- the caller's fault (4xx) ---------------------------------------------------------
+
+
+class InvalidRequestError(ServeError):
+    """A request field has a bad value (``param`` names it)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message, param=param)
+
+
+class UnsupportedValueError(InvalidRequestError):
+    """A valid OpenAI parameter value this server does not implement (``n`` > 1 ...)."""
+
+
+class MalformedRequestError(InvalidRequestError):
+    """The body is not parseable JSON (or not a JSON object)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, message)
+
+
+class UnknownModelError(ServeError):
+    """No model of that id is served by this node or its mesh."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist or is not served by this mesh.", param="model")
+        self.model = model
+
+
+class ContextOverflowError(ServeError):
+    """The prompt (plus the requested completion, when the engine checks it) does not fit.
+
+    ``param`` may stay None: the route fills in its prompt field (``messages``/``prompt``).
+    """
+
+    def __init__(self, prompt_tokens: int, n_ctx: int, *, param: str | None = None) -> None:
+        super().__init__(
+            f"This model's maximum context length is {n_ctx} tokens. However, your request "
+            f"resulted in {prompt_tokens} prompt tokens. Please reduce the length of the prompt.",
+            param=param,
+        )
+        self.prompt_tokens = prompt_tokens
+        self.n_ctx = n_ctx
+
+
+# --- our fault (5xx) ------------------------------------------------------------------
+
+
+class EngineUnavailableError(ServeError):
+    """No route for the model right now (stages not ready, peer gone): retry later."""
+
+
+class EngineFailedError(ServeError):
+    """The engine or the pipeline failed while serving the request."""
+
+
+class ErrorSpec(NamedTuple):
+    status: int
+    type: str
+    code: str | None
+
+
+# The one table. Lookup walks the exception's MRO, so a subclass without its own row
+# inherits its parent's; the most specific row wins.
+ERROR_TABLE: dict[type[ServeError], ErrorSpec] = {
+    MalformedRequestError: ErrorSpec(400, "invalid_request_error", "invalid_json"),
+    UnsupportedValueError: ErrorSpec(400, "invalid_request_error", "unsupported_value"),
+    InvalidRequestError: ErrorSpec(400, "invalid_request_error", "invalid_value"),
+    UnknownModelError: ErrorSpec(404, "invalid_request_error", "model_not_found"),
+    ContextOverflowError: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
+    EngineUnavailableError: ErrorSpec(503, "server_error", "engine_unavailable"),
+    EngineFailedError: ErrorSpec(500, "server_error", "engine_failed"),
+    ServeError: ErrorSpec(500, "server_error", None),
+}
+
+
+def error_spec(exc: ServeError) -> ErrorSpec:
+    """The table row for ``exc`` (most specific class first)."""
+    for cls in type(exc).__mro__:
+        spec = ERROR_TABLE.get(cls)  # type: ignore[arg-type]
+        if spec is not None:
+            return spec
+    raise TypeError(f"{type(exc).__name__} is not a ServeError")  # unreachable for ServeError
+
+
+def error_body(exc: ServeError) -> dict[str, Any]:
+    """OpenAI's error object for ``exc``: ``{"error": {message, type, param, code}}``."""
+    spec = error_spec(exc)
+    return {"error": {"message": exc.message, "type": spec.type, "param": exc.param, "code": spec.code}}

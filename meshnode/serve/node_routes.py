@@ -1,0 +1,44 @@
+"""Node routes: ``GET /health`` and ``GET /status`` (the JSON behind ``meshnode status``).
+
+``/status`` is a stable interface for scripts: ``{"node": {...}, "peers": [...]}``; each
+peer has at least ``node_id``, ``name``, ``address``, ``rtt_ms``, ``authenticated`` and
+``capabilities``. Fields are only ever added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+router = APIRouter()
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+def status_json(snapshot: Any) -> dict[str, Any]:
+    return {"node": to_jsonable(snapshot.node), "peers": to_jsonable(snapshot.peers)}
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, Any]:
+    node = request.app.state.node
+    fabric = getattr(node, "fabric", None)
+    return {"status": "ok", "node_id": fabric.node_id if fabric is not None else None}
+
+
+@router.get("/status")
+async def status(request: Request) -> dict[str, Any]:
+    return status_json(request.app.state.node.snapshot())

@@ -1,0 +1,404 @@
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+
+Theory of operation: :func:`make_openai_router` builds an ``APIRouter`` whose handlers
+depend only on an :class:`~meshnode.serve.client.EngineClient` (fetched per request from
+the getter, so the node can swap engines). A handler
+
+1. parses the raw body itself (:func:`~meshnode.serve.schemas.parse_request`), so
+   malformed JSON and bad fields become OpenAI error JSON without touching the app's
+   global exception handlers;
+2. converts it to a :class:`GenerationRequest`, checks the model id against
+   ``models()``, and calls ``generate``;
+3. pulls the *first* event before answering, so request errors the engine raises up front
+   (context overflow, unknown model, no route) are real 4xx/503 responses even when
+   ``stream`` is true;
+4. returns one JSON body, or an SSE stream: role chunk, content deltas, a finish chunk,
+   an optional usage chunk (``stream_options.include_usage``), then ``data: [DONE]``.
+   Errors after the stream started go in-band (an ``{"error": ...}`` chunk, then
+   ``[DONE]``); ``: keep-alive`` comments go out when the engine is silent for
+   ``keepalive_s``.
+
+Disconnects: non-streaming and pre-stream waits race the work against
+``http.disconnect``; a streaming body is cancelled by Starlette when the client leaves
+(ASGI < 2.4) or fails on its next write (>= 2.4; at worst one keep-alive interval later).
+In every case the engine's generator is closed (cancelled and ``aclose()``d, shielded
+from the surrounding cancellation) so the engine frees the session.
+
+All errors map through :data:`meshnode.serve.errors.ERROR_TABLE`; the custom route class
+turns any :class:`ServeError` into ``{"error": {...}}`` with the table's status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import HTTPException, RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.types import Receive, Scope, Send
+
+from meshnode.serve.client import Admitted, EngineClient, Finished, GenerationEvent, TextDelta, Timings, Usage
+from meshnode.serve.errors import (
+    ContextOverflowError,
+    EngineFailedError,
+    InvalidRequestError,
+    ServeError,
+    UnknownModelError,
+    error_body,
+    error_spec,
+)
+from meshnode.serve.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+    ModelObject,
+    UsageInfo,
+    parse_request,
+)
+from meshnode.serve.sse import DONE, KEEP_ALIVE, EventPump, KeepAliveTick, sse_data
+
+log = logging.getLogger("meshnode.serve.openai")
+
+__all__ = ["DEFAULT_KEEPALIVE_S", "OpenAIRoute", "error_response", "make_openai_router"]
+
+DEFAULT_KEEPALIVE_S = 10.0
+_T = TypeVar("_T")
+
+
+def error_response(exc: ServeError) -> JSONResponse:
+    """The HTTP response for ``exc``: OpenAI's error JSON with the table's status code."""
+    return JSONResponse(error_body(exc), status_code=error_spec(exc).status)
+
+
+class OpenAIRoute(APIRoute):
+    """APIRoute whose failures come out in OpenAI's error shape, whatever raised them."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ServeError as e:
+                log.info("%s %s -> %s: %s", request.method, request.url.path, type(e).__name__, e.message)
+                return error_response(e)
+            except RequestValidationError as e:  # path/query params; bodies are parsed by hand
+                first = e.errors()[0] if e.errors() else {}
+                param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+                return error_response(InvalidRequestError(param, str(first.get("msg", "invalid request"))))
+            except HTTPException:
+                raise
+            except Exception:
+                log.exception("unexpected error serving %s %s", request.method, request.url.path)
+                return error_response(EngineFailedError("Internal server error."))
+
+        return guarded
+
+
+def make_openai_router(
+    get_client: Callable[[], EngineClient], *, keepalive_s: float = DEFAULT_KEEPALIVE_S
+) -> APIRouter:
+    """Build the ``/v1`` router. ``get_client`` is called once per request; it may raise
+    ``EngineUnavailableError`` (-> 503). Include it with ``app.include_router(router)``."""
+    router = APIRouter(prefix="/v1", route_class=OpenAIRoute, tags=["openai"])
+
+    @router.get("/models")
+    async def list_models() -> JSONResponse:
+        cards = get_client().models()
+        return _json(ModelList(data=[_model_object(c) for c in cards]))
+
+    @router.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        for card in get_client().models():
+            if card.id == model_id:
+                return _json(_model_object(card))
+        raise UnknownModelError(model_id)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_request(ChatCompletionRequest, await request.body())
+        return await _serve(request, body, _ChatChunks(body.model, body.include_usage), "messages")
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_request(CompletionRequest, await request.body())
+        return await _serve(request, body, _TextChunks(body.model, body.include_usage), "prompt")
+
+    async def _serve(
+        request: Request, body: ChatCompletionRequest | CompletionRequest, chunks: _Chunks, prompt_param: str
+    ) -> Response:
+        gen_request = body.to_generation_request(chunks.id)
+        client = get_client()
+        if gen_request.model not in {card.id for card in client.models()}:
+            raise UnknownModelError(gen_request.model)
+        log.debug("%s: model=%s stream=%s", chunks.id, gen_request.model, bool(body.stream))
+        pump: EventPump[GenerationEvent] = EventPump(client.generate(gen_request), keepalive_s)
+        handed_over = False
+        try:
+            if not body.stream:
+                text, finished = await _unless_disconnected(request, _collect(pump))
+                return _json(chunks.full_response(text, finished))
+            first = await _unless_disconnected(request, _first_event(pump))
+            handed_over = True
+            return _SSEResponse(_stream(request, pump, first, chunks), pump.aclose)
+        except ContextOverflowError as e:
+            if e.param is None:
+                e.param = prompt_param
+            raise
+        except _ClientGone:
+            log.debug("%s: client went away before the response", chunks.id)
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                with anyio.CancelScope(shield=True):
+                    await pump.aclose()
+
+    return router
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _json(model: Any) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"))
+
+
+def _model_object(card: Any) -> ModelObject:
+    meta = {"n_ctx": card.n_ctx} if card.n_ctx is not None else None
+    return ModelObject(id=card.id, created=card.created, owned_by=card.owned_by, meta=meta)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # Only used once the body has been read: the next ASGI message is http.disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
+    """Await ``work`` unless the client disconnects first (then raise _ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise _ClientGone
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(task, watch, return_exceptions=True)
+
+
+async def _first_event(pump: EventPump[GenerationEvent]) -> GenerationEvent:
+    while True:
+        try:
+            event = await pump.next()
+        except StopAsyncIteration:
+            raise EngineFailedError("The engine ended the request without a result.") from None
+        if not isinstance(event, KeepAliveTick):
+            return event
+
+
+async def _collect(pump: EventPump[GenerationEvent]) -> tuple[str, Finished]:
+    parts: list[str] = []
+    while True:
+        event = await _first_event(pump)
+        match event:
+            case Admitted():
+                pass
+            case TextDelta(text=text):
+                parts.append(text)
+            case Finished():
+                return "".join(parts), event
+
+
+class _SSEResponse(StreamingResponse):
+    """StreamingResponse that always closes its body generator, even after a disconnect.
+
+    Starlette cancels the streaming task when the client leaves; the generator may then be
+    parked at a ``yield`` and would only be finalized by the garbage collector.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._body_gen = content
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self._body_gen, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                # If the body never started (client gone before the first chunk), its
+                # own finally never ran: close the engine's generator here. Idempotent.
+                await self._cleanup()
+
+
+async def _stream(
+    request: Request, pump: EventPump[GenerationEvent], first: GenerationEvent, chunks: _Chunks
+) -> AsyncIterator[bytes]:
+    """The SSE body. Owns ``pump`` and closes it on every exit path."""
+    try:
+        if (head := chunks.head()) is not None:
+            yield sse_data(head)
+        event: GenerationEvent | KeepAliveTick = first
+        while True:
+            match event:
+                case KeepAliveTick():
+                    if await request.is_disconnected():
+                        log.debug("%s: client disconnected", chunks.id)
+                        return
+                    yield KEEP_ALIVE
+                case Admitted():
+                    pass
+                case TextDelta(text=text):
+                    if text:
+                        yield sse_data(chunks.delta(text))
+                case Finished():
+                    for tail in chunks.tail(event):
+                        yield sse_data(tail)
+                    yield DONE
+                    return
+            event = await pump.next()
+    except StopAsyncIteration:
+        yield sse_data(error_body(EngineFailedError("The engine ended the request without a result.")))
+        yield DONE
+    except ServeError as e:
+        log.info("%s: in-band error %s: %s", chunks.id, type(e).__name__, e.message)
+        yield sse_data(error_body(e))
+        yield DONE
+    except Exception:
+        log.exception("%s: engine failed mid-stream", chunks.id)
+        yield sse_data(error_body(EngineFailedError("Internal server error.")))
+        yield DONE
+    finally:
+        with anyio.CancelScope(shield=True):
+            await pump.aclose()
+
+
+# --- response bodies -------------------------------------------------------------------
+
+
+def _usage(u: Usage) -> UsageInfo:
+    return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
+
+
+def _timings(t: Timings) -> dict[str, float | int]:
+    return t.to_json()
+
+
+class _Chunks:
+    """Builds one endpoint's response objects; ``id`` doubles as the engine request id."""
+
+    prefix = ""
+
+    def __init__(self, model: str, include_usage: bool) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    def head(self) -> dict[str, Any] | None:
+        return None
+
+    def delta(self, text: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def finish(self, reason: str, timings: dict[str, float | int] | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: UsageInfo, timings: dict[str, float | int]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def full_response(self, text: str, finished: Finished) -> Any:
+        raise NotImplementedError
+
+    def tail(self, finished: Finished) -> list[dict[str, Any]]:
+        """Finish chunk, then the usage chunk if asked for; timings ride on the last one."""
+        timings = _timings(finished.timings)
+        if not self.include_usage:
+            return [self.finish(finished.finish_reason, timings)]
+        return [self.finish(finished.finish_reason, None), self.usage_chunk(_usage(finished.usage), timings)]
+
+
+class _ChatChunks(_Chunks):
+    prefix = "chatcmpl"
+
+    def _chunk(self, choices: list[ChatChunkChoice], **extra: Any) -> dict[str, Any]:
+        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
+        return chunk.model_dump(mode="json")
+
+    def head(self) -> dict[str, Any]:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+
+    def delta(self, text: str) -> dict[str, Any]:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+
+    def finish(self, reason: str, timings: dict[str, float | int] | None) -> dict[str, Any]:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)], timings=timings)
+
+    def usage_chunk(self, usage: UsageInfo, timings: dict[str, float | int]) -> dict[str, Any]:
+        return self._chunk([], usage=usage, timings=timings)
+
+    def full_response(self, text: str, finished: Finished) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finished.finish_reason)],
+            usage=_usage(finished.usage),
+            timings=_timings(finished.timings),
+        )
+
+
+class _TextChunks(_Chunks):
+    prefix = "cmpl"
+
+    def _chunk(self, choices: list[CompletionChoice], **extra: Any) -> dict[str, Any]:
+        chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
+        return chunk.model_dump(mode="json")
+
+    def delta(self, text: str) -> dict[str, Any]:
+        return self._chunk([CompletionChoice(text=text)])
+
+    def finish(self, reason: str, timings: dict[str, float | int] | None) -> dict[str, Any]:
+        return self._chunk([CompletionChoice(text="", finish_reason=reason)], timings=timings)
+
+    def usage_chunk(self, usage: UsageInfo, timings: dict[str, float | int]) -> dict[str, Any]:
+        return self._chunk([], usage=usage, timings=timings)
+
+    def full_response(self, text: str, finished: Finished) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[CompletionChoice(text=text, finish_reason=finished.finish_reason)],
+            usage=_usage(finished.usage),
+            timings=_timings(finished.timings),
+        )

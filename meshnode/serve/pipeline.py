@@ -1,0 +1,177 @@
+"""Pipelines: how stage 0 pushes a batch of steps through the stages of a model.
+
+A *step* is some rows of one session: a prefill chunk (``n_logits == 0`` unless it is
+the last chunk), a decode step (one row, ``n_logits == 1``) or a verify window
+(``[last, d1..dk]``, ``n_logits == k + 1``). A pipeline runs a batch of steps of
+different sessions through every stage and returns, per step that wanted logits, the
+final stage's :class:`~meshnode.serve.final.Finalized` tokens.
+
+* :class:`LocalPipeline`: one node, whole model; forward and finalize on one thread.
+* :class:`MeshPipeline`: stage 0 runs its slice locally, sends the hidden states to
+  stage 1 as one ``Forward`` frame; each stage forwards to the next; the final stage
+  samples/verifies and sends ``TokenReturn`` straight back to stage 0.
+
+Rejected draft rows are never trimmed by a separate message: the next step of that
+session starts at an earlier position and every stage rewinds its KV to it first.
+Steps that want no logits (non-final prefill chunks) return at once once sent, which is
+what lets stage 0 compute chunk i+1 while stage 1 works on chunk i.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from meshnode.engine import EngineError, Segment
+from meshnode.engine.worker import EngineWorker
+from meshnode.serve.errors import EngineFailedError, EngineUnavailableError
+from meshnode.serve.final import GREEDY, FinalSampler, Finalized, Sampling
+from meshnode import wire
+
+log = logging.getLogger(__name__)
+
+DATA_STREAM = "data"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    session: int
+    pos: int
+    tokens: np.ndarray            # int32 token ids fed to stage 0
+    n_logits: int = 1             # 0 = no output wanted; else len(drafts) + 1
+    drafts: tuple[int, ...] = ()
+    sampling: Sampling = GREEDY
+
+
+class Pipeline(Protocol):
+    n_stages: int
+
+    async def run(self, steps: Sequence[Step]) -> list[Finalized | None]: ...
+
+    async def end_session(self, session: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def _segments(steps: Sequence[Step], has_head: bool) -> list[Segment]:
+    return [Segment(s.session, s.pos, tokens=s.tokens, n_logits=s.n_logits if has_head else 0)
+            for s in steps]
+
+
+class LocalPipeline:
+    """The whole model on this node."""
+
+    n_stages = 1
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+        self.sampler = FinalSampler()
+
+    def _run_sync(self, steps: Sequence[Step]) -> list[Finalized | None]:
+        outs = self.worker.engine.forward(_segments(steps, True), rewind=True)
+        return [self.sampler.finalize(s.session, out, s.drafts, s.sampling) if s.n_logits else None
+                for s, out in zip(steps, outs)]
+
+    async def run(self, steps: Sequence[Step]) -> list[Finalized | None]:
+        return await self.worker.call(self._run_sync, steps)
+
+    async def end_session(self, session: int) -> None:
+        self.sampler.forget(session)
+        await self.worker.drop(session)
+
+    async def close(self) -> None:
+        await self.worker.close()
+
+
+class MeshPipeline:
+    """Stage 0 here; stages 1..n-1 on peers (``route``), reached through the fabric."""
+
+    def __init__(self, worker: EngineWorker, fabric, route: Sequence[str], *,
+                 wire_dtype: str = "f32", reply_timeout: float = 60.0) -> None:
+        self.worker = worker
+        self.fabric = fabric
+        self.route = list(route)
+        self.n_stages = 1 + len(self.route)
+        self.wire_dtype = np.float16 if wire_dtype == "f16" else np.float32
+        self.reply_timeout = reply_timeout
+        self._batch_ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+
+    # Called by the node's message dispatcher for TokenReturn / DataError frames.
+    def on_data(self, peer: str, msg: object) -> bool:
+        if isinstance(msg, wire.TokenReturn):
+            fut = self._pending.pop(msg.batch_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return True
+        if isinstance(msg, wire.DataError):
+            fut = self._pending.pop(msg.batch_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineFailedError(f"stage on {peer} failed: {msg.message}"))
+            return True
+        return False
+
+    def fail_all(self, reason: str) -> None:
+        """A stage vanished: every waiting step fails now rather than at its timeout."""
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailableError(reason))
+        self._pending.clear()
+
+    async def run(self, steps: Sequence[Step]) -> list[Finalized | None]:
+        try:
+            hidden = await self.worker.forward(_segments(steps, False), rewind=True)
+        except EngineError as exc:
+            raise EngineFailedError(f"stage 0: {exc}") from exc
+        act = np.concatenate(hidden, axis=0)
+        if act.dtype != self.wire_dtype:
+            act = act.astype(self.wire_dtype)
+        batch_id = next(self._batch_ids)
+        segs = tuple(
+            wire.Segment(session=s.session, pos=s.pos, n_rows=int(s.tokens.shape[0]),
+                         n_logits=s.n_logits, drafts=tuple(s.drafts),
+                         temperature=s.sampling.temperature, top_k=s.sampling.top_k,
+                         top_p=s.sampling.top_p, seed=s.sampling.seed, flags=0)
+            for s in steps)
+        want = any(s.n_logits for s in steps)
+        fut = None
+        if want:
+            fut = asyncio.get_running_loop().create_future()
+            self._pending[batch_id] = fut
+        msg = wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
+        try:
+            await self.fabric.send_data(self.route[0], msg, DATA_STREAM)
+        except Exception as exc:
+            self._pending.pop(batch_id, None)
+            raise EngineUnavailableError(f"cannot reach stage 1 ({exc})") from exc
+        if fut is None:
+            return [None] * len(steps)
+        try:
+            reply: wire.TokenReturn = await asyncio.wait_for(fut, self.reply_timeout)
+        except asyncio.TimeoutError:
+            self._pending.pop(batch_id, None)
+            raise EngineUnavailableError("the final stage did not answer in time") from None
+        by_session = {r.session: r for r in reply.results}
+        out: list[Finalized | None] = []
+        for s in steps:
+            r = by_session.get(s.session) if s.n_logits else None
+            out.append(None if r is None else Finalized(tuple(r.tokens), r.n_accepted, r.n_drafted))
+        return out
+
+    async def end_session(self, session: int) -> None:
+        await self.worker.drop(session)
+        for node in self.route:
+            try:
+                await self.fabric.send_data(node, wire.SessionEnd(ref=0, session=session), DATA_STREAM)
+            except Exception:  # a gone peer has no KV to free
+                log.debug("SessionEnd to %s failed", node, exc_info=True)
+
+    async def close(self) -> None:
+        self.fail_all("pipeline closed")
+        await self.worker.close()

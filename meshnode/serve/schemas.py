@@ -1,0 +1,328 @@
+"""Pydantic models of the OpenAI wire format, and their conversion to engine requests.
+
+Theory of operation: a route parses the raw body with :func:`parse_request`, which turns
+malformed JSON and validation failures into :class:`~meshnode.serve.errors.
+InvalidRequestError` (param = the offending field, e.g. ``messages[0].content``). The
+request model then converts itself with ``to_generation_request(request_id)``, raising
+:class:`~meshnode.serve.errors.UnsupportedValueError` for valid OpenAI features this
+server does not implement (``n`` > 1, logprobs, images, token-id prompts, ``suffix``).
+
+Unknown fields are accepted (editors send vendor extras such as ``tools``,
+``response_format``, ``min_p``, ``cache_prompt``) and logged at debug level: they are
+ignored, never an error. Response models mirror OpenAI's objects field for field, plus
+the non-standard ``timings`` (llama.cpp server's) when the engine reports it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from meshnode.serve.client import ChatMessage, GenerationRequest
+from meshnode.serve.errors import InvalidRequestError, MalformedRequestError, UnsupportedValueError
+
+log = logging.getLogger("meshnode.serve.openai")
+
+__all__ = [
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "CompletionChunk",
+    "CompletionRequest",
+    "CompletionResponse",
+    "ModelList",
+    "ModelObject",
+    "UsageInfo",
+    "parse_request",
+]
+
+_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def _omit_none(v: Any) -> bool:
+    return v is None
+
+
+class _Lenient(BaseModel):
+    """Accepts and keeps unknown fields (``model_extra``); subclasses log them."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _known_role(self) -> ChatMessageIn:
+        if self.role not in _ROLES:
+            raise ValueError(f"unknown role {self.role!r}; expected one of {sorted(_ROLES)}")
+        return self
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Lenient):
+    """Fields shared by chat and text completions."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)          # llama.cpp extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _log_extras(self) -> _SamplingRequest:
+        if self.model_extra:
+            log.debug("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra))
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _common_checks(self) -> None:
+        if self.n not in (None, 1):
+            raise UnsupportedValueError("n", "Only n=1 is supported.")
+        if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
+            raise InvalidRequestError("stop", "Stop strings must be non-empty.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                log.debug("ignoring %s=%s (not implemented)", name, getattr(self, name))
+
+    def _stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def _generation_request(self, request_id: str, max_tokens: int | None, **prompt: Any) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=request_id,
+            model=self.model,
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or None,
+            seed=self.seed,
+            stop=self._stops(),
+            **prompt,
+        )
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def to_generation_request(self, request_id: str) -> GenerationRequest:
+        """The engine request; raises UnsupportedValueError / InvalidRequestError."""
+        self._common_checks()
+        if self.logprobs:
+            raise UnsupportedValueError("logprobs", "logprobs are not supported.")
+        messages = tuple(_flatten_message(i, m) for i, m in enumerate(self.messages))
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._generation_request(request_id, max_tokens, messages=messages)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def to_generation_request(self, request_id: str) -> GenerationRequest:
+        """The engine request; raises UnsupportedValueError / InvalidRequestError."""
+        self._common_checks()
+        if self.suffix:
+            raise UnsupportedValueError("suffix", "suffix (fill-in-the-middle) is not supported.")
+        if self.echo:
+            raise UnsupportedValueError("echo", "echo is not supported.")
+        if self.best_of not in (None, 1):
+            raise UnsupportedValueError("best_of", "Only best_of=1 is supported.")
+        if self.logprobs:
+            raise UnsupportedValueError("logprobs", "logprobs are not supported.")
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise UnsupportedValueError(
+                    "prompt", "Only a single text prompt is supported (no batches, no token ids)."
+                )
+            prompt = prompt[0]
+        return self._generation_request(request_id, self.max_tokens, prompt=prompt)
+
+
+def _flatten_message(index: int, m: ChatMessageIn) -> ChatMessage:
+    """String content stays; a list of text parts is joined with newlines (as vLLM does)."""
+    role = "system" if m.role == "developer" else m.role
+    if m.content is None:
+        return ChatMessage(role, "")
+    if isinstance(m.content, str):
+        return ChatMessage(role, m.content)
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise UnsupportedValueError(
+                f"messages[{index}].content[{j}].type",
+                f"Content part type {part.type!r} is not supported; only text parts are.",
+            )
+        texts.append(part.text)
+    return ChatMessage(role, "\n".join(texts))
+
+
+# --- parsing raw bodies ----------------------------------------------------------------
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def parse_request(model: type[_M], body: bytes) -> _M:
+    """Parse a raw JSON body into ``model``.
+
+    Raises MalformedRequestError (not JSON / not an object) or InvalidRequestError with
+    ``param`` set to the first offending field.
+    """
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MalformedRequestError(
+            f"We could not parse the JSON body of your request ({e}). The body must be a JSON object."
+        ) from None
+    if not isinstance(data, dict):
+        raise MalformedRequestError("The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _param_path(err["loc"])
+        if err["type"] == "missing":
+            raise InvalidRequestError(param, f"Missing required parameter: '{param}'.") from None
+        raise InvalidRequestError(param, f"Invalid value for '{param}': {err['msg']}.") from None
+
+
+# Tags pydantic puts in ``loc`` for union members: builtin type names, class names
+# ('ContentPart') and composite forms ('list[ContentPart]', 'function-after[...]').
+# Our wire fields are all lower snake_case, so anything else is a tag.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str | None:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content' (union tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part.islower() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out or None
+
+
+# --- responses -------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    timings: dict[str, float | int] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatDelta(BaseModel):
+    role: str | None = Field(default=None, exclude_if=_omit_none)
+    content: str | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
+    timings: dict[str, float | int] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    timings: dict[str, float | int] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
+    timings: dict[str, float | int] | None = Field(default=None, exclude_if=_omit_none)
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    meta: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)  # e.g. {"n_ctx": 8192}
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]

@@ -1,0 +1,232 @@
+"""Sampling and the speculative acceptance rule (runs on the final stage).
+
+Theory of operation: stage 0 sends ``[last, d1..dk]`` as one verify batch. Row ``i``
+of the target's logits is the distribution of the token after position ``i``, so row
+``i`` judges draft ``d_{i+1}`` and row ``k`` (after the last draft) yields the bonus.
+
+Greedy (temperature <= 0): ``d_{i+1}`` is accepted iff it equals the argmax of row
+``i``; the first mismatch stops the window and the argmax of that row is the bonus.
+The accepted prefix plus bonus is exactly what plain greedy decoding would emit.
+
+Sampled (temperature > 0): the speculative-sampling rule (Leviathan et al. 2023,
+Chen et al. 2023) accepts ``d`` with probability ``min(1, p(d) / q(d))`` and on
+rejection samples from ``normalise(max(0, p - q))``. Our drafts are deterministic
+(the n-gram continuation, or the draft model's argmax), so ``q`` is one-hot on ``d``:
+accept with probability ``p(d)``; on rejection sample from ``p`` with ``d`` removed
+and renormalised. Then ``P(d) = p(d)`` and ``P(x) = (1 - p(d)) p(x) / (1 - p(d)) =
+p(x)`` for ``x != d``: each emitted token has exactly the target distribution.
+
+``probs`` follows llama.cpp's sampler order so a single node and a mesh agree:
+top-k, then top-p (on the untempered distribution), then temperature. All arithmetic
+is float64; the max logit is subtracted before ``exp``. ``rng`` is a
+``numpy.random.Generator`` passed in by the caller (seeded per request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "VerifyResult",
+    "probs",
+    "sample",
+    "verify_greedy",
+    "verify_logits",
+    "verify_sampled",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """Tokens to emit for one verify window: ``accepted`` drafts, then ``bonus``."""
+
+    accepted: tuple[int, ...]
+    bonus: int
+
+    @property
+    def n_accepted(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return (*self.accepted, self.bonus)
+
+
+_TOP_P_PRESELECT = 256
+
+
+def _as_row(logits_row: np.ndarray | Sequence[float]) -> np.ndarray:
+    row = np.asarray(logits_row, dtype=np.float64)
+    if row.ndim != 1 or row.size == 0:
+        raise ValueError(f"expected a non-empty 1-D logits row, got shape {row.shape}")
+    if np.isnan(row).any():
+        raise ValueError("logits contain NaN")
+    if not np.isfinite(row.max()):
+        if row.max() == -np.inf:
+            raise ValueError("every logit is -inf")
+        raise ValueError("logits contain +inf")
+    return row
+
+
+def probs(
+    logits_row: np.ndarray | Sequence[float],
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> np.ndarray:
+    """The sampling distribution (float64, sums to 1) for one row of logits.
+
+    ``temperature <= 0``: one-hot on the argmax (lowest index on ties).
+    ``top_k <= 0`` or ``>= vocab`` and ``top_p >= 1`` disable those filters.
+    Raises ``ValueError`` for NaN / +inf / all -inf logits or ``top_p <= 0``.
+    """
+    row = _as_row(logits_row)
+    v = row.size
+    if temperature <= 0:
+        out = np.zeros(v, dtype=np.float64)
+        out[int(np.argmax(row))] = 1.0
+        return out
+    if not top_p > 0:
+        raise ValueError(f"top_p must be > 0, got {top_p}")
+    keep: np.ndarray | None = None  # indices kept; None: the whole vocabulary
+    if 0 < top_k < v:
+        keep = np.argpartition(-row, top_k - 1)[:top_k]  # O(V), no full sort
+    if top_p < 1.0:
+        cand = keep if keep is not None else np.arange(v)
+        vals = row[cand]
+        p = np.exp(vals - vals.max())
+        p /= p.sum()
+        sub = np.arange(cand.size)
+        m = _TOP_P_PRESELECT
+        while m < cand.size:
+            # real distributions are peaked: a small head usually holds top_p of the
+            # mass, so sort only that (growing it 16x at a time), not the vocabulary
+            head = np.argpartition(-p, m - 1)[:m]
+            if p[head].sum() >= top_p:
+                sub = head
+                break
+            m *= 16
+        order = sub[np.argsort(-p[sub], kind="stable")]
+        cum = np.cumsum(p[order])
+        # smallest prefix whose mass reaches top_p (always at least one token)
+        n_keep = int(np.searchsorted(cum, top_p, side="left")) + 1
+        keep = cand[order[: min(n_keep, order.size)]]
+    if keep is None:
+        z = row / temperature
+        out = np.exp(z - z.max())
+    else:
+        z = row[keep] / temperature
+        out = np.zeros(v, dtype=np.float64)
+        out[keep] = np.exp(z - z.max())
+    out /= out.sum()
+    return out
+
+
+def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw from an (unnormalised, non-negative) distribution."""
+    cum = np.cumsum(p, dtype=np.float64)
+    total = cum[-1]
+    if not total > 0:
+        raise ValueError("cannot sample from a zero distribution")
+    idx = int(np.searchsorted(cum, rng.random() * total, side="right"))
+    if idx >= p.size or p[idx] <= 0:  # u * total rounded up to total
+        idx = int(np.flatnonzero(p > 0)[-1])
+    return idx
+
+
+def sample(
+    logits_row: np.ndarray | Sequence[float],
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    rng: np.random.Generator,
+) -> int:
+    """One token id from ``logits_row``; the argmax when ``temperature <= 0`` (rng unused)."""
+    if temperature <= 0:
+        return int(np.argmax(_as_row(logits_row)))
+    return _draw(probs(logits_row, temperature, top_k, top_p), rng)
+
+
+def verify_greedy(target_argmax: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many leading drafts greedy decoding would have produced.
+
+    ``target_argmax[i]`` is the target's argmax after position ``i`` of ``[last, d1..dk]``
+    (so ``len(target_argmax) >= len(drafts) + 1``). The bonus token is
+    ``target_argmax[n_accepted]``. Raises ``ValueError`` when too few rows are given.
+    """
+    if len(target_argmax) < len(drafts) + 1:
+        raise ValueError(
+            f"need {len(drafts) + 1} target rows for {len(drafts)} drafts, got {len(target_argmax)}"
+        )
+    n = 0
+    for t, d in zip(target_argmax, drafts):
+        if int(t) != int(d):
+            break
+        n += 1
+    return n
+
+
+def verify_sampled(
+    target_probs: np.ndarray,
+    drafts: Sequence[int],
+    rng: np.random.Generator,
+) -> tuple[list[int], int]:
+    """Speculative sampling with deterministic drafts: ``(accepted_tokens, bonus_token)``.
+
+    ``target_probs`` is ``(k + 1, V)``: row ``i`` is the target distribution (from
+    :func:`probs`) after position ``i`` of ``[last, d1..dk]``. Emitting
+    ``accepted_tokens + [bonus_token]`` samples each token from the target
+    distribution exactly. Raises ``ValueError`` on a shape mismatch.
+    """
+    p = np.asarray(target_probs, dtype=np.float64)
+    k = len(drafts)
+    if p.ndim != 2 or p.shape[0] < k + 1:
+        raise ValueError(f"need target_probs of shape ({k + 1}, V), got {p.shape}")
+    v = p.shape[1]
+    accepted: list[int] = []
+    for i, d in enumerate(drafts):
+        d = int(d)
+        if not 0 <= d < v:
+            raise ValueError(f"draft token {d} outside vocabulary of {v}")
+        row = p[i]
+        total = row.sum()
+        if rng.random() * total < row[d]:
+            accepted.append(d)
+            continue
+        residual = row.copy()
+        residual[d] = 0.0
+        return accepted, _draw(residual, rng)
+    return accepted, _draw(p[k], rng)
+
+
+def verify_logits(
+    logits: np.ndarray,
+    drafts: Sequence[int],
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    rng: np.random.Generator | None = None,
+) -> VerifyResult:
+    """Verify one window from raw logits ``(k + 1, V)``: greedy or sampled by temperature.
+
+    ``rng`` is required when ``temperature > 0`` (``ValueError`` otherwise).
+    """
+    rows = np.asarray(logits)
+    k = len(drafts)
+    if rows.ndim != 2 or rows.shape[0] < k + 1:
+        raise ValueError(f"need logits of shape ({k + 1}, V), got {rows.shape}")
+    if temperature <= 0:
+        am = [int(np.argmax(_as_row(rows[i]))) for i in range(k + 1)]
+        n = verify_greedy(am, drafts)
+        return VerifyResult(tuple(int(d) for d in drafts[:n]), am[n])
+    if rng is None:
+        raise ValueError("rng is required when temperature > 0")
+    # Rows are only needed up to the first rejection, but computing them lazily would
+    # change how many rng draws happen per row, not the distribution; keep it simple.
+    p = np.stack([probs(rows[i], temperature, top_k, top_p) for i in range(k + 1)])
+    acc, bonus = verify_sampled(p, drafts, rng)
+    return VerifyResult(tuple(acc), bonus)

@@ -1,0 +1,112 @@
+"""MeshFabric over real QUIC and real mDNS on loopback, in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import numpy as np
+import pytest
+
+from meshnode.mesh.fabric import MeshFabric, PeerReplyError, PeerUnavailableError
+from meshnode.net.caps import from_dict
+from meshnode.net.secret import new_secret
+from meshnode.paths import NodePaths
+from meshnode.wire import Error, ErrorCode, Forward, Segment, Status
+
+pytestmark = pytest.mark.net
+
+
+def _lo_multicast() -> bool:
+    return "MULTICAST" in subprocess.run(["ip", "link", "show", "lo"], capture_output=True, text=True).stdout
+
+
+async def _until(pred, timeout: float) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise TimeoutError
+
+
+def _fabric(tmp_path, name: str, secret: bytes, **kw) -> MeshFabric:
+    return MeshFabric(NodePaths.resolve(tmp_path / name).ensure(), secret=secret,
+                      interfaces=["127.0.0.1"], name=name, **kw)
+
+
+def _forward(i: int, width: int = 8) -> Forward:
+    seg = Segment(session=1, pos=i, n_rows=1, n_logits=0, drafts=(), temperature=0.0,
+                  top_k=0, top_p=1.0, seed=0, flags=0)
+    return Forward(ref=0, batch_id=i, step=i, segments=(seg,), act=np.full((1, width), i, np.float32))
+
+
+async def test_two_fabrics_discover_request_and_stream(tmp_path):
+    if not _lo_multicast():
+        pytest.skip("multicast is off on lo")
+    s = new_secret()
+    a, b = _fabric(tmp_path, "a", s), _fabric(tmp_path, "b", s)
+    changes: list = []
+    a.on_peer_change(lambda nid, info, why: changes.append((nid, info is not None, why)))
+    got: list = []
+
+    async def on_b(node_id, msg):
+        got.append(msg)
+        if isinstance(msg, Status) and msg.state == "ping":
+            await b.send(node_id, Status(ref=msg.ref, term=msg.term, state="pong", detail="", progress=1.0))
+        elif isinstance(msg, Status) and msg.state == "bad":
+            await b.send(node_id, Error(ref=msg.ref, code=ErrorCode.BUSY, message="busy"))
+
+    b.on_message(on_b)
+    await a.start()
+    await b.start()
+    try:
+        await _until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 2.0)
+        assert a.peers()[0].name == "b" and a.peers()[0].authenticated
+        assert changes and changes[0][1] is True
+        reply = await a.request(b.node_id, Status(ref=0, term=7, state="ping", detail="", progress=0.0), timeout=2)
+        assert reply.state == "pong" and reply.term == 7
+        with pytest.raises(PeerReplyError):
+            await a.request(b.node_id, Status(ref=0, term=1, state="bad", detail="", progress=0.0), timeout=2)
+        # data stream: ordered per key, delivered to on_message
+        for i in range(50):
+            await a.send_data(b.node_id, _forward(i), stream_key=("session", 1))
+        await _until(lambda: sum(isinstance(m, Forward) for m in got) == 50, 3.0)
+        fw = [m for m in got if isinstance(m, Forward)]
+        assert [m.step for m in fw] == list(range(50))
+        assert float(fw[-1].act[0, 0]) == 49.0
+        # capability updates reach the peer through the mDNS record
+        caps = {**a.capabilities, "models": [{"name": "m", "sha256": "ab" * 32, "layers": 30, "size": 1}]}
+        await a.set_capabilities(caps)
+        await _until(lambda: (c := b.peers()[0].capabilities) is not None and len(c.models) == 1, 2.0)
+        assert from_dict(caps).models[0].n_layers == 30
+        await _until(lambda: a.peers()[0].rtt_ms is not None, 2.0)
+    finally:
+        await b.stop()
+    await _until(lambda: a.peers() == [], 2.0)
+    assert changes[-1][1] is False
+    with pytest.raises(PeerUnavailableError):
+        await a.send(b.node_id, Status(ref=0, term=1, state="x", detail="", progress=0.0))
+    await a.stop()
+
+
+async def test_duplicate_dials_keep_one_link(tmp_path):
+    # Both ends dial each other (static peers, no mDNS): exactly one link survives.
+    s = new_secret()
+    a = _fabric(tmp_path, "a", s, discovery=False)
+    await a.start()
+    b = _fabric(tmp_path, "b", s, discovery=False, static_peers=[f"127.0.0.1:{a.port}"])
+    await b.start()
+    a._static = []  # noqa: SLF001 - (test setup) a learns b's port only now
+    a2_task = asyncio.ensure_future(a._dial_once("127.0.0.1", b.port))  # noqa: SLF001
+    try:
+        await _until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 3.0)
+        await asyncio.sleep(0.5)
+        assert len(a.peers()) == 1 and len(b.peers()) == 1
+        reply_seen = []
+        b.on_message(lambda nid, m: reply_seen.append(m))
+        await a.send(b.node_id, Status(ref=0, term=1, state="x", detail="", progress=0.0))
+        await _until(lambda: reply_seen, 2.0)
+    finally:
+        await a.stop()
+        await b.stop()
+        a2_task.cancel()

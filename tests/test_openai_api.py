@@ -1,0 +1,433 @@
+"""The OpenAI layer end to end: real uvicorn on 127.0.0.1:0, the official ``openai`` client
+and raw httpx, in front of a small deterministic fake engine client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from meshnode.serve.client import (
+    Admitted,
+    EngineClient,
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    ModelCard,
+    StopMatcher,
+    TextDelta,
+    Timings,
+    Usage,
+)
+from meshnode.serve.errors import ContextOverflowError, EngineFailedError, EngineUnavailableError
+from meshnode.serve.openai_routes import make_openai_router
+
+MODEL = "fake-model"
+N_CTX = 64
+SCRIPT = ["Hello", " world", ",", " this", " is", " a", " fake", " engine", "."]
+ANSWER = "".join(SCRIPT)
+
+
+class FakeEngine:
+    """Deterministic engine client. Behaviour keyed by words in the prompt:
+    ``slow`` endless tokens every 20 ms; ``pause`` a 0.5 s gap after the first token;
+    ``fail`` an EngineFailedError after two tokens; ``offline`` EngineUnavailableError."""
+
+    def __init__(self) -> None:
+        self.requests: list[GenerationRequest] = []
+        self.outcomes: dict[str, str] = {}   # request_id -> finished | cancelled | closed | failed
+        self._lock = threading.Lock()
+
+    def models(self) -> list[ModelCard]:
+        return [ModelCard(MODEL, created=1_700_000_000, n_ctx=N_CTX)]
+
+    def outcome(self, request_id: str, timeout: float = 5.0) -> str | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if request_id in self.outcomes:
+                    return self.outcomes[request_id]
+            time.sleep(0.01)
+        return None
+
+    def last_request(self, word: str) -> GenerationRequest:
+        return next(r for r in reversed(self.requests) if word in _prompt_text(r))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        self.requests.append(request)
+        prompt = _prompt_text(request)
+        prompt_tokens = len(prompt.split())
+        if "offline" in prompt:
+            raise EngineUnavailableError("No route to the model's stages.")
+        if prompt_tokens > N_CTX:
+            raise ContextOverflowError(prompt_tokens, N_CTX)
+        outcome = "closed"
+        try:
+            yield Admitted(prompt_tokens)
+            stop = StopMatcher(request.stop)
+            n = 0
+            limit = request.max_tokens if request.max_tokens is not None else N_CTX - prompt_tokens
+            reason = "stop"
+            while True:
+                if "slow" in prompt:
+                    piece = f" t{n}"
+                    await asyncio.sleep(0.02)
+                elif n < len(SCRIPT):
+                    piece = SCRIPT[n]
+                else:
+                    break
+                if n >= limit:
+                    reason = "length"
+                    break
+                if "fail" in prompt and n == 2:
+                    raise EngineFailedError("Stage 1 went away.")
+                if "pause" in prompt and n == 1:
+                    await asyncio.sleep(0.5)
+                n += 1
+                text = stop.feed(piece)
+                yield TextDelta(text, (n,))
+                if stop.stopped:
+                    break
+            if tail := stop.flush():
+                yield TextDelta(tail)
+            outcome = "finished"
+            yield Finished(
+                reason,
+                Usage(prompt_tokens, n),
+                Timings(prompt_n=prompt_tokens, prompt_ms=5.0, predicted_n=n, predicted_ms=2.0 * n,
+                        draft_n=4, draft_n_accepted=3),
+            )
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except EngineFailedError:
+            outcome = "failed"
+            raise
+        finally:
+            with self._lock:
+                self.outcomes[request.request_id] = outcome
+
+
+def _prompt_text(r: GenerationRequest) -> str:
+    return r.prompt if r.prompt is not None else " ".join(m.content for m in r.messages or ())
+
+
+_: type[EngineClient] = FakeEngine  # structural check for type checkers
+
+
+@pytest.fixture(scope="module")
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine: FakeEngine) -> Iterator[str]:
+    app = FastAPI()
+    app.include_router(make_openai_router(lambda: engine, keepalive_s=0.1))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(5)
+
+
+@pytest.fixture
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=10)
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def _post(base_url: str, path: str, body: object, **kw: object) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(base_url + path, content=content, headers={"content-type": "application/json"},
+                      timeout=10, **kw)
+
+
+def _sse_lines(text: str) -> list[str]:
+    return [block for block in text.split("\n\n") if block]
+
+
+# --- the official client ----------------------------------------------------------------
+
+
+def test_models_list_and_retrieve(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].owned_by == "meshnode"
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_chat_non_streaming(client: openai.OpenAI, engine: FakeEngine) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "be brief"}, *_user("hi there")],
+        max_tokens=50, temperature=0.2, top_p=0.9, seed=7,
+    )
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == ANSWER
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage is not None
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (4, 9, 13)
+    timings = (resp.model_extra or {})["timings"]
+    assert timings["prompt_n"] == 4 and timings["predicted_n"] == 9
+    assert timings["predicted_per_second"] == pytest.approx(500.0)
+    assert (timings["draft_n"], timings["draft_n_accepted"]) == (4, 3)
+    req = engine.last_request("hi there")
+    assert req.request_id == resp.id and req.model == MODEL
+    assert (req.max_tokens, req.temperature, req.top_p, req.seed) == (50, 0.2, 0.9, 7)
+    assert [(m.role, m.content) for m in req.messages or ()] == [("system", "be brief"), ("user", "hi there")]
+
+
+def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=_user("stream please"), stream=True, stream_options={"include_usage": True},
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ANSWER
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finish] == ["stop"]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (2, 9)
+    assert (last.model_extra or {})["timings"]["predicted_n"] == 9
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_streaming_without_usage_puts_timings_on_finish_chunk(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user("x"), stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage is None
+    assert "timings" in (chunks[-1].model_extra or {})
+
+
+def test_completions_non_streaming_and_streaming(client: openai.OpenAI, engine: FakeEngine) -> None:
+    resp = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=20)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].text == ANSWER and resp.choices[0].finish_reason == "stop"
+    assert resp.usage is not None and resp.usage.prompt_tokens == 3
+    assert engine.last_request("def add").prompt == "def add(a, b):"
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=["def add(a, b):"], stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ANSWER
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9
+
+
+async def test_async_client_streaming(base_url: str) -> None:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as aclient:
+        stream = await aclient.chat.completions.create(model=MODEL, messages=_user("async"), stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == ANSWER
+
+
+def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=_user("short"), max_tokens=3)
+    assert resp.choices[0].message.content == "Hello world,"
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage is not None and resp.usage.completion_tokens == 3
+    resp = client.chat.completions.create(model=MODEL, messages=_user("short"), max_completion_tokens=2)
+    assert resp.choices[0].message.content == "Hello world"
+
+
+@pytest.mark.parametrize(
+    ("stop", "expected"),
+    [([" fake"], "Hello world, this is a"), ("is a f", "Hello world, this "), (["zzz", "."], "Hello world, this is a fake engine"),
+     (["never"], ANSWER)],
+)
+def test_stop_strings(client: openai.OpenAI, stop: str | list[str], expected: str) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=_user("stop test"), stop=stop)
+    assert resp.choices[0].message.content == expected
+    assert resp.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user("stop test"), stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
+def test_unknown_model_via_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-17", messages=_user("x"))
+    assert info.value.code == "model_not_found"
+
+
+def test_in_band_error_via_client(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=_user("please fail"), stream=True)
+    got: list[str] = []
+    with pytest.raises(openai.APIError) as info:
+        for chunk in stream:
+            got.append(chunk.choices[0].delta.content or "")
+    assert "".join(got) == "Hello world"
+    assert "Stage 1 went away" in info.value.message
+
+
+def test_keep_alive_is_harmless_to_the_client(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=_user("pause"), stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ANSWER
+
+
+# --- raw HTTP -------------------------------------------------------------------------
+
+
+def _error(resp: httpx.Response, status: int) -> dict[str, object]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe"])
+def test_malformed_json_is_400(base_url: str, raw: bytes) -> None:
+    err = _error(_post(base_url, "/chat/completions", raw), 400)
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
+
+
+def test_unknown_model_is_404(base_url: str) -> None:
+    err = _error(_post(base_url, "/chat/completions", {"model": "nope", "messages": _user("x")}), 404)
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "model_not_found", "model")
+    err = _error(_post(base_url, "/completions", {"model": "nope", "prompt": "x", "stream": True}), 404)
+    assert err["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("patch", "param", "code"),
+    [
+        ({"temperature": -1}, "temperature", "invalid_value"),
+        ({"temperature": 2.5}, "temperature", "invalid_value"),
+        ({"top_p": 1.5}, "top_p", "invalid_value"),
+        ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"max_tokens": "many"}, "max_tokens", "invalid_value"),
+        ({"n": 2}, "n", "unsupported_value"),
+        ({"logprobs": True}, "logprobs", "unsupported_value"),
+        ({"stop": ["ok", ""]}, "stop", "invalid_value"),
+        ({"messages": []}, "messages", "invalid_value"),
+        ({"messages": None}, "messages", "invalid_value"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_value"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]", "invalid_value"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages[0].content[0].type", "unsupported_value"),
+        ({"model": None}, "model", "invalid_value"),
+    ],
+)
+def test_bad_parameters_are_400_with_param(base_url: str, patch: dict[str, object], param: str, code: str) -> None:
+    body = {"model": MODEL, "messages": _user("x"), **patch}
+    err = _error(_post(base_url, "/chat/completions", body), 400)
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)
+
+
+def test_missing_field_is_400(base_url: str) -> None:
+    err = _error(_post(base_url, "/chat/completions", {"model": MODEL}), 400)
+    assert err["param"] == "messages" and "Missing required parameter" in str(err["message"])
+    err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": [1, 2, 3]}), 400)
+    assert (err["param"], err["code"]) == ("prompt", "unsupported_value")
+    err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}), 400)
+    assert err["param"] == "suffix"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_context_overflow_is_400(base_url: str, stream: bool) -> None:
+    long = " ".join(["word"] * (N_CTX + 1))
+    err = _error(_post(base_url, "/chat/completions", {"model": MODEL, "messages": _user(long), "stream": stream}), 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+    assert str(N_CTX) in str(err["message"])
+    err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": long, "stream": stream}), 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
+
+
+def test_engine_unavailable_is_503(base_url: str) -> None:
+    err = _error(_post(base_url, "/chat/completions", {"model": MODEL, "messages": _user("offline")}), 503)
+    assert (err["type"], err["code"]) == ("server_error", "engine_unavailable")
+
+
+def test_unknown_extra_fields_are_accepted(base_url: str, engine: FakeEngine) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "developer", "content": "rules", "name": "ed"},
+            {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "extras"}],
+             "cache_control": {"type": "ephemeral"}},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "tool_choice": "auto", "parallel_tool_calls": False, "response_format": {"type": "text"},
+        "min_p": 0.05, "cache_prompt": True, "top_k": 40, "presence_penalty": 0.5, "user": "me",
+        "stream_options": {"include_usage": False, "vendor": 1}, "metadata": {"editor": "x"},
+    }
+    resp = _post(base_url, "/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == ANSWER
+    req = engine.last_request("part one")
+    assert [(m.role, m.content) for m in req.messages or ()] == [("system", "rules"), ("user", "part one\nextras")]
+    assert req.top_k == 40
+
+
+def test_stream_wire_format(base_url: str) -> None:
+    body = {"model": MODEL, "messages": _user("wire"), "stream": True, "stream_options": {"include_usage": True}}
+    resp = _post(base_url, "/chat/completions", body)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = _sse_lines(resp.text)
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert payloads[-2]["choices"][0]["finish_reason"] == "stop" and payloads[-2]["choices"][0]["delta"] == {}
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["total_tokens"] == 10
+    assert set(payloads[-1]["timings"]) >= {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms",
+                                            "predicted_per_second", "draft_n", "draft_n_accepted"}
+
+
+def test_in_band_error_after_stream_start(base_url: str, engine: FakeEngine) -> None:
+    resp = _post(base_url, "/chat/completions", {"model": MODEL, "messages": _user("fail now"), "stream": True})
+    assert resp.status_code == 200
+    events = _sse_lines(resp.text)
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert (err["type"], err["code"]) == ("server_error", "engine_failed")
+    first = json.loads(events[0].removeprefix("data: "))
+    assert engine.outcome(first["id"]) == "failed"
+
+
+def test_keep_alive_comments_while_engine_is_silent(base_url: str) -> None:
+    resp = _post(base_url, "/chat/completions", {"model": MODEL, "messages": _user("pause"), "stream": True})
+    events = _sse_lines(resp.text)
+    assert ": keep-alive" in events
+    assert events[-1] == "data: [DONE]"
+
+
+def test_client_disconnect_mid_stream_cancels_generation(base_url: str, engine: FakeEngine) -> None:
+    body = {"model": MODEL, "messages": _user("slow"), "stream": True, "max_tokens": 10_000}
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", base_url + "/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            data = []
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    data.append(json.loads(line.removeprefix("data: ")))
+                if len(data) == 4:
+                    break
+    request_id = data[0]["id"]
+    assert engine.outcome(request_id) in ("cancelled", "closed")
+
+
+def test_client_disconnect_non_streaming_cancels_generation(base_url: str, engine: FakeEngine) -> None:
+    body = {"model": MODEL, "messages": _user("slow nonstream"), "max_tokens": 10_000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    req = engine.last_request("slow nonstream")
+    assert engine.outcome(req.request_id) in ("cancelled", "closed")

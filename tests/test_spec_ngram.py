@@ -1,0 +1,101 @@
+"""NGramProposer: prompt-lookup proposals, incremental index, would-hit checks."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshnode.spec.ngram import NGramDrafter, NGramProposer
+
+
+def reference_propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Brute force: longest suffix n-gram, latest earlier occurrence, periodic extension."""
+    size = len(tokens)
+    for n in range(min(max_n, size), min_n - 1, -1):
+        suffix = tokens[size - n :]
+        for start in range(size - n - 1, -1, -1):  # occurrence must end before the suffix does
+            if tokens[start : start + n] == suffix:
+                ext = list(tokens)
+                for j in range(k):
+                    ext.append(ext[start + n + j])
+                return ext[size:]
+    return []
+
+
+def test_continues_latest_earlier_occurrence():
+    p = NGramProposer([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], max_n=3)
+    # latest earlier "1 2 3" is at positions 4..6, followed by 7 5
+    assert p.propose(2) == [7, 5]
+    assert p.match() == (3, 7)
+
+
+def test_prefers_longer_ngrams():
+    # "3" alone was last followed by 8, but "2 3" by 4
+    p = NGramProposer([2, 3, 4, 5, 3, 8, 6, 2, 3], max_n=3)
+    assert p.propose(2) == [4, 5]
+
+
+def test_no_match_and_k_zero():
+    p = NGramProposer([1, 2, 3, 4], max_n=3)
+    assert p.propose(4) == []
+    assert p.would_hit(1) is None
+    p.observe([1])
+    assert p.propose(0) == []
+    assert p.propose(3) == [2, 3, 4]
+
+
+def test_periodic_extension_beyond_context():
+    p = NGramProposer([5, 6, 5, 6], max_n=2)
+    assert p.propose(5) == [5, 6, 5, 6, 5]
+    q = NGramProposer([7, 7], max_n=3)
+    assert q.propose(3) == [7, 7, 7]
+
+
+def test_incremental_equals_batch_and_reset():
+    toks = [random.Random(1).randrange(6) for _ in range(200)]
+    a = NGramProposer(max_n=4)
+    for t in toks:
+        a.observe([t])
+    b = NGramProposer(toks, max_n=4)
+    assert a.propose(8) == b.propose(8)
+    b.reset([1, 2, 1])
+    assert len(b) == 3 and b.propose(2) == [2, 1]
+
+
+def test_would_hit():
+    p = NGramProposer([1, 2, 3, 1, 2], max_n=3)
+    assert p.would_hit(3) is True
+    assert p.would_hit(4) is False
+
+
+def test_drafter_protocol_adapter():
+    d = NGramDrafter(max_n=3)
+    d.reset([1, 2, 3, 1])
+    assert d.propose([1], 2) == [2, 3]
+    d.accept([2, 3])
+    assert d.propose([], 1) == [1]
+
+
+def test_min_n_above_one():
+    p = NGramProposer([1, 2, 9, 2], max_n=3, min_n=2)
+    assert p.propose(2) == []  # only a 1-gram matches
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    toks=st.lists(st.integers(0, 4), max_size=60),
+    k=st.integers(0, 8),
+    max_n=st.integers(1, 4),
+)
+def test_matches_brute_force(toks, k, max_n):
+    p = NGramProposer(max_n=max_n)
+    # feed in random-sized chunks to exercise incremental updates
+    i = 0
+    while i < len(toks):
+        j = i + 1 + (toks[i] % 3)
+        p.observe(toks[i:j])
+        i = j
+    expect = reference_propose(toks, k, max_n, 1) if k > 0 else []
+    assert p.propose(k) == expect

@@ -1,0 +1,263 @@
+"""meshnode.wire properties: every message round-trips; no input makes the decoder raise."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from meshnode.wire import (
+    HEADER_SIZE,
+    AuthChallenge,
+    AuthProof,
+    AuthResult,
+    Claim,
+    DataError,
+    DecoderState,
+    Error,
+    ErrorCode,
+    Forward,
+    FrameDecoder,
+    Heartbeat,
+    Hello,
+    Inventory,
+    Load,
+    LocalProtocolError,
+    MessageKind,
+    Prepare,
+    Ready,
+    RemoteProtocolError,
+    Segment,
+    SegmentResult,
+    SessionEnd,
+    Status,
+    Stop,
+    TokenReturn,
+    Trim,
+    WireError,
+    decode_message,
+    encode,
+)
+
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+u8 = st.integers(0, 2**8 - 1)
+u16 = st.integers(0, 2**16 - 1)
+u32 = st.integers(0, 2**32 - 1)
+u64 = st.integers(0, 2**64 - 1)
+i32 = st.integers(-(2**31), 2**31 - 1)
+f32 = st.floats(width=32, allow_nan=False)
+f64 = st.floats(allow_nan=False)
+text = st.text(max_size=24)
+codes = st.sampled_from(ErrorCode)
+json_scalar = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | text
+json_value = st.recursive(json_scalar, lambda v: st.lists(v, max_size=3) | st.dictionaries(text, v, max_size=3), max_leaves=8)
+
+
+@st.composite
+def layer_range(draw: st.DrawFn) -> tuple[int, int, int]:
+    a, b, total = sorted(draw(st.lists(st.integers(0, 200), min_size=3, max_size=3)))
+    return a, b, total
+
+
+@st.composite
+def prepares(draw: st.DrawFn) -> Prepare:
+    a, b, total = draw(layer_range())
+    return Prepare(draw(u32), draw(u64), draw(text), draw(text), a, b, total)
+
+
+@st.composite
+def inventories(draw: st.DrawFn) -> Inventory:
+    a, b, _ = draw(layer_range())
+    return Inventory(draw(u32), draw(u64), draw(text), a, b, draw(st.booleans()), draw(f64), draw(text))
+
+
+@st.composite
+def loads(draw: st.DrawFn) -> Load:
+    a, b, _ = draw(layer_range())
+    return Load(
+        draw(u32), draw(u64), draw(text), a, b, draw(text), draw(text), draw(text),
+        draw(st.sampled_from(["f32", "f16"])), draw(u32), draw(u32), draw(u32),
+    )  # fmt: skip
+
+
+@st.composite
+def forwards(draw: st.DrawFn) -> Forward:
+    rows = draw(st.lists(st.integers(0, 4), max_size=4))
+    segs = tuple(
+        Segment(
+            draw(u64), draw(u32), n, draw(st.integers(0, n)), tuple(draw(st.lists(u32, max_size=32))),
+            draw(f32), draw(i32), draw(f32), draw(u64), draw(u8),
+        )  # fmt: skip
+        for n in rows
+    )
+    dtype = draw(st.sampled_from([np.float32, np.float16]))
+    width = draw(st.integers(1, 9))
+    # any bit pattern, NaNs and infinities included: the wire must carry them exactly
+    act = draw(hnp.arrays(dtype, (sum(rows), width), elements=st.floats(width=np.dtype(dtype).itemsize * 8)))
+    return Forward(draw(u32), draw(u64), draw(u32), segs, act)
+
+
+results = st.builds(SegmentResult, u64, st.lists(u32, max_size=40).map(tuple), u32, u32)
+
+messages = st.one_of(
+    st.builds(Hello, u32, text, text, text, u16, st.dictionaries(text, json_value, max_size=4)),
+    st.builds(AuthChallenge, u32, st.binary(max_size=64)),
+    st.builds(AuthProof, u32, st.binary(max_size=64)),
+    st.builds(AuthResult, u32, st.booleans(), text),
+    st.builds(Heartbeat, u32, u64, u64, st.booleans()),
+    st.builds(Claim, u32, u64, text, text, u32),
+    prepares(),
+    inventories(),
+    loads(),
+    st.builds(Ready, u32, u64, u32, u32, f64),
+    st.builds(Stop, u32, u64, text),
+    st.builds(Status, u32, u64, text, text, f64),
+    st.builds(Error, u32, codes, text),
+    forwards(),
+    st.builds(TokenReturn, u32, u64, st.lists(results, max_size=4).map(tuple)),
+    st.builds(Trim, u32, u64, u32),
+    st.builds(SessionEnd, u32, u64),
+    st.builds(DataError, u32, u64, u64, codes, text),
+)
+
+
+def same(a: object, b: object) -> bool:
+    """Equality, and bit equality for activations (NaN payloads, -0.0)."""
+    if isinstance(a, Forward) and isinstance(b, Forward):
+        return (
+            (a.ref, a.batch_id, a.step, a.segments) == (b.ref, b.batch_id, b.step, b.segments)
+            and a.act.dtype == b.act.dtype
+            and a.act.shape == b.act.shape
+            and a.act.tobytes() == b.act.tobytes()
+        )
+    return a == b
+
+
+def test_every_kind_has_a_strategy():
+    # one_of keeps its branches; make sure none of the 18 kinds was forgotten
+    kinds = {
+        Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, Claim, Prepare, Inventory, Load,
+        Ready, Stop, Status, Error, Forward, TokenReturn, Trim, SessionEnd, DataError,
+    }  # fmt: skip
+    assert {k.KIND for k in kinds} == set(MessageKind)
+
+
+@FUZZ
+@given(messages, st.data())
+def test_round_trip_whole_bytewise_and_with_trailing_data(msg, data):
+    wire = encode(msg)
+    [got] = FrameDecoder().feed(wire)
+    assert same(got, msg)
+    assert type(got).KIND == struct.unpack_from("<H", wire, 4)[0]
+    assert encode(got) == wire  # canonical: decoding then encoding gives the same bytes
+
+    dec = FrameDecoder()
+    events = []
+    for i in range(len(wire)):
+        events += dec.feed(wire[i : i + 1])
+    assert len(events) == 1 and same(events[0], msg)
+
+    # split at random points, followed by a second copy and a partial third
+    cut = data.draw(st.integers(0, len(wire)))
+    tail = data.draw(st.integers(0, len(wire) - 1))
+    dec = FrameDecoder()
+    events = dec.feed(wire[:cut]) + dec.feed(wire[cut:] + wire + wire[:tail])
+    assert len(events) == 2 and all(same(e, msg) for e in events)
+    assert dec.pending == tail and dec.state is DecoderState.OPEN
+
+
+def _no_crash(events: list) -> None:
+    for e in events:
+        if isinstance(e, WireError):
+            assert e.code is not ErrorCode.INTERNAL, e
+        else:
+            encode(e)  # whatever decodes is a valid message
+
+
+@FUZZ
+@given(st.binary(max_size=200), st.integers(1, 16))
+def test_random_bytes_never_raise(data, chunk):
+    dec = FrameDecoder()
+    events = []
+    for i in range(0, len(data), chunk):
+        events += dec.feed(data[i : i + chunk])
+    events += dec.feed_eof()
+    _no_crash(events)
+    assert dec.state is not DecoderState.OPEN
+
+
+@FUZZ
+@given(st.sampled_from(sorted(MessageKind) + [0, 0x0200, 0xFFFF]), st.binary(max_size=120))
+def test_random_payloads_of_every_kind(kind, payload):
+    try:
+        msg = decode_message(kind, payload)
+    except RemoteProtocolError as e:
+        assert e.code is not ErrorCode.INTERNAL
+    else:
+        encode(msg)
+    wire = struct.pack("<2sBBHI", b"MN", 1, 0, kind, len(payload)) + payload
+    events = FrameDecoder().feed(wire + encode(Trim(1, 2, 3)))
+    assert len(events) == 2 and events[1] == Trim(1, 2, 3)  # a bad payload never desynchronises
+    _no_crash(events)
+
+
+@FUZZ
+@given(messages, st.data())
+def test_mutated_payloads_decode_or_error(msg, data):
+    payload = bytearray(encode(msg)[HEADER_SIZE:])
+    for _ in range(data.draw(st.integers(1, 4))):
+        op = data.draw(st.sampled_from(["flip", "insert", "delete", "truncate"]))
+        at = data.draw(st.integers(0, max(len(payload) - 1, 0)))
+        if op == "flip" and payload:
+            payload[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif op == "insert":
+            payload[at:at] = data.draw(st.binary(min_size=1, max_size=4))
+        elif op == "delete" and payload:
+            del payload[at]
+        elif op == "truncate":
+            del payload[at:]
+    wire = struct.pack("<2sBBHI", b"MN", 1, 0, msg.KIND, len(payload)) + bytes(payload)
+    events = FrameDecoder().feed(wire + encode(Trim(1, 2, 3)))
+    assert len(events) == 2 and events[1] == Trim(1, 2, 3)
+    _no_crash(events)
+
+
+@FUZZ
+@given(messages, st.integers(0, 2**32 - 1))
+def test_lying_length_prefix(msg, length):
+    wire = bytearray(encode(msg))
+    wire[6:10] = struct.pack("<I", length)
+    dec = FrameDecoder(max_frame=1 << 16)
+    events = dec.feed(bytes(wire))
+    _no_crash(events)
+    if length > 1 << 16:
+        assert [e.code for e in events] == [ErrorCode.OVERSIZE] and dec.state is DecoderState.ERROR
+
+
+@settings(max_examples=50, deadline=None)
+@given(hnp.arrays(np.float16, st.tuples(st.integers(1, 8), st.integers(1, 64)), elements=st.floats(width=16)))
+def test_f16_activations_round_trip_exactly(act):
+    segs = (Segment(1, 0, act.shape[0], 1, (), 0.0, 0, 1.0, 0, 0),)
+    [got] = FrameDecoder().feed(encode(Forward(0, 0, 0, segs, act)))
+    assert got.act.dtype == np.float16 and got.act.tobytes() == act.tobytes()
+
+
+def test_f32_fields_round_to_float32():
+    # documented: temperature/top_p are f32 on the wire
+    seg = Segment(1, 0, 1, 1, (), 0.1, 0, 0.9, 0, 0)
+    [got] = FrameDecoder().feed(encode(Forward(0, 0, 0, (seg,), np.zeros((1, 1), np.float32))))
+    assert got.segments[0].temperature == float(np.float32(0.1))
+    assert got.segments[0].top_p == float(np.float32(0.9))
+
+
+def test_encoding_errors_are_local_never_remote():
+    try:
+        encode(Trim(0, -5, 0))
+    except LocalProtocolError as e:
+        assert e.code is ErrorCode.BAD_FIELD
+    else:
+        raise AssertionError("expected LocalProtocolError")

@@ -1,0 +1,270 @@
+"""The meshnode TUI: one Textual app over the node's public API.
+
+Theory of operation. The app never reaches into the node: it reads
+``node.snapshot()`` on a timer (``refresh_hz``, at most 10 Hz) and hands the snapshot to
+the active screen, which draws only when it changed; one worker consumes
+``node.events()`` into an :class:`~ui.feed.EventFeed` and posts :class:`EventsArrived`
+messages, which coalesce in the queue and are drawn at most ``refresh_hz`` times per
+second. The only outbound traffic is the Chat screen's HTTP request to the node's own
+OpenAI endpoint.
+
+``run_tui(make_node)`` is the product entry point: it runs the node and the app in one
+asyncio loop. The node is started from a worker once the UI is up (so model downloads
+show as progress in the status bar and on the Mesh screen) and stopped when the app
+quits. ``make_app(node)`` builds the app over a node that is already running (tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as _dt
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+from textual.message import Message
+from textual.timer import Timer
+
+from meshnode.state import NodeAPI, NodeSnapshot
+from ui.feed import EventFeed
+from ui.screens.base import NodeScreen
+from ui.screens.chat import ChatScreen
+from ui.screens.help import HelpScreen
+from ui.screens.logs import LogsScreen
+from ui.screens.mesh import MeshScreen
+from ui.screens.models import ModelsScreen
+from ui.screens.requests import RequestsScreen
+from ui.screens.speculation import SpeculationScreen
+from ui.screens.telemetry import TelemetryScreen
+
+log = logging.getLogger("meshnode.ui")
+
+# (mode name, title, screen class); the number key of each is its position + 1.
+SCREENS: tuple[tuple[str, str, type[NodeScreen]], ...] = (
+    ("mesh", "Mesh", MeshScreen),
+    ("telemetry", "Telemetry", TelemetryScreen),
+    ("speculation", "Speculation", SpeculationScreen),
+    ("requests", "Requests", RequestsScreen),
+    ("models", "Models", ModelsScreen),
+    ("chat", "Chat", ChatScreen),
+    ("logs", "Logs", LogsScreen),
+)
+
+# short footer labels, so every key fits 80 columns
+_SHORT = {"Telemetry": "Telem", "Speculation": "Spec", "Requests": "Reqs"}
+
+MAX_REFRESH_HZ = 10.0
+
+
+class ManagedNode(NodeAPI, Protocol):
+    """A node the TUI starts and stops itself (``meshnode.node.Node``)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class EventsArrived(Message):
+    """New entries in the app's EventFeed; queued copies replace each other."""
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, EventsArrived)
+
+
+class MeshnodeApp(App[int]):
+    CSS_PATH = "app.tcss"
+    TITLE = "meshnode"
+    ENABLE_COMMAND_PALETTE = False
+    MODES = {mode: cls for mode, _, cls in SCREENS}
+    DEFAULT_MODE = "mesh"
+    BINDINGS = [
+        *(
+            Binding(str(i), f"switch_mode('{mode}')", _SHORT.get(title, title), tooltip=f"Show the {title} screen")
+            for i, (mode, title, _) in enumerate(SCREENS, start=1)
+        ),
+        # F1..F7 also switch screens, and work while the Chat prompt has focus.
+        *(
+            Binding(f"f{i}", f"switch_mode('{mode}')", title, show=False, priority=True)
+            for i, (mode, title, _) in enumerate(SCREENS, start=1)
+        ),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(
+        self,
+        node: NodeAPI,
+        *,
+        refresh_hz: float = 4.0,
+        manage_node: bool = False,
+        clock: Callable[[], float] = time.time,
+        tz: _dt.tzinfo | None = None,
+        cursor_blink: bool = True,
+    ) -> None:
+        """``manage_node``: start the node on mount and stop it on quit (``run_tui``).
+
+        ``clock`` (unix time) and ``tz`` (None: local) drive every time shown, and
+        ``cursor_blink`` the prompt's cursor, so tests can freeze them.
+        """
+        super().__init__()
+        self.node = node
+        self.refresh_hz = min(max(refresh_hz, 0.1), MAX_REFRESH_HZ)
+        self.manage_node = manage_node
+        self.clock = clock
+        self.tz = tz
+        self.cursor_blink = cursor_blink
+        self.feed = EventFeed()
+        self.latest_snapshot: NodeSnapshot | None = None
+        self.node_state = "starting" if manage_node else "running"
+        self.node_detail = ""
+        self._stopped = False
+        self._flush_timer: Timer | None = None
+        self._last_flush = 0.0
+        self._subscribed = False
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        self.poll()
+        self.set_interval(1 / self.refresh_hz, self.poll, name="snapshot-poll")
+        self.consume_events()
+        if self.manage_node:
+            self.start_node()
+
+    @work(exclusive=True, group="node-lifecycle", exit_on_error=False)
+    async def start_node(self) -> None:
+        node: ManagedNode = self.node  # type: ignore[assignment]
+        try:
+            await node.start()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # shown to the user; the app stays up to show logs
+            log.exception("node failed to start")
+            self.set_node_state("failed", f"{type(exc).__name__}: {exc}")
+            self.notify(f"The node failed to start: {exc}", severity="error", timeout=30)
+            return
+        self.set_node_state("running")
+        if not self._subscribed:
+            self.consume_events()
+        self.poll()
+
+    async def stop_node(self) -> None:
+        """Stop a managed node once (idempotent); a no-op for nodes the app didn't start."""
+        if not self.manage_node or self._stopped:
+            return
+        self._stopped = True
+        self.workers.cancel_group(self, "node-lifecycle")
+        self.set_node_state("stopping")
+        try:
+            await self.node.stop()  # type: ignore[attr-defined]
+        except Exception:
+            log.exception("node failed to stop cleanly")
+
+    async def action_quit(self) -> None:
+        code = 1 if self.node_state == "failed" else 0
+        await self.stop_node()
+        self.exit(return_code=code)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def set_node_state(self, state: str, detail: str = "") -> None:
+        self.node_state, self.node_detail = state, detail
+        if self.is_running and isinstance(self.screen, NodeScreen):
+            self.screen.refresh_status()
+
+    # -- node -> UI -----------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Read one snapshot and give it to the active screen if it changed."""
+        try:
+            snap = self.node.snapshot()
+        except Exception as exc:  # a node still starting may not have state yet
+            if self.node_state == "running":
+                log.debug("snapshot failed: %s", exc)
+            return
+        if snap is self.latest_snapshot or snap == self.latest_snapshot:
+            return
+        self.latest_snapshot = snap
+        if isinstance(self.screen, NodeScreen):
+            self.screen.snapshot = snap
+
+    @work(exclusive=True, group="node-events", exit_on_error=False)
+    async def consume_events(self) -> None:
+        try:
+            events = self.node.events()
+            self._subscribed = True
+            async for event in events:
+                self.feed.add(event)
+                self.post_message(EventsArrived())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._subscribed = False
+            if self.node_state == "running":
+                log.warning("event stream ended: %s", exc)
+
+    def on_events_arrived(self, _: EventsArrived) -> None:
+        if self._flush_timer is not None:
+            return  # a draw is already scheduled
+        # (a Timer needs a positive delay)
+        delay = max(0.01, self._last_flush + 1 / self.refresh_hz - time.monotonic())
+        self._flush_timer = self.set_timer(delay, self._flush_feed, name="feed-flush")
+
+    def _flush_feed(self) -> None:
+        self._flush_timer = None
+        self._last_flush = time.monotonic()
+        if isinstance(self.screen, NodeScreen):
+            self.screen.show_feed(self.feed)
+
+
+def make_app(node: NodeAPI, **kwargs) -> MeshnodeApp:
+    """The TUI over an already running ``node``; keyword arguments go to MeshnodeApp."""
+    return MeshnodeApp(node, **kwargs)
+
+
+@contextlib.contextmanager
+def _terminal_logging_muted() -> Iterator[None]:
+    """Detach root log handlers that write to the terminal while the TUI owns it."""
+    root = logging.getLogger()
+    muted = [
+        h for h in root.handlers
+        if isinstance(h, logging.StreamHandler)
+        and getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    ]
+    for h in muted:
+        root.removeHandler(h)
+    try:
+        yield
+    finally:
+        for h in muted:
+            root.addHandler(h)
+
+
+def run_tui(make_node: Callable[[], ManagedNode], *, refresh_hz: float = 4.0) -> int:
+    """Run the node and the TUI in one asyncio loop until the user quits.
+
+    ``make_node`` is called inside the loop (so the node may bind loop resources in its
+    constructor); the node is started once the UI is up and stopped when it closes,
+    however it closes. Returns the process exit code (1 when the node failed to start).
+    """
+
+    async def main() -> int:
+        node = make_node()
+        app = MeshnodeApp(node, refresh_hz=refresh_hz, manage_node=True)
+        try:
+            await app.run_async()
+        finally:
+            await app.stop_node()
+        code = app.return_code
+        return 1 if code is None and app.node_state == "failed" else int(code or 0)
+
+    with _terminal_logging_muted():
+        return asyncio.run(main())

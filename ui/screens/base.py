@@ -1,0 +1,72 @@
+"""The base of every main screen: a status bar, a body, the footer.
+
+The app sets :attr:`NodeScreen.snapshot` on the active screen at a bounded rate; the
+screen draws in ``watch_snapshot`` -> :meth:`show_snapshot`. New events (drafts, log
+lines) arrive through :meth:`show_feed`, also throttled by the app. A screen that was
+hidden catches up from the app's latest snapshot and feed when it is shown again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from textual.app import ComposeResult
+from textual.reactive import reactive
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from meshnode.state import NodeSnapshot
+from ui.feed import EventFeed
+from ui.widgets import StatusBar
+
+if TYPE_CHECKING:
+    from ui.app import MeshnodeApp
+
+
+class NodeScreen(Screen):
+    TITLE = ""
+
+    snapshot: reactive[NodeSnapshot | None] = reactive(None, init=False)
+
+    @property
+    def mesh_app(self) -> MeshnodeApp:
+        return self.app  # type: ignore[return-value]
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar(self.TITLE)
+        yield from self.compose_body()
+        yield Footer(show_command_palette=False, compact=True)
+
+    def compose_body(self) -> ComposeResult:
+        yield from ()
+
+    def on_mount(self) -> None:
+        self.catch_up()
+
+    def on_screen_resume(self) -> None:
+        self.catch_up()
+
+    def catch_up(self) -> None:
+        app = self.mesh_app
+        self.refresh_status()
+        if app.latest_snapshot is not None:
+            self.snapshot = app.latest_snapshot
+        self.show_feed(app.feed)
+
+    def refresh_status(self) -> None:
+        app = self.mesh_app
+        self.query_one(StatusBar).show(self.snapshot or app.latest_snapshot, app.node_state, app.node_detail)
+
+    def watch_snapshot(self, snap: NodeSnapshot | None) -> None:
+        if snap is None:
+            return
+        self.refresh_status()
+        self.show_snapshot(snap)
+
+    # -- for subclasses -------------------------------------------------------------
+
+    def show_snapshot(self, snap: NodeSnapshot) -> None:
+        """Draw ``snap``; called only when it differs from the previous one."""
+
+    def show_feed(self, feed: EventFeed) -> None:
+        """Draw feed entries newer than those already drawn."""

@@ -1,0 +1,70 @@
+"""Mesh: this node and its peers, the stage map, and transfers while the node starts."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import DataTable, Label
+
+from meshnode.state import NodeSnapshot, PeerInfo
+from ui.format import fmt_ms, fmt_size
+from ui.screens._table import fill_table
+from ui.screens.base import NodeScreen
+from ui.widgets import StageMap, TransferList
+
+
+def _mem(caps) -> tuple[str, str]:
+    if caps is None:
+        return "-", "-"
+    backend = caps.backend
+    if caps.free_vram_bytes:
+        backend += f" {fmt_size(caps.free_vram_bytes)}"
+    return fmt_size(caps.free_ram_bytes), backend
+
+
+def _auth(ok: bool) -> Text:
+    return Text("✓ yes", style="green") if ok else Text("✗ no", style="bold red")
+
+
+class MeshScreen(NodeScreen):
+    TITLE = "Mesh"
+
+    def compose_body(self) -> ComposeResult:
+        with Vertical(id="mesh-body"):
+            yield Label("Nodes  (* this node)", classes="section")
+            yield DataTable(id="nodes", cursor_type="row", zebra_stripes=True)
+            yield Label("Stage map", classes="section", id="stage-title")
+            yield StageMap(id="stage-map")
+            yield Label("Transfers", classes="section", id="transfers-title")
+            yield TransferList(id="transfers")
+
+    def on_mount(self) -> None:
+        table = self.query_one("#nodes", DataTable)
+        table.add_columns("Name", "Address", "RTT", "RAM", "Backend", "Auth", "Role")
+        super().on_mount()
+
+    def show_snapshot(self, snap: NodeSnapshot) -> None:
+        me = snap.node
+        my_role = ", ".join(
+            f"S{s.index} [{s.layer_start},{s.layer_end})" for s in snap.stages if s.node_id == me.node_id
+        )
+        ram, backend = _mem(me.capabilities)
+        rows = [(me.node_id, [Text(f"{me.name} *", style="bold"), me.address, "-", ram, backend,
+                             Text("self", style="dim"), my_role or "idle"])]
+        for p in sorted(snap.peers, key=lambda p: p.name):
+            rows.append((p.node_id, self._peer_row(p)))
+        fill_table(self.query_one("#nodes", DataTable), rows)
+        self.query_one(StageMap).show(snap.stages, snap.model_layers)
+        title = f"Stage map · {snap.model or 'no model'} · {snap.model_layers} layers"
+        self.query_one("#stage-title", Label).update(title)
+        has_transfers = bool(snap.transfers)
+        self.query_one("#transfers-title").display = has_transfers
+        transfers = self.query_one(TransferList)
+        transfers.display = has_transfers
+        transfers.show(snap.transfers)
+
+    @staticmethod
+    def _peer_row(p: PeerInfo) -> list:
+        ram, backend = _mem(p.capabilities)
+        return [p.name, p.address, fmt_ms(p.rtt_ms), ram, backend, _auth(p.authenticated), p.role or "idle"]

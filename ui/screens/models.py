@@ -1,0 +1,55 @@
+"""Models: local models and layer packages, the mesh's models, transfers."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import DataTable, Label
+
+from meshnode.state import NodeSnapshot
+from ui.format import fmt_bytes
+from ui.screens._table import fill_table
+from ui.screens.base import NodeScreen
+from ui.widgets import TransferList
+
+
+class ModelsScreen(NodeScreen):
+    TITLE = "Models"
+
+    def compose_body(self) -> ComposeResult:
+        with VerticalScroll(id="models-body"):
+            yield Label("On this node", classes="section")
+            yield DataTable(id="local-models", cursor_type="row", zebra_stripes=True)
+            yield Label("In the mesh", classes="section")
+            yield DataTable(id="mesh-models", cursor_type="row", zebra_stripes=True)
+            yield Label("Downloads and transfers", classes="section")
+            yield TransferList(id="transfers")
+
+    def on_mount(self) -> None:
+        self.query_one("#local-models", DataTable).add_columns(
+            "Name", "Kind", "Layers", "Size", "Source", "Arch", "sha256"
+        )
+        self.query_one("#mesh-models", DataTable).add_columns("Name", "Layers", "Size", "Held by")
+        super().on_mount()
+
+    def show_snapshot(self, snap: NodeSnapshot) -> None:
+        local = []
+        for m in snap.models:
+            layers = f"[{m.layer_range[0]},{m.layer_range[1]}) of {m.n_layers}" if m.layer_range else str(m.n_layers)
+            local.append((f"{m.sha256}:{m.path}", [m.name, m.kind, layers, fmt_bytes(m.size_bytes),
+                                                   m.source, m.architecture, m.sha256[:12]]))
+        fill_table(self.query_one("#local-models", DataTable), local)
+
+        held: dict[str, tuple[str, int, int, list[str]]] = {}
+        for p in sorted(snap.peers, key=lambda p: p.name):
+            for hm in p.capabilities.models if p.capabilities else ():
+                name, n_layers, size, holders = held.setdefault(hm.sha256, (hm.name, hm.n_layers, hm.size_bytes, []))
+                holders.append(p.name)
+        for hm in snap.node.capabilities.models:
+            held.setdefault(hm.sha256, (hm.name, hm.n_layers, hm.size_bytes, []))[3].insert(0, snap.node.name)
+        mesh = [
+            (sha, [name, str(n_layers), fmt_bytes(size), ", ".join(holders)])
+            for sha, (name, n_layers, size, holders) in sorted(held.items(), key=lambda kv: kv[1][0])
+        ]
+        fill_table(self.query_one("#mesh-models", DataTable), mesh)
+        self.query_one(TransferList).show(snap.transfers)

@@ -1,0 +1,82 @@
+"""Speculation: per-strategy statistics, acceptance over time, and the live drafts view."""
+
+from __future__ import annotations
+
+import re
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import DataTable, Label, RichLog
+
+from meshnode.state import NodeSnapshot, SpecState
+from ui.feed import EventFeed
+from ui.format import render_draft
+from ui.screens._table import fill_table
+from ui.screens.base import NodeScreen
+from ui.widgets import MetricRow
+
+_STATE_STYLE = {
+    SpecState.OFF: "dim",
+    SpecState.COLD: "blue",
+    SpecState.ENABLED: "green",
+    SpecState.COOLING_DOWN: "yellow",
+}
+
+
+class SpeculationScreen(NodeScreen):
+    TITLE = "Speculation"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._drafts_seen = 0
+
+    def compose_body(self) -> ComposeResult:
+        with Vertical(id="spec-body"):
+            yield DataTable(id="spec-stats", cursor_type="none")
+            yield Label("Acceptance per window (recent)", classes="section")
+            yield Vertical(id="acceptance")
+            yield Label("Drafts  ✓ accepted  ✗ rejected  → bonus", classes="section")
+            yield RichLog(id="drafts", max_lines=500, wrap=True, markup=False)
+
+    def on_mount(self) -> None:
+        self.query_one("#spec-stats", DataTable).add_columns(
+            "Strategy", "State", "Window", "Accept", "Proposed", "Accepted", "Windows", "Verify"
+        )
+        super().on_mount()
+
+    def show_snapshot(self, snap: NodeSnapshot) -> None:
+        rows = [
+            (
+                s.strategy,
+                [
+                    Text(s.strategy, style="bold"),
+                    Text(s.state.value, style=_STATE_STYLE[s.state]),
+                    str(s.current_window),
+                    f"{100 * s.acceptance:.0f}%",
+                    str(s.proposed),
+                    str(s.accepted),
+                    str(s.windows),
+                    f"{s.verify_ms:.1f} ms",
+                ],
+            )
+            for s in snap.spec
+        ]
+        fill_table(self.query_one("#spec-stats", DataTable), rows)
+
+    def show_feed(self, feed: EventFeed) -> None:
+        box = self.query_one("#acceptance", Vertical)
+        for strategy, history in feed.acceptance().items():
+            row_id = "acc-" + re.sub(r"[^A-Za-z0-9_-]", "_", strategy)
+            rows = box.query(f"#{row_id}")
+            if rows:
+                row = rows.first(MetricRow)
+            else:
+                row = MetricRow(strategy, id=row_id)
+                box.mount(row)
+            recent = history[-8:]
+            row.show(f"{100 * sum(recent) / len(recent):.0f}% last {len(recent)}", history)
+        log = self.query_one("#drafts", RichLog)
+        for seq, draft in feed.drafts.since(self._drafts_seen):
+            log.write(render_draft(draft))
+            self._drafts_seen = seq
