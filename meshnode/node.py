@@ -6,8 +6,11 @@ loop. When both are up it writes ``paths.runtime_file`` (pid, ports) so that
 ``meshnode status`` can find it, and removes it on :meth:`stop`. Front ends see it only
 through :class:`meshnode.state.NodeAPI`: :meth:`snapshot` and :meth:`events`.
 
-The serving parts (model, stages, requests, speculation) are added by later layers; their
-snapshot fields stay empty here.
+Serving: every node runs a :class:`~meshnode.mesh.runtime.StageServerRuntime` (it can
+serve layer ranges of peers' models) and a :class:`~meshnode.mesh.runtime.CoordinatorRuntime`;
+a node asked to coordinate a model also runs a :class:`~meshnode.serve.service.ModelService`,
+whose EngineClient backs the ``/v1`` routes. Fabric messages are dispatched to whichever
+of them claims them.
 """
 
 from __future__ import annotations
@@ -56,8 +59,13 @@ class Node:
         interfaces: list[str] | None = None,
         name: str | None = None,
         static_peers: list[str] | tuple[str, ...] = (),
+        service: Any = None,
+        threads: int | None = None,
+        max_memory: int | None = None,
     ) -> None:
         from meshnode.mesh.fabric import MeshFabric
+        from meshnode.mesh.runtime import CoordinatorRuntime, StageServerRuntime
+        from meshnode.serve.service import ModelService
 
         self.paths = paths.ensure()
         self.name = name or socket.gethostname()
@@ -74,6 +82,11 @@ class Node:
         self._log_handler: logging.Handler | None = None
         self._started_at: float | None = None
         self.fabric.on_peer_change(self._on_peer_change)
+        self.max_memory = max_memory
+        self.stage_server = StageServerRuntime(self.fabric, self.paths, n_threads=threads)
+        self.coordinator = CoordinatorRuntime(self.fabric, self.paths, n_threads=threads)
+        self.service = ModelService(self, service) if service is not None else None
+        self.fabric.on_message(self._dispatch)
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -111,7 +124,10 @@ class Node:
                 "started": self._started_at,
             }).encode())
         self._caps_task = asyncio.get_running_loop().create_task(self._refresh_caps())
+        self.advertise_models()
         log.info("node %s up: HTTP %s, QUIC port %d", self.name, self.http_url, self.fabric.port)
+        if self.service is not None:
+            self.service.start()
 
     async def stop(self) -> None:
         """Withdraw from the mesh, stop HTTP, remove the runtime file (idempotent)."""
@@ -119,6 +135,11 @@ class Node:
             self.paths.runtime_file.unlink()
         if self._caps_task is not None:
             self._caps_task.cancel()
+        if self.service is not None:
+            with contextlib.suppress(Exception):
+                await self.service.stop()
+        with contextlib.suppress(Exception):
+            await self.stage_server.stop()
         await self.fabric.stop()
         if self._server is not None:
             self._server.should_exit = True
@@ -149,10 +170,48 @@ class Node:
             address=f"{self._address()}:{f.port}", http_url=self.http_url,
             capabilities=caps, version=__version__,
         )
+        svc = self.service
+        server = svc.server if svc is not None else None
+        ref = svc.model_ref if svc is not None else None
+        stages = tuple(svc.serving.stages()) if svc is not None and svc.serving is not None else ()
         return NodeSnapshot(
-            node=info, peers=tuple(f.peers()), model=None, model_layers=0, stages=(),
-            requests=(), spec=(), telemetry=(), models=(), transfers=(),
+            node=info, peers=tuple(f.peers()),
+            model=ref.name if ref is not None else None,
+            model_layers=ref.n_layers if ref is not None else 0,
+            stages=stages + tuple(self.stage_server.stages()),
+            requests=server.requests() if server is not None else (),
+            spec=server.spec_stats() if server is not None else (),
+            telemetry=server.telemetry() if server is not None else (),
+            models=svc.model_infos() if svc is not None else (),
+            transfers=svc.transfers() if svc is not None else (),
         )
+
+    @property
+    def engine_client(self) -> Any:
+        """What the /v1 routes talk to (a 503-answering stand-in until a model is ready)."""
+        from meshnode.serve.service import _Unavailable
+
+        if self.service is None:
+            return _Unavailable(lambda: "this node coordinates no model (started with --no-model)")
+        return self.service.engine_client
+
+    def advertise_models(self) -> None:
+        """Tell peers (mDNS capabilities) which models this node holds."""
+        from meshnode.mesh.runtime import held_models
+
+        async def update() -> None:
+            with contextlib.suppress(Exception):
+                await self.fabric.set_capabilities(capsmod.local_capabilities(tuple(held_models(self.paths))))
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().create_task(update())
+
+    async def _dispatch(self, node_id: str, msg: Any) -> None:
+        """Route a fabric message to whichever part of the node owns it."""
+        if self.coordinator.handle(node_id, msg):
+            return
+        if self.stage_server.handle(node_id, msg):
+            return
+        log.debug("unhandled %s from %s", type(msg).__name__, node_id)
 
     async def events(self) -> AsyncIterator[NodeEvent]:
         q: asyncio.Queue = asyncio.Queue(EVENT_QUEUE)

@@ -10,6 +10,7 @@ import pytest
 from gguf import GGUFValueType
 
 from meshnode.models.errors import ModelFileError, SliceRangeError, UnsupportedArchitectureError
+from meshnode.models.gguf_info import open_gguf
 from meshnode.models.slicer import (
     SUPPORTED_ARCHITECTURES,
     SliceCache,
@@ -47,10 +48,10 @@ def smol_slices(smollm2, tmp_path_factory):
 
 
 def test_smollm2_slices_renumber_and_copy_raw(smollm2, smol_slices):
-    src = gguf.GGUFReader(smollm2.path)
+    src = open_gguf(smollm2.path)
     st = _tensors(src)
     for role, start in (("first", 0), ("middle", 10), ("final", 20)):
-        r = gguf.GGUFReader(smol_slices[role])
+        r = open_gguf(smol_slices[role])
         kv = _kv(r)
         assert kv["llama.block_count"] == 10
         t = _tensors(r)
@@ -74,9 +75,9 @@ def test_smollm2_slices_renumber_and_copy_raw(smollm2, smol_slices):
 
 
 def test_smollm2_first_and_final_keep_tokenizer(smollm2, smol_slices):
-    src = gguf.GGUFReader(smollm2.path)
+    src = open_gguf(smollm2.path)
     for role in ("first", "final"):
-        r = gguf.GGUFReader(smol_slices[role])
+        r = open_gguf(smol_slices[role])
         kv = _kv(r)
         assert kv["tokenizer.ggml.model"] == "gpt2"
         assert kv["llama.vocab_size"] == 49152
@@ -88,7 +89,7 @@ def test_smollm2_first_and_final_keep_tokenizer(smollm2, smol_slices):
 
 
 def test_smollm2_middle_has_tiny_vocab(smol_slices, smollm2):
-    r = gguf.GGUFReader(smol_slices["middle"])
+    r = open_gguf(smol_slices["middle"])
     kv = _kv(r)
     assert kv["tokenizer.ggml.model"] == "none"
     assert kv["llama.vocab_size"] == 8
@@ -116,7 +117,7 @@ def test_slice_cache(smollm2, tmp_path: Path):
     with open(p, "ab") as f:
         f.write(b"x")
     p2 = cache.get(smollm2, 25, 30)
-    assert p2 == p and gguf.GGUFReader(p2).fields["llama.block_count"].contents() == 5
+    assert p2 == p and open_gguf(p2).fields["llama.block_count"].contents() == 5
     with pytest.raises(SliceRangeError):
         cache.get(smollm2, 20, 31)
 
@@ -140,7 +141,7 @@ def test_per_layer_arrays_are_sliced(synthetic_gguf, tmp_path: Path):
         ),
     )
     out = write_slice(src, 2, 5, tmp_path / "s.gguf", **ROLE_FLAGS["middle"])
-    kv = _kv(gguf.GGUFReader(out))
+    kv = _kv(open_gguf(out))
     assert kv["llama.test_per_layer"] == [102, 103, 104]
     assert kv["llama.attention.head_count_kv"] == [2, 2, 2]
     assert kv["general.tags"] == [f"t{i}" for i in range(n)]  # not an {arch}.* key: untouched
@@ -159,7 +160,7 @@ def test_gemma3_swa_pattern_from_global_indices(synthetic_gguf, tmp_path: Path, 
         expected = [(il % period) < period - 1 for il in range(n)]
     for (a, b), flags in (((0, 5), "first"), ((3, 9), "middle"), ((9, 14), "final")):
         out = write_slice(src, a, b, tmp_path / f"g{a}.gguf", **ROLE_FLAGS[flags])
-        r = gguf.GGUFReader(out)
+        r = open_gguf(out)
         field = r.fields["gemma3.attention.sliding_window_pattern"]
         assert field.types == [GGUFValueType.ARRAY, GGUFValueType.BOOL]
         assert field.contents() == expected[a:b]
@@ -177,19 +178,19 @@ def test_gemma3_swa_pattern_from_global_indices(synthetic_gguf, tmp_path: Path, 
 def test_qwen2_biases_and_qwen3_norms(synthetic_gguf, tmp_path: Path):
     q2 = write_slice(synthetic_gguf("q2.gguf", architecture="qwen2", n_layer=4), 1, 3,
                      tmp_path / "q2s.gguf", **ROLE_FLAGS["middle"])
-    t = _tensors(gguf.GGUFReader(q2))
+    t = _tensors(open_gguf(q2))
     assert {"blk.0.attn_q.bias", "blk.1.attn_k.bias", "blk.1.attn_v.bias"} <= set(t)
     assert "blk.2.attn_q.bias" not in t
     q3 = write_slice(synthetic_gguf("q3.gguf", architecture="qwen3", n_layer=4), 2, 4,
                      tmp_path / "q3s.gguf", **ROLE_FLAGS["final"])
-    t = _tensors(gguf.GGUFReader(q3))
+    t = _tensors(open_gguf(q3))
     assert {"blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight", "output.weight"} <= set(t)
 
 
 def test_untied_first_stage_drops_head_final_keeps_it(synthetic_gguf, tmp_path: Path):
     src = synthetic_gguf(n_layer=4, dtype="f16")
-    first = _tensors(gguf.GGUFReader(write_slice(src, 0, 2, tmp_path / "a.gguf", **ROLE_FLAGS["first"])))
-    final = _tensors(gguf.GGUFReader(write_slice(src, 2, 4, tmp_path / "b.gguf", **ROLE_FLAGS["final"])))
+    first = _tensors(open_gguf(write_slice(src, 0, 2, tmp_path / "a.gguf", **ROLE_FLAGS["first"])))
+    final = _tensors(open_gguf(write_slice(src, 2, 4, tmp_path / "b.gguf", **ROLE_FLAGS["final"])))
     assert "output.weight" not in first and "token_embd.weight" in first
     assert "output.weight" in final and "token_embd.weight" in final
     assert final["blk.0.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.F16
@@ -274,12 +275,12 @@ def test_progress_reports_bytes(synthetic_gguf, tmp_path: Path):
 @pytest.mark.slow
 def test_gemma3_270m_real_slice(gemma3_270m, tmp_path: Path):
     out = write_slice(gemma3_270m, 3, 9, tmp_path / "g.gguf", **ROLE_FLAGS["middle"])
-    r = gguf.GGUFReader(out)
+    r = open_gguf(out)
     assert r.fields["gemma3.block_count"].contents() == 6
     assert r.fields["gemma3.attention.sliding_window_pattern"].contents() == [
         (il + 1) % 6 != 0 for il in range(3, 9)
     ]
-    src_t = _tensors(gguf.GGUFReader(gemma3_270m))
+    src_t = _tensors(open_gguf(gemma3_270m))
     t = _tensors(r)
     for name in ("attn_output.weight", "ffn_down.weight", "post_ffw_norm.weight"):
         assert t[f"blk.0.{name}"].tensor_type == src_t[f"blk.3.{name}"].tensor_type

@@ -348,3 +348,21 @@ def test_meshnode_never_imports_textual_or_ui():
     assert "meshnode.state" in result["imported"] and "meshnode.cli" in result["imported"]
     if result["failed"]:
         logging.getLogger(__name__).warning("modules that failed to import: %s", result["failed"])
+
+
+async def test_every_screen_copes_with_an_empty_node():
+    """A node just started: no model, peers, requests, telemetry or transfers."""
+    full = FakeNode().snapshot()
+    empty = replace(full, peers=(), model=None, model_layers=0, stages=(), requests=(), spec=(),
+                    telemetry=(), models=(), transfers=())
+    app = new_app(FakeNode(snapshot=empty, events=[]))
+    async with app.run_test(size=(80, 24)) as pilot:
+        for i, (_, _, cls) in enumerate(SCREENS, start=1):
+            if isinstance(app.screen, ChatScreen):
+                await pilot.press("escape")
+            await pilot.press(str(i))
+            await pilot.pause(0.05)
+            assert type(app.screen) is cls
+        await pilot.press("6")
+        answer = await _ask(pilot, app, "hello")
+        assert answer.error == "no model is loaded yet (see the Mesh screen)"

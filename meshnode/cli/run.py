@@ -13,11 +13,31 @@ from meshnode.cli import add_common_options
 log = logging.getLogger(__name__)
 
 
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {v}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {v}")
+    return v
+
+
 def _add_node_options(p: argparse.ArgumentParser) -> None:
     add_common_options(p)
-    p.add_argument("--port", type=int, default=8642, metavar="N",
-                   help="HTTP port of the OpenAI endpoint (default 8642; 0 = any free port)")
-    p.add_argument("--quic-port", type=int, default=0, metavar="N",
+    p.add_argument("--port", type=_port, default=None, metavar="N",
+                   help="HTTP port of the OpenAI endpoint (default 8642, or [node] http_port; 0 = any free port)")
+    p.add_argument("--quic-port", type=_port, default=None, metavar="N",
                    help="UDP port for QUIC links to peers (default 0 = any)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address the HTTP endpoint binds to (default 127.0.0.1)")
@@ -26,6 +46,48 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", action="append", metavar="HOST:PORT", default=[],
                    help="also dial this peer's QUIC endpoint directly (repeatable; for networks without mDNS)")
     p.add_argument("--name", default=None, help="this node's display name (default: host name)")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, metavar="MODEL",
+                   help="GGUF path or store name to coordinate (default: SmolLM2-135M-Instruct, "
+                        "fetched on first run)")
+    m.add_argument("--no-model", action="store_true",
+                   help="coordinate no model: only lend this node's memory to peers' models")
+    m.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="another model name the endpoint accepts for this model (repeatable)")
+    m.add_argument("--split", type=_positive, default=None, metavar="N",
+                   help="force N stages over the available peers")
+    m.add_argument("--stages", default=None, metavar="NODE=A:B,...",
+                   help="explicit plan: layer ranges per node name or id, e.g. me=0:15,laptop2=15:30")
+    m.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="memory this node may use for models, e.g. 6GB (default: free RAM)")
+    m.add_argument("--ctx", type=_positive, default=2048, metavar="N",
+                   help="context size per request in tokens (default 2048)")
+    m.add_argument("--batch", type=_positive, default=64, metavar="N",
+                   help="prefill chunk in tokens, the same on every stage (default 64)")
+    m.add_argument("--parallel", type=_positive, default=4, metavar="N",
+                   help="requests served at once (default 4)")
+    m.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
+                   help="hidden states on the wire: f32 (exact, default) or f16 (half the bytes)")
+    m.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="llama.cpp threads per stage (default: all cores)")
+    m.add_argument("--gpu-layers", type=int, default=0, metavar="N",
+                   help="layers of each slice to offload to a GPU (needs a GPU build of llama.cpp)")
+
+    s = p.add_argument_group("speculative decoding (flags override config.toml and the model package)")
+    s.add_argument("--spec", dest="spec_strategy", default=None, metavar="STRATEGY",
+                   help="strategy: ngram, draft-model, none, or a name from model-package.json")
+    s.add_argument("--spec-mode", choices=["auto", "on", "off"], default=None,
+                   help="auto (n-gram turns itself on and off), on, or off")
+    s.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="draft GGUF (must share the target's vocabulary); implies --spec draft-model")
+    s.add_argument("--no-draft", action="store_true",
+                   help="ignore a draft model declared by the model package or config")
+    s.add_argument("--draft-policy", choices=["adaptive", "fixed"], default=None,
+                   help="window policy (default adaptive)")
+    s.add_argument("--draft-initial", type=_positive, default=None, metavar="N", help="initial window")
+    s.add_argument("--draft-min", type=_positive, default=None, metavar="N", help="smallest window")
+    s.add_argument("--draft-max", type=_positive, default=None, metavar="N", help="largest window (<= 32)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,10 +101,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def _node_kwargs(args: argparse.Namespace) -> dict:
+def _node_kwargs(args: argparse.Namespace, paths) -> dict:
+    """Node arguments from CLI flags over config.toml over defaults. Raises MeshnodeError."""
+    from meshnode.config import load_config, parse_size
+    from meshnode.serve.service import ServiceOptions
+    from meshnode.spec.strategy import CliSpecOptions
+
+    config = load_config(paths.config_file)
+    for w in config.warnings:
+        log.warning("%s", w)
+    node_cfg = config.node
+    max_memory = parse_size(args.max_memory) if args.max_memory else node_cfg.max_memory
+    service = None
+    if not args.no_model:
+        strategy = args.spec_strategy
+        if args.draft_model and strategy is None:
+            strategy = "draft-model"
+        service = ServiceOptions(
+            model=args.model, split=args.split, stages=args.stages, max_memory=max_memory,
+            n_ctx=args.ctx, n_batch=args.batch, parallel=args.parallel, wire_dtype=args.wire_dtype,
+            threads=args.threads, gpu_layers=args.gpu_layers, aliases=tuple(args.alias),
+            spec_cli=CliSpecOptions(strategy=strategy, mode=args.spec_mode, draft_model=args.draft_model,
+                                    window_policy=args.draft_policy, window_initial=args.draft_initial,
+                                    window_min=args.draft_min, window_max=args.draft_max,
+                                    no_draft=args.no_draft),
+            config=config)
     return dict(
-        port=args.quic_port, http_port=args.port, http_host=args.host,
-        interfaces=args.interface, name=args.name, static_peers=args.peer,
+        port=args.quic_port if args.quic_port is not None else (node_cfg.quic_port or 0),
+        http_port=args.port if args.port is not None else (node_cfg.http_port or 8642),
+        http_host=args.host, interfaces=args.interface, name=args.name or node_cfg.name,
+        static_peers=args.peer, service=service, threads=args.threads, max_memory=max_memory,
     )
 
 
@@ -60,7 +148,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     logging.getLogger("quic").setLevel(logging.WARNING)
     paths = NodePaths.resolve(args.home)
-    return int(run_tui(lambda: Node(paths, **_node_kwargs(args))) or 0)
+    kwargs = _node_kwargs(args, paths)
+    return int(run_tui(lambda: Node(paths, **kwargs)) or 0)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -74,7 +163,8 @@ async def serve_headless(args: argparse.Namespace) -> int:
     from meshnode.node import Node
     from meshnode.paths import NodePaths
 
-    node = Node(NodePaths.resolve(args.home), **_node_kwargs(args))
+    paths = NodePaths.resolve(args.home)
+    node = Node(paths, **_node_kwargs(args, paths))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

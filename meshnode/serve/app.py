@@ -12,8 +12,10 @@ from meshnode import __version__
 
 def create_app(node: Any) -> FastAPI:
     from meshnode.serve.node_routes import router
+    from meshnode.serve.openai_routes import make_openai_router
 
     app = FastAPI(title="meshnode", version=__version__)
     app.state.node = node
     app.include_router(router)
+    app.include_router(make_openai_router(lambda: node.engine_client))
     return app

@@ -29,14 +29,27 @@ def to_jsonable(obj: Any) -> Any:
 
 
 def status_json(snapshot: Any) -> dict[str, Any]:
-    return {"node": to_jsonable(snapshot.node), "peers": to_jsonable(snapshot.peers)}
+    return {
+        "node": to_jsonable(snapshot.node),
+        "peers": to_jsonable(snapshot.peers),
+        "model": snapshot.model,
+        "stages": [
+            {"index": s.index, "node_id": s.node_id, "node": s.node_name,
+             "layers": [s.layer_start, s.layer_end], "state": s.state.value, "detail": s.detail}
+            for s in snapshot.stages
+        ],
+        "requests": to_jsonable(snapshot.requests[:20]),
+        "spec": [dict(to_jsonable(s), acceptance=s.acceptance) for s in snapshot.spec],
+    }
 
 
 @router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
     node = request.app.state.node
     fabric = getattr(node, "fabric", None)
-    return {"status": "ok", "node_id": fabric.node_id if fabric is not None else None}
+    service = getattr(node, "service", None)
+    return {"status": "ok", "node_id": fabric.node_id if fabric is not None else None,
+            "model": None if service is None else {"state": service.state, "detail": service.detail}}
 
 
 @router.get("/status")

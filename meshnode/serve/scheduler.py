@@ -1,0 +1,102 @@
+"""Continuous batching at stage 0.
+
+Every active request submits one step at a time (a prefill chunk, a decode step or a
+verify window) and awaits its result. The scheduler coalesces the steps that are
+waiting into one :meth:`Pipeline.run` call, so all decoding sessions advance together
+through one engine call per stage. Several batches may be in flight at once (up to
+the number of stages): while stage 1 computes batch A, stage 0 already computes
+batch B of other sessions, which keeps a pipeline of stages busy.
+
+Batches stay small enough for batch invariance (DESIGN.md §3: identical logits up to
+32 rows); a prefill chunk larger than that travels alone, exactly as on a single node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from meshnode.serve.final import Finalized
+from meshnode.serve.pipeline import Pipeline, Step
+
+log = logging.getLogger(__name__)
+
+
+class BatchScheduler:
+    def __init__(self, pipeline: Pipeline, *, max_rows: int = 32, max_inflight: int | None = None) -> None:
+        self.pipeline = pipeline
+        self.max_rows = max_rows
+        self._pending: list[tuple[Step, asyncio.Future]] = []
+        self._wake = asyncio.Event()
+        self._inflight = asyncio.Semaphore(max_inflight or max(1, pipeline.n_stages))
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="batch-scheduler")
+        self._running: set[asyncio.Task] = set()
+        self.batches = 0
+        self.rows = 0
+
+    async def submit(self, step: Step) -> Finalized | None:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((step, fut))
+        self._wake.set()
+        return await fut
+
+    def _take(self) -> list[tuple[Step, asyncio.Future]]:
+        first_step, _ = self._pending[0]
+        n = int(first_step.tokens.shape[0])
+        batch = [self._pending.pop(0)]
+        if n > self.max_rows:
+            return batch  # a big prefill chunk runs alone (same schedule as one node)
+        keep = []
+        sessions = {first_step.session}
+        while self._pending:
+            item = self._pending.pop(0)
+            rows = int(item[0].tokens.shape[0])
+            if item[0].session in sessions or n + rows > self.max_rows:
+                keep.append(item)
+                continue
+            batch.append(item)
+            sessions.add(item[0].session)
+            n += rows
+        self._pending[:0] = keep
+        return batch
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(0)  # let sessions woken by the same batch submit too
+            while self._pending:
+                await self._inflight.acquire()
+                if not self._pending:
+                    self._inflight.release()
+                    break
+                batch = self._take()
+                task = asyncio.get_running_loop().create_task(self._run(batch))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+
+    async def _run(self, batch: Sequence[tuple[Step, asyncio.Future]]) -> None:
+        try:
+            steps = [s for s, _ in batch]
+            results = await self.pipeline.run(steps)
+            self.batches += 1
+            self.rows += sum(int(s.tokens.shape[0]) for s in steps)
+            for (_, fut), res in zip(batch, results):
+                if not fut.done():
+                    fut.set_result(res)
+        except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+        finally:
+            self._inflight.release()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        for t in list(self._running):
+            t.cancel()
+        for _, fut in self._pending:
+            if not fut.done():
+                fut.cancel()
+        self._pending.clear()

@@ -1,0 +1,196 @@
+"""The model this node coordinates: fetch, plan, load, then serve it over /v1.
+
+Theory of operation: :class:`ModelService` runs in the node's event loop. ``start()``
+returns at once and the work happens in a task, so the node's HTTP port answers
+``/health`` while a model downloads or loads; ``/v1`` answers 503 (with the reason)
+until the model is ready. Steps: resolve the model (the default one is fetched on first
+run, with progress shown as a transfer), read its tokenizer, resolve the speculative
+strategy (CLI > config > model package > built-in), plan the stages over the mesh and
+negotiate them (:mod:`meshnode.mesh.runtime`), then hand a
+:class:`~meshnode.serve.model_server.ModelServer` to the OpenAI routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshnode.errors import MeshnodeError
+from meshnode.serve.client import GenerationEvent, GenerationRequest, ModelCard
+from meshnode.serve.errors import EngineUnavailableError
+from meshnode.state import ModelInfo, TransferInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    """What `meshnode serve` / `meshnode run` was asked to coordinate."""
+
+    model: str | None = None            # None: the default model
+    split: int | None = None            # force N stages
+    stages: str | None = None           # explicit "node=0:10,node2=10:30"
+    max_memory: int | None = None       # bytes this node may use (also advertised)
+    n_ctx: int = 2048                   # per request
+    n_batch: int = 64                   # prefill chunk, every stage
+    parallel: int = 4                   # concurrent requests (sequence slots)
+    wire_dtype: str = "f32"
+    threads: int | None = None
+    gpu_layers: int = 0
+    aliases: tuple[str, ...] = ()
+    spec_cli: object | None = None      # meshnode.spec.strategy.CliSpecOptions
+    config: object | None = None        # meshnode.config.MeshnodeConfig
+
+
+class _Unavailable:
+    """The EngineClient while no model is ready: every request gets a 503 with why."""
+
+    def __init__(self, reason: Callable[[], str]) -> None:
+        self._reason = reason
+
+    def models(self) -> list[ModelCard]:
+        return []
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        raise EngineUnavailableError(self._reason())
+        yield  # pragma: no cover - makes this an async generator
+
+
+class ModelService:
+    def __init__(self, node, options: ServiceOptions) -> None:
+        self.node = node
+        self.options = options
+        self.state = "starting"
+        self.detail = ""
+        self.model_ref = None
+        self.server = None       # ModelServer once ready
+        self.serving = None      # the runtime's ServingModel (plan, stages, stop)
+        self._transfers: dict[str, TransferInfo] = {}
+        self._task: asyncio.Task | None = None
+        self._unavailable = _Unavailable(lambda: f"model not ready: {self.state}"
+                                         + (f" ({self.detail})" if self.detail else ""))
+
+    @property
+    def engine_client(self):
+        return self.server if self.server is not None else self._unavailable
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="model-service")
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        if self._task is not None:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+
+    # ---- the start-up sequence --------------------------------------------------------
+
+    def _progress(self, what: str) -> Callable[[str, int, int | None], None]:
+        loop = asyncio.get_running_loop()
+
+        def hook(phase: str, done: int, total: int | None) -> None:
+            info = TransferInfo(f"{what} ({phase})", done, total or 0, phase)
+            loop.call_soon_threadsafe(self._transfers.__setitem__, what, info)
+        return hook
+
+    async def _run(self) -> None:
+        from meshnode.engine.tokenizer import Tokenizer
+        from meshnode.models.store import resolve_model
+        from meshnode.serve.model_server import ModelServer, ServeSettings
+
+        o = self.options
+        try:
+            self._set("fetching", o.model or "default model")
+            ref = await asyncio.to_thread(resolve_model, o.model, self.node.paths,
+                                          progress=self._progress(o.model or "default model"))
+            self._transfers.clear()
+            self.model_ref = ref
+            self.node.advertise_models()
+            tokenizer = await asyncio.to_thread(Tokenizer, ref.path)
+            spec = self._spec_config(ref)
+            draft = await self._load_draft(spec, ref) if spec is not None else None
+            self._set("planning", "")
+            from meshnode.mesh.runtime import ServeOptions
+
+            serving = await self.node.coordinator.start_model(ref, ServeOptions(
+                split=o.split, explicit=o.stages, max_memory=o.max_memory, n_ctx=o.n_ctx,
+                n_batch=o.n_batch, n_seq_max=o.parallel, wire_dtype=o.wire_dtype))
+            self.serving = serving
+            self.server = ModelServer(
+                ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch,
+                              aliases=tuple(o.aliases) + (ref.path.name, ref.path.stem), spec=spec),
+                tokenizer, serving.pipeline, publish=self.node.publish, draft=draft)
+            self._set("ready", f"{serving.pipeline.n_stages} stage(s)")
+            log.info("model %s ready on %d stage(s): %s/chat/completions", ref.name,
+                     serving.pipeline.n_stages, self.node.http_url)
+        except asyncio.CancelledError:
+            raise
+        except MeshnodeError as exc:
+            self._set("failed", str(exc))
+            log.error("cannot serve %s: %s", o.model or "the default model", exc)
+        except Exception as exc:  # noqa: BLE001 - a start-up bug must not kill the node
+            self._set("failed", f"{type(exc).__name__}: {exc}")
+            log.exception("cannot serve %s", o.model or "the default model")
+
+    def _set(self, state: str, detail: str) -> None:
+        self.state, self.detail = state, detail
+
+    def _spec_config(self, ref):
+        from meshnode.spec.strategy import SpecConfigError, resolve_strategy
+
+        from meshnode.spec.strategy import PackageSpeculative
+
+        pkg = None
+        pkg_file = Path(ref.path).parent / "model-package.json"
+        try:
+            if pkg_file.is_file():
+                pkg = PackageSpeculative.from_dict(json.loads(pkg_file.read_text()), origin=str(pkg_file))
+        except (OSError, ValueError, SpecConfigError) as exc:
+            log.warning("ignoring %s: %s", pkg_file, exc)
+        try:
+            return resolve_strategy(ref.name, cli=self.options.spec_cli, config=self.options.config,
+                                    package=pkg)
+        except SpecConfigError as exc:
+            log.warning("speculative decoding off: %s", exc)
+            return None
+
+    async def _load_draft(self, spec, ref):
+        if spec.type != "draft-model" or not spec.draft_model:
+            return None
+        try:
+            from meshnode.models.store import resolve_model
+            from meshnode.spec.draft import DraftModelProposer, check_vocab
+
+            base = Path(ref.path).parent
+            cand = Path(spec.draft_model)
+            draft_spec = str(base / cand) if not cand.is_absolute() and (base / cand).exists() else spec.draft_model
+            dref = await asyncio.to_thread(resolve_model, draft_spec, self.node.paths)
+            await asyncio.to_thread(check_vocab, ref.path, dref.path)
+            return await asyncio.to_thread(DraftModelProposer, dref.path, n_threads=self.options.threads)
+        except Exception as exc:  # noqa: BLE001 - never a failed start for a draft
+            log.warning("draft model %r disabled: %s; serving without it", spec.draft_model, exc)
+            return None
+
+    # ---- snapshot parts ---------------------------------------------------------------
+
+    def model_infos(self) -> tuple[ModelInfo, ...]:
+        ref = self.model_ref
+        if ref is None:
+            return ()
+        size = Path(ref.path).stat().st_size if Path(ref.path).exists() else 0
+        return (ModelInfo(ref.name, str(ref.path), ref.sha256, ref.n_layers, size, ref.architecture),)
+
+    def transfers(self) -> tuple[TransferInfo, ...]:
+        return tuple(self._transfers.values())
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self.server is not None:
+            await self.server.close()
+        if self.serving is not None:
+            await self.serving.stop()
+        self._set("stopped", "")

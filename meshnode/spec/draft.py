@@ -1,0 +1,358 @@
+"""Draft-model proposer: a small model with the target's vocabulary guesses the window.
+
+Theory of operation
+-------------------
+The draft is a whole model (token embedding + head) loaded with
+:class:`~meshnode.engine.StageEngine` under its own session id. Drafts are its argmax
+tokens, so the draft distribution is one-hot (``q = 1`` on the proposed token), which is
+what the acceptance rule in ``acceptance.py`` assumes.
+
+The proposer keeps two token lists and one prediction:
+
+* ``context`` -- what the target has produced so far (prompt + every accepted token and
+  bonus, fed through :meth:`DraftModelProposer.accept`);
+* ``kv`` -- the tokens whose keys/values sit in the draft's cache, positions 0..n-1;
+* ``next`` -- the draft's argmax *after* ``kv`` (the logits of its last position).
+
+:meth:`~DraftModelProposer.reset` prefills the prompt in chunks of ``n_batch`` rows
+(logits for the last row only). :meth:`~DraftModelProposer.propose` first *syncs*: it
+rolls the cache back to the longest common prefix of ``kv`` and ``context`` and feeds
+only the context tokens after it, in one call, asking for the logits of the last row
+only. Then ``d1 = next`` costs nothing, and each further draft is one single-row decode
+of the previous draft. The last draft is never decoded: if it is accepted the next sync
+feeds it together with the bonus (2 rows); if the target rejects ``d(m+1)`` the cache
+keeps ``d1..dm`` and the sync feeds the bonus alone (1 row). Nothing already cached is
+decoded again. :meth:`~DraftModelProposer.accept` only records tokens: plain decoding
+(speculation cold or off) then costs the draft nothing until it is asked again, and the
+tokens it missed are caught up in one batch.
+
+Every method blocks on llama_decode: call them from the worker thread that owns the
+draft engine (never from the event loop).
+
+:func:`check_vocab` refuses a draft whose vocabulary differs from the target's (count or
+any token text): a draft token id must mean the same text to the target. It reads
+``tokenizer.ggml.tokens`` straight from the GGUF header (about 50 ms for a 49k
+vocabulary; the ``gguf`` package's reader parses every field and took seconds).
+
+This is the only ``spec`` module that imports :mod:`meshnode.engine`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+
+import numpy as np
+
+from meshnode.engine import EngineSpec, Segment, StageEngine
+from meshnode.errors import MeshnodeError
+
+__all__ = [
+    "DraftModelProposer",
+    "DraftStats",
+    "DraftVocabMismatch",
+    "check_vocab",
+    "read_gguf_vocab",
+]
+
+
+class DraftVocabMismatch(MeshnodeError):
+    """The draft model's vocabulary is not the target's: its token ids would be misread.
+
+    The caller disables the draft (with a warning) and falls back to n-gram drafting.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class DraftStats:
+    """Work done by a :class:`DraftModelProposer` since it was created.
+
+    ``rows``: token rows decoded (prefill, catch-up and drafting together);
+    ``calls``: llama_decode calls; ``logit_rows``: rows whose logits were read;
+    ``proposed``: draft tokens returned by ``propose``.
+    """
+
+    rows: int = 0
+    calls: int = 0
+    logit_rows: int = 0
+    proposed: int = 0
+
+
+class DraftModelProposer:
+    """:class:`~meshnode.spec.strategy.Proposer` over a draft model (greedy drafts).
+
+    ``engine`` must be a whole model (``takes_tokens`` and ``has_head``); ``session`` is
+    the engine session this proposer uses (distinct from any other user of the engine).
+    With ``owns_engine`` the engine is closed by :meth:`close`. ``stop_ids``: token ids
+    (end of generation) after which drafting stops: a draft past the end is wasted.
+
+    Use :meth:`open` to load a draft GGUF. Not thread-safe; blocking.
+    """
+
+    def __init__(
+        self,
+        engine: StageEngine,
+        *,
+        session: int = 0,
+        owns_engine: bool = False,
+        stop_ids: Collection[int] = (),
+    ) -> None:
+        if not (engine.takes_tokens and engine.has_head):
+            raise ValueError("a draft model must be a whole model (token input and head)")
+        self.engine = engine
+        self.session = session
+        self._owns = owns_engine
+        self._stop = frozenset(int(t) for t in stop_ids)
+        self._context: list[int] = []
+        self._kv: list[int] = []                 # tokens cached at positions 0..n-1
+        self._pred: list[int | None] = []        # argmax after kv[:i+1], when read
+        self._rows = self._calls = self._logit_rows = self._proposed = 0
+
+    @classmethod
+    def open(
+        cls,
+        path: Path | str,
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 256,
+        n_threads: int | None = None,
+        gpu_layers: int = 0,
+        session: int = 0,
+        stop_ids: Collection[int] = (),
+    ) -> "DraftModelProposer":
+        """Load the draft GGUF at ``path`` (one session slot) and wrap it.
+
+        Raises :class:`~meshnode.engine.ModelLoadError` when llama.cpp refuses the file.
+        Call :func:`check_vocab` first to refuse a draft of another vocabulary.
+        """
+        spec = EngineSpec(Path(path), takes_tokens=True, has_head=True, n_ctx=n_ctx,
+                          n_batch=n_batch, n_seq_max=1, n_threads=n_threads, gpu_layers=gpu_layers)
+        return cls(StageEngine(spec), session=session, owns_engine=True, stop_ids=stop_ids)
+
+    # ---- Proposer protocol ------------------------------------------------------------
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Start a request whose context is ``prompt``; prefill it now.
+
+        A cached prefix shared with the previous request (multi-turn chat) is kept and
+        only the rest is decoded. Raises the engine's errors
+        (:class:`~meshnode.engine.ContextOverflowError` when the prompt does not fit the
+        draft's context: the caller should not use the draft for this request).
+        """
+        self._context = [int(t) for t in prompt]
+        self._sync()
+
+    def propose(self, context_tail: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` greedy drafts continuing the context (``context_tail`` is ignored).
+
+        Catches the cache up with tokens accepted since the last call, then decodes
+        ``k - 1`` single rows. Returns fewer than ``k`` drafts when a stop token is
+        proposed or the draft's context is full, ``[]`` for an empty context or ``k <= 0``.
+        """
+        if k <= 0 or not self._context:
+            return []
+        ctx_len = len(self._context)
+        if ctx_len > self.engine.n_ctx:
+            return []  # the draft's context is full: no more help for this request
+        self._sync()
+        drafts = [self._pred[ctx_len - 1]]
+        while len(drafts) < k and drafts[-1] not in self._stop:
+            p = ctx_len + len(drafts) - 1   # where drafts[-1] goes
+            if p >= self.engine.n_ctx:
+                break
+            if not (p < len(self._kv) and self._kv[p] == drafts[-1] and self._pred[p] is not None):
+                self._truncate(p)
+                self._feed(p, drafts[-1:])
+            drafts.append(self._pred[p])
+        self._proposed += len(drafts)
+        return drafts  # type: ignore[return-value]  # every _pred read here is set
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Record the tokens the target emitted (accepted drafts, then the bonus).
+
+        Costs nothing now: the next :meth:`propose` (or :meth:`sync`) rolls the cache back
+        to the last position that agrees with the context and feeds the rest.
+        """
+        self._context.extend(int(t) for t in tokens)
+
+    # ---- extras -------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Bring the draft's cache up to the context now (e.g. while the target verifies).
+
+        No-op when already in sync or when the context does not fit the draft.
+        """
+        if self._context and len(self._context) <= self.engine.n_ctx:
+            self._sync()
+
+    @property
+    def context(self) -> Sequence[int]:
+        """Prompt + accepted tokens as this proposer knows them (read-only view)."""
+        return self._context
+
+    @property
+    def stats(self) -> DraftStats:
+        return DraftStats(self._rows, self._calls, self._logit_rows, self._proposed)
+
+    def close(self) -> None:
+        """Free the session (and the engine when this proposer owns it)."""
+        if self._owns:
+            self.engine.close()
+        else:
+            self.engine.drop(self.session)
+        self._kv = []
+        self._pred = []
+
+    def __enter__(self) -> "DraftModelProposer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        """Make ``kv`` start with the whole context and know the argmax after it.
+
+        Cached rows beyond the context (drafts decoded by an earlier propose that the
+        context has not contradicted) are kept: the next propose reuses them.
+        """
+        ctx, kv = self._context, self._kv
+        if not ctx:
+            self.engine.drop(self.session)
+            self._truncate(0)
+            return
+        n = min(len(ctx), len(kv))
+        common = 0
+        while common < n and ctx[common] == kv[common]:
+            common += 1
+        if common == len(ctx):
+            if self._pred[common - 1] is not None:
+                return
+            common -= 1  # the logits of the context's last position were not kept: redo it
+        self._truncate(common)
+        self._feed(common, ctx[common:])
+
+    def _truncate(self, n: int) -> None:
+        if n < len(self._kv):
+            self.engine.rollback(self.session, n)
+            del self._kv[n:]
+            del self._pred[n:]
+
+    def _feed(self, pos: int, tokens: Sequence[int]) -> None:
+        """Decode ``tokens`` at ``pos`` in chunks of n_batch; logits of the last row only."""
+        step = self.engine.n_batch
+        arr = np.asarray(tokens, dtype=np.int32)
+        n = len(arr)
+        for start in range(0, n, step):
+            chunk = arr[start:start + step]
+            last = start + step >= n
+            seg = Segment(self.session, pos + start, tokens=chunk, n_logits=1 if last else 0)
+            out = self.engine.forward([seg], rewind=True)  # on error the engine changed nothing
+            self._kv.extend(int(t) for t in chunk)
+            self._pred.extend([None] * len(chunk))
+            self._rows += len(chunk)
+            self._calls += 1
+            if last:
+                self._logit_rows += 1
+                self._pred[-1] = int(np.argmax(out[0][-1]))
+
+
+# ---- vocabulary check -------------------------------------------------------------------
+
+VocabSource = str | PathLike[str] | Sequence[str]
+
+
+def check_vocab(target: VocabSource, draft_path: str | PathLike[str]) -> None:
+    """Raise :class:`DraftVocabMismatch` unless the draft shares the target's vocabulary.
+
+    ``target`` is the target's GGUF path or its token texts (``tokenizer.ggml.tokens``
+    order). Compares the number of tokens, then every token text; the message names the
+    first difference. Raises :class:`DraftVocabMismatch` too when either file has no
+    readable vocabulary (the draft cannot be used either way).
+    """
+    draft_path = Path(draft_path)
+    if isinstance(target, (str, PathLike)):
+        target_name = Path(target).name
+        target_vocab = read_gguf_vocab(target)
+    else:
+        target_name = "the target"
+        target_vocab = list(target)
+    draft_vocab = read_gguf_vocab(draft_path)
+    if len(target_vocab) != len(draft_vocab):
+        raise DraftVocabMismatch(
+            f"draft model {draft_path.name} has {len(draft_vocab)} tokens, {target_name} has "
+            f"{len(target_vocab)}: a draft must share the target's vocabulary")
+    for i, (a, b) in enumerate(zip(target_vocab, draft_vocab)):
+        if a != b:
+            raise DraftVocabMismatch(
+                f"draft model {draft_path.name} is not tokenised like {target_name}: token {i} "
+                f"is {b!r} in the draft and {a!r} in the target")
+
+
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_TOKENS_KEY = b"tokenizer.ggml.tokens"
+
+
+def read_gguf_vocab(path: str | PathLike[str]) -> list[str]:
+    """Token texts (``tokenizer.ggml.tokens``) of a GGUF, read from its header only.
+
+    Raises :class:`DraftVocabMismatch` when the file is unreadable, not GGUF, or has no
+    vocabulary (its message names the file).
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return _parse_tokens(m, path)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+        raise DraftVocabMismatch(f"cannot read the vocabulary of {path}: {exc}") from None
+
+
+def _parse_tokens(m: mmap.mmap, path: Path) -> list[str]:
+    # GGUF v2/v3 header: magic, u32 version, u64 n_tensors, u64 n_kv, then n_kv entries of
+    # (string key, u32 type, value); strings are u64 length + bytes (little-endian).
+    if m[:4] != b"GGUF":
+        raise ValueError("not a GGUF file")
+    (version,) = struct.unpack_from("<I", m, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    (n_kv,) = struct.unpack_from("<Q", m, 16)
+    off = 24
+    u64, u32 = struct.Struct("<Q"), struct.Struct("<I")
+
+    def skip_value(t: int, off: int) -> int:
+        if t == _STRING:
+            return off + 8 + u64.unpack_from(m, off)[0]
+        if t == _ARRAY:
+            sub = u32.unpack_from(m, off)[0]
+            count = u64.unpack_from(m, off + 4)[0]
+            off += 12
+            if sub in _GGUF_SCALAR:
+                return off + count * _GGUF_SCALAR[sub]
+            for _ in range(count):
+                off = skip_value(sub, off)
+            return off
+        return off + _GGUF_SCALAR[t]
+
+    for _ in range(n_kv):
+        klen = u64.unpack_from(m, off)[0]
+        key = m[off + 8:off + 8 + klen]
+        off += 8 + klen
+        t = u32.unpack_from(m, off)[0]
+        off += 4
+        if key == _TOKENS_KEY and t == _ARRAY and u32.unpack_from(m, off)[0] == _STRING:
+            count = u64.unpack_from(m, off + 4)[0]
+            off += 12
+            out = []
+            for _ in range(count):
+                n = u64.unpack_from(m, off)[0]
+                out.append(m[off + 8:off + 8 + n].decode("utf-8"))
+                off += 8 + n
+            return out
+        off = skip_value(t, off)
+    raise ValueError(f"{path.name} has no tokenizer.ggml.tokens")

