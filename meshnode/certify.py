@@ -29,6 +29,9 @@ PROMPT = (
 )
 
 
+MAX_PROMPT_TOKENS = 1024
+
+
 class CertifyError(MeshnodeError):
     pass
 
@@ -91,11 +94,12 @@ def certify(
     tok = Tokenizer(model_path)
     tokens = np.asarray(tok.encode(prompt, add_bos=True), dtype=np.int32)
     tok.close()
-    n_batch = 64
-    if len(tokens) + n_decode + 8 > 256 or len(tokens) > n_batch:
-        raise CertifyError("certification prompt too long")
+    n_batch = 64  # the prompt is fed in chunks of n_batch (a byte-level vocabulary needs several)
+    if len(tokens) > MAX_PROMPT_TOKENS:
+        raise CertifyError(f"certification prompt too long ({len(tokens)} tokens, at most {MAX_PROMPT_TOKENS})")
+    n_ctx = max(256, len(tokens) + n_decode + 8)
 
-    common = dict(n_ctx=256, n_batch=n_batch, n_seq_max=1, n_threads=n_threads)
+    common = dict(n_ctx=n_ctx, n_batch=n_batch, n_seq_max=1, n_threads=n_threads)
     whole = StageEngine(EngineSpec(model_path, taps=tuple(b - 1 for b in splits), **common))
     n_layers = whole.n_layer
     bounds = [0, *splits, n_layers]
@@ -123,9 +127,10 @@ def certify(
                     bnd = report.boundaries[i]
                     bnd.max_abs_diff = max(bnd.max_abs_diff, d)
             assert h is not None
-            d = float(np.max(np.abs(w_logits - h)))
+            d = float(np.max(np.abs(w_logits - h))) if n_logits else 0.0
             report.logits_max_abs_diff = max(report.logits_max_abs_diff, d)
-            report.steps.append(f"{name}: {n} rows, logits diff {d:g}")
+            report.steps.append(f"{name}: {n} rows, logits diff {d:g}" if n_logits
+                                else f"{name}: {n} rows (no logits)")
             wa, sa = w_logits.argmax(axis=-1), h.argmax(axis=-1)
             report.whole_tokens.extend(int(t) for t in wa)
             report.split_tokens.extend(int(t) for t in sa)
@@ -133,10 +138,14 @@ def certify(
                 report.greedy_match = False
             return h
 
-        # 1. prefill
+        # 1. prefill, in chunks of n_batch rows; logits for the last row only
         pos = 0
-        logits = step("prefill", pos, tokens, 1)
-        pos += len(tokens)
+        chunks = [tokens[i:i + n_batch] for i in range(0, len(tokens), n_batch)]
+        for k, chunk in enumerate(chunks):
+            last = k == len(chunks) - 1
+            name = "prefill" if len(chunks) == 1 else f"prefill {k + 1}/{len(chunks)}"
+            logits = step(name, pos, chunk, 1 if last else 0)
+            pos += len(chunk)
         nxt = int(logits[-1].argmax())
         generated = [nxt]
         # 2. greedy decode

@@ -184,6 +184,8 @@ class Node:
             telemetry=server.telemetry() if server is not None else (),
             models=svc.model_infos() if svc is not None else (),
             transfers=svc.transfers() if svc is not None else (),
+            status=svc.state if svc is not None else "no model",
+            status_detail=svc.detail if svc is not None else "",
         )
 
     @property
@@ -196,14 +198,18 @@ class Node:
         return self.service.engine_client
 
     def advertise_models(self) -> None:
-        """Tell peers (mDNS capabilities) which models this node holds."""
-        from meshnode.mesh.runtime import held_models
-
-        async def update() -> None:
-            with contextlib.suppress(Exception):
-                await self.fabric.set_capabilities(capsmod.local_capabilities(tuple(held_models(self.paths))))
+        """Refresh the capabilities peers see (free memory under --max-memory, held models)."""
         with contextlib.suppress(RuntimeError):
-            asyncio.get_running_loop().create_task(update())
+            asyncio.get_running_loop().create_task(self._advertise())
+
+    async def _advertise(self) -> None:
+        from meshnode.mesh.runtime import node_capabilities
+
+        try:
+            caps = await asyncio.to_thread(node_capabilities, self.paths, max_memory=self.max_memory)
+            await self.fabric.set_capabilities(caps)
+        except Exception:  # noqa: BLE001 - stale capabilities are better than a dead node
+            log.debug("capability refresh failed", exc_info=True)
 
     async def _dispatch(self, node_id: str, msg: Any) -> None:
         """Route a fabric message to whichever part of the node owns it."""
@@ -245,9 +251,7 @@ class Node:
     async def _refresh_caps(self) -> None:
         while True:
             await asyncio.sleep(CAPS_REFRESH_S)
-            current = capsmod.from_dict(self.fabric.capabilities)
-            models = current.models if current else ()
-            await self.fabric.set_capabilities(capsmod.local_capabilities(models))
+            await self._advertise()
 
     def _install_log_handler(self) -> None:
         node = self
@@ -258,7 +262,7 @@ class Node:
                     with contextlib.suppress(Exception):
                         node.publish(LogEmitted(record.levelno, record.name, record.getMessage(), record.created))
 
-        self._log_handler = _Handler(logging.INFO)
+        self._log_handler = _Handler(logging.NOTSET)  # the logger's level decides
         logging.getLogger("meshnode").addHandler(self._log_handler)
 
 

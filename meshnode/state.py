@@ -156,6 +156,8 @@ class NodeSnapshot:
     telemetry: tuple[TelemetryPoint, ...]  # recent history, oldest first
     models: tuple[ModelInfo, ...]
     transfers: tuple[TransferInfo, ...]
+    status: str = ""                  # model service: starting | fetching | planning | ready | failed ...
+    status_detail: str = ""           # why, for failed; what, while fetching
 
 
 # ---- events (past tense) ------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gguf
 
 from meshnode.cli import main
 from meshnode.cli.models import parse_range

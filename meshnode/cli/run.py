@@ -146,10 +146,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     from meshnode.node import Node
     from meshnode.paths import NodePaths
 
-    logging.getLogger("quic").setLevel(logging.WARNING)
-    paths = NodePaths.resolve(args.home)
+    paths = NodePaths.resolve(args.home).ensure()
+    _log_to_file(args.log_level, paths.state / "meshnode.log")
     kwargs = _node_kwargs(args, paths)
     return int(run_tui(lambda: Node(paths, **kwargs)) or 0)
+
+
+def _log_to_file(level_name: str | None, path) -> None:
+    """TUI mode: the terminal belongs to the TUI, so logs go to a file (and the Logs screen)."""
+    import os
+
+    level = getattr(logging, (level_name or os.environ.get("MESHNODE_LOG_LEVEL") or "info").upper())
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.getLogger("quic").setLevel(max(level, logging.WARNING))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -449,6 +449,14 @@ class CoordinatorControl:
         if st.phase not in _END:
             self._fail(st, reason, now)
 
+    def stage_lost(self, node_id: str, reason: str, now: float) -> None:
+        """The link to a remote stage's node went down: that stage FAILED, the plan fails
+        as for a failure report (no-op for other nodes or a plan already ended)."""
+        st = self._by_node.get(node_id)
+        if st is None or st.phase in _END or self.state in (CoordinatorState.FAILED, CoordinatorState.STOPPED):
+            return
+        self._fail(st, reason, now)
+
     def stop(self, reason: str) -> None:
         """Send Stop to every remote stage and mark all stages STOPPED (idempotent)."""
         if self.state is CoordinatorState.STOPPED:

@@ -72,6 +72,7 @@ class LocalPipeline:
     def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker
         self.sampler = FinalSampler()
+        self.closed: str | None = None   # why, once closed: later runs fail with it
 
     def _run_sync(self, steps: Sequence[Step]) -> list[Finalized | None]:
         outs = self.worker.engine.forward(_segments(steps, True), rewind=True)
@@ -79,14 +80,19 @@ class LocalPipeline:
                 for s, out in zip(steps, outs)]
 
     async def run(self, steps: Sequence[Step]) -> list[Finalized | None]:
+        if self.closed is not None:
+            raise EngineUnavailableError(self.closed)
         return await self.worker.call(self._run_sync, steps)
 
     async def end_session(self, session: int) -> None:
         self.sampler.forget(session)
-        await self.worker.drop(session)
+        if self.closed is None:
+            await self.worker.drop(session)
 
-    async def close(self) -> None:
-        await self.worker.close()
+    async def close(self, reason: str = "pipeline closed") -> None:
+        if self.closed is None:
+            self.closed = reason
+            await self.worker.close()
 
 
 class MeshPipeline:
@@ -102,6 +108,7 @@ class MeshPipeline:
         self.reply_timeout = reply_timeout
         self._batch_ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        self.closed: str | None = None   # why, once closed: later runs fail with it
 
     # Called by the node's message dispatcher for TokenReturn / DataError frames.
     def on_data(self, peer: str, msg: object) -> bool:
@@ -125,6 +132,8 @@ class MeshPipeline:
         self._pending.clear()
 
     async def run(self, steps: Sequence[Step]) -> list[Finalized | None]:
+        if self.closed is not None:
+            raise EngineUnavailableError(self.closed)
         try:
             hidden = await self.worker.forward(_segments(steps, False), rewind=True)
         except EngineError as exc:
@@ -165,6 +174,8 @@ class MeshPipeline:
         return out
 
     async def end_session(self, session: int) -> None:
+        if self.closed is not None:
+            return   # the engines were freed with their KV
         await self.worker.drop(session)
         for node in self.route:
             try:
@@ -172,6 +183,8 @@ class MeshPipeline:
             except Exception:  # a gone peer has no KV to free
                 log.debug("SessionEnd to %s failed", node, exc_info=True)
 
-    async def close(self) -> None:
-        self.fail_all("pipeline closed")
-        await self.worker.close()
+    async def close(self, reason: str = "pipeline closed") -> None:
+        self.fail_all(reason)
+        if self.closed is None:
+            self.closed = reason
+            await self.worker.close()

@@ -43,6 +43,7 @@ class ServiceOptions:
     threads: int | None = None
     gpu_layers: int = 0
     aliases: tuple[str, ...] = ()
+    wait_peers: float = 30.0            # seconds to wait for peers a plan needs
     spec_cli: object | None = None      # meshnode.spec.strategy.CliSpecOptions
     config: object | None = None        # meshnode.config.MeshnodeConfig
 
@@ -115,7 +116,7 @@ class ModelService:
             self._set("planning", "")
             from meshnode.mesh.runtime import ServeOptions
 
-            serving = await self.node.coordinator.start_model(ref, ServeOptions(
+            serving = await self._plan_and_load(ref, ServeOptions(
                 split=o.split, explicit=o.stages, max_memory=o.max_memory, n_ctx=o.n_ctx,
                 n_batch=o.n_batch, n_seq_max=o.parallel, wire_dtype=o.wire_dtype))
             self.serving = serving
@@ -134,6 +135,20 @@ class ModelService:
         except Exception as exc:  # noqa: BLE001 - a start-up bug must not kill the node
             self._set("failed", f"{type(exc).__name__}: {exc}")
             log.exception("cannot serve %s", o.model or "the default model")
+
+    async def _plan_and_load(self, ref, options):
+        """Plan and load; while the mesh lacks the nodes a plan needs, wait for peers."""
+        from meshnode.mesh.planner import PlanError
+
+        deadline = time.monotonic() + self.options.wait_peers
+        while True:
+            try:
+                return await self.node.coordinator.start_model(ref, options)
+            except PlanError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                self._set("waiting for peers", str(exc))
+                await asyncio.sleep(1.0)
 
     def _set(self, state: str, detail: str) -> None:
         self.state, self.detail = state, detail

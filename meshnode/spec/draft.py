@@ -7,24 +7,28 @@ The draft is a whole model (token embedding + head) loaded with
 tokens, so the draft distribution is one-hot (``q = 1`` on the proposed token), which is
 what the acceptance rule in ``acceptance.py`` assumes.
 
-The proposer keeps two token lists and one prediction:
+The proposer keeps:
 
 * ``context`` -- what the target has produced so far (prompt + every accepted token and
   bonus, fed through :meth:`DraftModelProposer.accept`);
 * ``kv`` -- the tokens whose keys/values sit in the draft's cache, positions 0..n-1;
-* ``next`` -- the draft's argmax *after* ``kv`` (the logits of its last position).
+* ``pred[i]`` -- the draft's argmax after ``kv[:i+1]``, where those logits were read
+  (the last row of every decode call; prefill rows before it have none).
 
 :meth:`~DraftModelProposer.reset` prefills the prompt in chunks of ``n_batch`` rows
 (logits for the last row only). :meth:`~DraftModelProposer.propose` first *syncs*: it
 rolls the cache back to the longest common prefix of ``kv`` and ``context`` and feeds
 only the context tokens after it, in one call, asking for the logits of the last row
-only. Then ``d1 = next`` costs nothing, and each further draft is one single-row decode
-of the previous draft. The last draft is never decoded: if it is accepted the next sync
-feeds it together with the bonus (2 rows); if the target rejects ``d(m+1)`` the cache
-keeps ``d1..dm`` and the sync feeds the bonus alone (1 row). Nothing already cached is
-decoded again. :meth:`~DraftModelProposer.accept` only records tokens: plain decoding
+only. Then ``d1 = pred[len(context) - 1]`` costs nothing, and each further draft is one
+single-row decode of the previous draft -- or nothing, when an earlier proposal already
+cached it (cached drafts beyond the context are kept until the context contradicts
+them). The last draft is never decoded: if it is accepted the next sync feeds it
+together with the bonus (2 rows); if the target rejects ``d(m+1)`` the cache keeps
+``d1..dm`` and the sync feeds the bonus alone (1 row). Nothing already cached is decoded
+again. :meth:`~DraftModelProposer.accept` only records tokens: plain decoding
 (speculation cold or off) then costs the draft nothing until it is asked again, and the
-tokens it missed are caught up in one batch.
+tokens it missed are caught up in one batch; :meth:`~DraftModelProposer.sync` does the
+catch-up early.
 
 Every method blocks on llama_decode: call them from the worker thread that owns the
 draft engine (never from the event loop).
@@ -85,22 +89,38 @@ class DraftStats:
 class DraftModelProposer:
     """:class:`~meshnode.spec.strategy.Proposer` over a draft model (greedy drafts).
 
-    ``engine`` must be a whole model (``takes_tokens`` and ``has_head``); ``session`` is
-    the engine session this proposer uses (distinct from any other user of the engine).
-    With ``owns_engine`` the engine is closed by :meth:`close`. ``stop_ids``: token ids
-    (end of generation) after which drafting stops: a draft past the end is wasted.
+    ``model`` is a draft GGUF path (loaded here with ``n_ctx``, ``n_batch``,
+    ``n_threads``, ``gpu_layers`` and one session slot; closed by :meth:`close`) or an
+    already loaded :class:`~meshnode.engine.StageEngine` (shared: closed by :meth:`close`
+    only with ``owns_engine``). Either way it must be a whole model (token input and
+    head). ``session`` is the engine session this proposer uses (distinct from any other
+    user of a shared engine). ``stop_ids``: token ids (end of generation) after which
+    drafting stops: a draft past the end is wasted.
 
-    Use :meth:`open` to load a draft GGUF. Not thread-safe; blocking.
+    Raises :class:`~meshnode.engine.ModelLoadError` when llama.cpp refuses the file;
+    call :func:`check_vocab` first to refuse a draft of another vocabulary.
+    Not thread-safe; blocking.
     """
 
     def __init__(
         self,
-        engine: StageEngine,
+        model: StageEngine | str | PathLike[str],
         *,
         session: int = 0,
         owns_engine: bool = False,
         stop_ids: Collection[int] = (),
+        n_ctx: int = 4096,
+        n_batch: int = 256,
+        n_threads: int | None = None,
+        gpu_layers: int = 0,
     ) -> None:
+        if isinstance(model, StageEngine):
+            engine = model
+        else:
+            engine = StageEngine(EngineSpec(
+                Path(model), takes_tokens=True, has_head=True, n_ctx=n_ctx, n_batch=n_batch,
+                n_seq_max=1, n_threads=n_threads, gpu_layers=gpu_layers))
+            owns_engine = True
         if not (engine.takes_tokens and engine.has_head):
             raise ValueError("a draft model must be a whole model (token input and head)")
         self.engine = engine
@@ -113,25 +133,9 @@ class DraftModelProposer:
         self._rows = self._calls = self._logit_rows = self._proposed = 0
 
     @classmethod
-    def open(
-        cls,
-        path: Path | str,
-        *,
-        n_ctx: int = 4096,
-        n_batch: int = 256,
-        n_threads: int | None = None,
-        gpu_layers: int = 0,
-        session: int = 0,
-        stop_ids: Collection[int] = (),
-    ) -> "DraftModelProposer":
-        """Load the draft GGUF at ``path`` (one session slot) and wrap it.
-
-        Raises :class:`~meshnode.engine.ModelLoadError` when llama.cpp refuses the file.
-        Call :func:`check_vocab` first to refuse a draft of another vocabulary.
-        """
-        spec = EngineSpec(Path(path), takes_tokens=True, has_head=True, n_ctx=n_ctx,
-                          n_batch=n_batch, n_seq_max=1, n_threads=n_threads, gpu_layers=gpu_layers)
-        return cls(StageEngine(spec), session=session, owns_engine=True, stop_ids=stop_ids)
+    def open(cls, path: str | PathLike[str], **kwargs) -> "DraftModelProposer":
+        """Same as ``DraftModelProposer(path, **kwargs)``."""
+        return cls(path, **kwargs)
 
     # ---- Proposer protocol ------------------------------------------------------------
 
@@ -149,9 +153,10 @@ class DraftModelProposer:
     def propose(self, context_tail: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` greedy drafts continuing the context (``context_tail`` is ignored).
 
-        Catches the cache up with tokens accepted since the last call, then decodes
-        ``k - 1`` single rows. Returns fewer than ``k`` drafts when a stop token is
-        proposed or the draft's context is full, ``[]`` for an empty context or ``k <= 0``.
+        Catches the cache up with tokens accepted since the last call, then decodes at
+        most ``k - 1`` single rows (drafts cached by an earlier call are reused). Returns
+        fewer than ``k`` drafts when a stop token is proposed or the draft's context is
+        full, ``[]`` for an empty context, a context too long for the draft, or ``k <= 0``.
         """
         if k <= 0 or not self._context:
             return []
@@ -182,7 +187,8 @@ class DraftModelProposer:
     # ---- extras -------------------------------------------------------------------------
 
     def sync(self) -> None:
-        """Bring the draft's cache up to the context now (e.g. while the target verifies).
+        """Catch the draft's cache up with the context now (e.g. in idle time between
+        :meth:`accept` and the next :meth:`propose`).
 
         No-op when already in sync or when the context does not fit the draft.
         """

@@ -1,0 +1,276 @@
+"""A UDP relay that delays every datagram: network latency for nodes on one machine.
+
+The kernel here has no netem (DESIGN.md section 6), so benchmarks emulate a slower link
+by pointing one node at this relay instead of at its peer. QUIC runs over UDP, so the
+relay sees every packet of the connection.
+
+Theory of operation: a client sends to the listen address; the relay holds each datagram
+``delay_s`` (plus a uniform jitter in ``[-jitter_s, +jitter_s]``, never below zero) and
+then sends it to ``target`` from an upstream socket of that client's own (so the target
+sees one distinct address per client and its replies can be told apart). Replies reaching
+an upstream socket are held the same way and sent back to their client from the listen
+socket. A round trip through the relay therefore takes ``2 * delay_s`` plus processing.
+
+Holding uses the event loop's timers, not a sleep per packet: each direction of each
+client is a FIFO of ``(due, datagram)`` with one timer armed for its head. Due times are
+made non-decreasing per direction (jitter can never reorder a flow), and a timer sends
+everything due in FIFO order, so ordering is preserved even when several datagrams share
+one due time. Datagrams still held at :meth:`UdpDelayRelay.stop` are dropped.
+
+Say in any benchmark output that a relay was used and with what delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+__all__ = ["RelayCounters", "UdpDelayRelay", "relay"]
+
+log = logging.getLogger(__name__)
+
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayCounters:
+    """Datagrams and bytes forwarded so far. ``up``: client -> target, ``down``: target ->
+    client. ``clients``: client addresses seen."""
+
+    datagrams_up: int = 0
+    bytes_up: int = 0
+    datagrams_down: int = 0
+    bytes_down: int = 0
+    clients: int = 0
+
+
+class _Flow:
+    """One direction of one client: held datagrams and the timer of the head."""
+
+    __slots__ = ("queue", "timer", "last_due")
+
+    def __init__(self) -> None:
+        self.queue: deque[tuple[float, bytes]] = deque()
+        self.timer: asyncio.TimerHandle | None = None
+        self.last_due = 0.0
+
+
+class _Client:
+    __slots__ = ("addr", "up", "down", "transport", "ready")
+
+    def __init__(self, addr: Address) -> None:
+        self.addr = addr
+        self.up = _Flow()
+        self.down = _Flow()
+        self.transport: asyncio.DatagramTransport | None = None
+        self.ready: asyncio.Task[None] | None = None
+
+
+class _ListenProtocol(asyncio.DatagramProtocol):
+    def __init__(self, relay: "UdpDelayRelay") -> None:
+        self.relay = relay
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        self.relay._from_client(data, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("relay listen socket: %s", exc)
+
+
+class _UpstreamProtocol(asyncio.DatagramProtocol):
+    def __init__(self, relay: "UdpDelayRelay", client: _Client) -> None:
+        self.relay = relay
+        self.client = client
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        self.relay._from_target(data, self.client)
+
+    def error_received(self, exc: Exception) -> None:
+        # e.g. ICMP port unreachable while the target is not up yet: UDP drops, so do we
+        log.debug("relay upstream socket of %s: %s", self.client.addr, exc)
+
+
+class UdpDelayRelay:
+    """Delaying UDP relay from ``listen`` to ``target`` (see the module docstring).
+
+    ``listen`` may use port 0 (see :attr:`port` after :meth:`start`). ``rng`` draws the
+    jitter (seed it for reproducible runs).
+    """
+
+    def __init__(
+        self,
+        listen: Address,
+        target: Address,
+        delay_s: float = 0.005,
+        jitter_s: float = 0.0,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        if delay_s < 0 or jitter_s < 0:
+            raise ValueError("delay_s and jitter_s must be >= 0")
+        self.listen = listen
+        self.target = target
+        self.delay_s = float(delay_s)
+        self.jitter_s = float(jitter_s)
+        self._rng = rng or random.Random()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._transport: asyncio.DatagramTransport | None = None
+        self._clients: dict[Address, _Client] = {}
+        self._counts = [0, 0, 0, 0]  # datagrams up, bytes up, datagrams down, bytes down
+        # asyncio may run a timer up to the clock resolution early
+        self._slack = time.get_clock_info("monotonic").resolution
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind the listen socket. Raises OSError when the address is taken."""
+        if self._transport is not None:
+            raise RuntimeError("relay already started")
+        self._loop = asyncio.get_running_loop()
+        transport, _ = await self._loop.create_datagram_endpoint(
+            lambda: _ListenProtocol(self), local_addr=self.listen)
+        self._transport = transport
+
+    async def stop(self) -> None:
+        """Close every socket; datagrams still held are dropped. Idempotent."""
+        for client in self._clients.values():
+            for flow in (client.up, client.down):
+                if flow.timer is not None:
+                    flow.timer.cancel()
+                flow.queue.clear()
+            if client.ready is not None and not client.ready.done():
+                client.ready.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await client.ready
+            if client.transport is not None:
+                client.transport.close()
+        self._clients.clear()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        await asyncio.sleep(0)  # let the transports finish closing
+
+    async def __aenter__(self) -> "UdpDelayRelay":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    @property
+    def address(self) -> Address:
+        """The bound listen address (host, port)."""
+        if self._transport is None:
+            raise RuntimeError("relay not started")
+        host, port = self._transport.get_extra_info("sockname")[:2]
+        return host, port
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    @property
+    def counters(self) -> RelayCounters:
+        up_n, up_b, down_n, down_b = self._counts
+        return RelayCounters(up_n, up_b, down_n, down_b, len(self._clients))
+
+    # ---- forwarding ---------------------------------------------------------------------------
+
+    def _from_client(self, data: bytes, addr: Address) -> None:
+        client = self._clients.get(addr)
+        if client is None:
+            client = _Client(addr)
+            self._clients[addr] = client
+            # the upstream socket is ready long before the first datagram is due
+            client.ready = asyncio.ensure_future(self._open_upstream(client))
+        self._hold(client.up, data, lambda: self._drain_up(client))
+
+    def _from_target(self, data: bytes, client: _Client) -> None:
+        self._hold(client.down, data, lambda: self._drain_down(client))
+
+    async def _open_upstream(self, client: _Client) -> None:
+        assert self._loop is not None
+        try:
+            transport, _ = await self._loop.create_datagram_endpoint(
+                lambda: _UpstreamProtocol(self, client), remote_addr=self.target)
+        except OSError as exc:
+            log.warning("relay: cannot open an upstream socket for %s: %s", client.addr, exc)
+            return
+        client.transport = transport
+        self._drain_up(client)  # anything that fell due while the socket was opening
+
+    def _hold(self, flow: _Flow, data: bytes, drain) -> None:
+        assert self._loop is not None
+        delay = self.delay_s
+        if self.jitter_s:
+            delay = max(0.0, delay + self._rng.uniform(-self.jitter_s, self.jitter_s))
+        due = max(self._loop.time() + delay, flow.last_due)
+        flow.last_due = due
+        flow.queue.append((due, data))
+        if flow.timer is None:
+            flow.timer = self._loop.call_at(due, drain)
+
+    def _drain(self, flow: _Flow, send, drain) -> None:
+        assert self._loop is not None
+        flow.timer = None
+        now = self._loop.time() + self._slack
+        q = flow.queue
+        while q and q[0][0] <= now:
+            send(q.popleft()[1])
+        if q:
+            flow.timer = self._loop.call_at(q[0][0], drain)
+
+    def _drain_up(self, client: _Client) -> None:
+        transport = client.transport
+        if transport is None:
+            # upstream socket still opening: _open_upstream drains when it is ready
+            if client.up.timer is not None:
+                client.up.timer.cancel()
+                client.up.timer = None
+            return
+
+        def send(data: bytes) -> None:
+            transport.sendto(data)
+            self._counts[0] += 1
+            self._counts[1] += len(data)
+
+        self._drain(client.up, send, lambda: self._drain_up(client))
+
+    def _drain_down(self, client: _Client) -> None:
+        listen = self._transport
+        if listen is None:
+            return
+
+        def send(data: bytes) -> None:
+            listen.sendto(data, client.addr)
+            self._counts[2] += 1
+            self._counts[3] += len(data)
+
+        self._drain(client.down, send, lambda: self._drain_down(client))
+
+
+@contextlib.asynccontextmanager
+async def relay(
+    listen: Address,
+    target: Address,
+    delay_s: float = 0.005,
+    jitter_s: float = 0.0,
+    *,
+    rng: random.Random | None = None,
+) -> AsyncIterator[UdpDelayRelay]:
+    """``async with relay(("127.0.0.1", 0), peer, delay_s=0.01) as r:`` -- a started
+    :class:`UdpDelayRelay`, stopped on exit; clients send to ``r.address``."""
+    r = UdpDelayRelay(listen, target, delay_s, jitter_s, rng=rng)
+    await r.start()
+    try:
+        yield r
+    finally:
+        await r.stop()

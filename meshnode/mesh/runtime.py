@@ -1,0 +1,297 @@
+"""What the asyncio drivers of stage negotiation share: options, results, helpers.
+
+Theory of operation. Stage negotiation is split in three modules:
+
+* :mod:`meshnode.mesh.stage_control` -- the sans-IO state machines (no I/O, no clock);
+* :mod:`meshnode.mesh.stage_server` -- :class:`StageServerRuntime`, run by every node:
+  feeds its :class:`StageServerControl` and does the host work (find the model, slice
+  it, load an engine, serve the data plane with a :class:`StageHost`);
+* :mod:`meshnode.mesh.coordinator` -- :class:`CoordinatorRuntime`, run by the node that
+  coordinates a model (stage 0): plans, feeds :class:`CoordinatorControl`, loads stage 0
+  and builds the pipeline.
+
+``CoordinatorRuntime``, ``ServingModel`` and ``StageServerRuntime`` can be imported from
+here too (lazily: their modules import this one).
+
+Both drivers are thin, like aioquic's asyncio layer: feed the machine, drain its
+messages into an :class:`Outbox` (one ordered sender task), handle its events, re-arm
+its one timer. This module holds what both need: :class:`ServeOptions`, the persistent
+coordinator term (:class:`TermStore`), the models a node holds (:func:`held_models`,
+:func:`node_capabilities`) and the planner's view of a GGUF (:func:`model_shape`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshnode.errors import MeshnodeError
+from meshnode.fsutil import atomic_write
+from meshnode.mesh.planner import ModelShape
+from meshnode.mesh.stage_control import Timeouts
+from meshnode.models.errors import ModelFileError
+from meshnode.net import caps as capsmod
+from meshnode.paths import NodePaths
+from meshnode.state import HeldModel, NodeEvent
+
+__all__ = [
+    "CoordinatorRuntime",
+    "DEFAULT_STAGE_OVERHEAD",
+    "NegotiationError",
+    "Outbox",
+    "Publish",
+    "ServeOptions",
+    "ServingModel",
+    "StageServerRuntime",
+    "TermStore",
+    "find_held_model",
+    "held_models",
+    "model_shape",
+    "node_capabilities",
+]
+
+log = logging.getLogger(__name__)
+
+# Charged once per stage by the planner: llama.cpp compute buffers, the batch, logits.
+DEFAULT_STAGE_OVERHEAD = 64 * 1024 * 1024
+TERM_FILE = "coordinator-term"
+
+Publish = Callable[[NodeEvent], None]
+
+
+class NegotiationError(MeshnodeError):
+    """Stage negotiation failed (``PlanFailed``); ``reason`` names the stage and why."""
+
+    def __init__(self, reason: str, stage_index: int | None = None) -> None:
+        super().__init__(f"cannot start the model: {reason}")
+        self.reason = reason
+        self.stage_index = stage_index
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """How the coordinator plans and loads a model.
+
+    ``split``: force this many stages (``--split N``); ``explicit``: ``"nodeA=0:10,
+    nodeB=10:30"`` (``--stages``); neither: the planner chooses. ``max_memory``: this
+    node's budget in bytes (``--max-memory``); peers apply their own budgets to the free
+    memory they advertise (:func:`node_capabilities`). ``wire_dtype``: 'f32' (exact) or
+    'f16' (half the bytes on the wire).
+    """
+
+    split: int | None = None
+    explicit: str | None = None
+    max_memory: int | None = None
+    n_ctx: int = 2048
+    n_batch: int = 256
+    n_seq_max: int = 4
+    wire_dtype: str = "f32"
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    stop_timeout: float = 5.0           # seconds to wait for Status(stopped) answers
+    stage_overhead: int = DEFAULT_STAGE_OVERHEAD
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype not in ("f32", "f16"):
+            raise MeshnodeError(f"wire dtype must be 'f32' or 'f16', not {self.wire_dtype!r}")
+        if min(self.n_ctx, self.n_batch, self.n_seq_max) < 1:
+            raise MeshnodeError("n_ctx, n_batch and n_seq_max must be >= 1")
+
+
+# ---- the coordinator's term ---------------------------------------------------------
+
+
+class TermStore:
+    """A persistent, strictly increasing counter under ``paths.state``.
+
+    Every plan a coordinator starts uses :meth:`next_term`, so a restarted coordinator
+    always claims with a higher term than before (stage servers fence lower ones).
+    """
+
+    def __init__(self, paths: NodePaths) -> None:
+        self.path = paths.state / TERM_FILE
+
+    def current(self) -> int:
+        """The last term handed out (0 when none)."""
+        with contextlib.suppress(OSError, ValueError):
+            return max(0, int(self.path.read_text().strip() or 0))
+        return 0
+
+    def next_term(self) -> int:
+        """A term higher than every one handed out before; persisted before it returns."""
+        return self.advance_to(self.current() + 1)
+
+    def advance_to(self, term: int) -> int:
+        """Make ``term`` the current term (never lowers it); returns the current term."""
+        term = max(term, self.current())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(self.path, "w") as f:
+            f.write(f"{term}\n")  # type: ignore[arg-type]
+        return term
+
+
+# ---- held models and capabilities ---------------------------------------------------
+
+
+def held_models(paths: NodePaths) -> list[HeldModel]:
+    """The models in this node's store, as advertised in capabilities.
+
+    Blocking (a GGUF without a record is hashed once): call it from a thread. A store
+    holding a damaged file advertises nothing rather than failing the node.
+    """
+    from meshnode.models.store import list_models
+
+    try:
+        refs = list_models(paths, progress=lambda *_: None)
+    except (ModelFileError, OSError) as exc:
+        log.warning("cannot list the model store: %s", exc)
+        return []
+    return [HeldModel(r.name, r.sha256, r.n_layers, _size(r.path)) for r in refs]
+
+
+def find_held_model(paths: NodePaths, sha256: str) -> Any:
+    """The store's :class:`~meshnode.models.store.ModelRef` with ``sha256``, or None.
+
+    Blocking, like :func:`held_models`."""
+    from meshnode.models.store import list_models
+
+    try:
+        refs = list_models(paths, progress=lambda *_: None)
+    except (ModelFileError, OSError) as exc:
+        log.warning("cannot list the model store: %s", exc)
+        return None
+    return next((r for r in refs if r.sha256 == sha256), None)
+
+
+def node_capabilities(paths: NodePaths, *, max_memory: int | None = None,
+                      models: list[HeldModel] | None = None) -> dict[str, Any]:
+    """This node's capability dict for :class:`MeshFabric` (``capabilities=`` or
+    ``set_capabilities``): free RAM capped by ``max_memory`` and the held models.
+
+    Blocking when ``models`` is None (lists the store)."""
+    held = tuple(held_models(paths) if models is None else models)
+    caps = capsmod.to_dict(capsmod.local_capabilities(held))
+    if max_memory is not None:
+        caps["free_ram"] = min(int(caps["free_ram"]), int(max_memory))
+    return caps
+
+
+def _size(path: Any) -> int:
+    try:
+        return int(path.stat().st_size)
+    except OSError:
+        return 0
+
+
+# ---- the planner's view of a model ----------------------------------------------------
+
+
+def model_shape(path: Any, n_ctx: int, *, overhead_bytes: int = DEFAULT_STAGE_OVERHEAD) -> ModelShape:
+    """:class:`ModelShape` of the GGUF at ``path`` for ``n_ctx`` tokens per session.
+
+    Layer bytes are each block's tensor bytes; the embedding is ``token_embd``; the head
+    is ``output.weight`` (``token_embd`` again when tied) plus ``output_norm``; KV per
+    token and layer is ``n_head_kv * (key_length + value_length) * 2`` bytes (f16 K and
+    V). Blocking (reads the GGUF header). Raises ModelFileError.
+    """
+    from meshnode.models.gguf_info import field_value, info_from_reader, open_gguf
+
+    reader = open_gguf(path)
+    info = info_from_reader(reader, path)
+    arch = info.architecture
+    other = {t.name: t.n_bytes for t in info.other_tensors}
+    embed = other.get("token_embd.weight", 0)
+    head = other.get("output.weight", embed) + other.get("output_norm.weight", 0)
+    n_head = _as_max(field_value(reader, f"{arch}.attention.head_count")) or 1
+    n_head_kv = _as_max(field_value(reader, f"{arch}.attention.head_count_kv")) or n_head
+    k_len = _as_max(field_value(reader, f"{arch}.attention.key_length")) or info.n_embd // n_head
+    v_len = _as_max(field_value(reader, f"{arch}.attention.value_length")) or k_len
+    return ModelShape(
+        n_layers=info.n_layers,
+        layer_bytes=tuple(sum(t.n_bytes for t in blk) for blk in info.blocks),
+        embed_bytes=embed,
+        head_bytes=head,
+        n_embd=info.n_embd,
+        n_ctx=n_ctx,
+        kv_bytes_per_token=n_head_kv * (k_len + v_len) * 2,
+        overhead_bytes=overhead_bytes,
+    )
+
+
+def _as_max(value: Any) -> int:
+    """A metadata int, or the largest entry of a per-layer array; 0 when absent."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (list, tuple)):
+        ints = [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+        return max(ints, default=0)
+    return 0
+
+
+# ---- sending ------------------------------------------------------------------------------
+
+
+class Outbox:
+    """Sends ``(node_id, message)`` pairs on the control stream, in order, from one task.
+
+    The state machines queue replies synchronously; this keeps their order on the wire
+    and keeps a gone peer (``PeerUnavailableError``) from reaching the machine: a lost
+    peer is reported through ``on_peer_change`` instead.
+    """
+
+    def __init__(self, fabric: Any, name: str) -> None:
+        self.fabric = fabric
+        self.name = name
+        self._queue: asyncio.Queue | None = None
+        self._task: asyncio.Task | None = None
+
+    def put(self, node_id: str, msg: Any) -> None:
+        if self._task is None or self._task.done():
+            self._queue = asyncio.Queue()
+            self._task = asyncio.get_running_loop().create_task(self._run(self._queue), name=self.name)
+        assert self._queue is not None
+        self._queue.put_nowait((node_id, msg))
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far was handed to the fabric."""
+        if self._queue is not None and self._task is not None and not self._task.done():
+            await self._queue.join()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    async def _run(self, queue: asyncio.Queue) -> None:
+        from meshnode.mesh.fabric import PeerUnavailableError
+
+        while True:
+            node_id, msg = await queue.get()
+            try:
+                await self.fabric.send(node_id, msg)
+            except PeerUnavailableError as exc:
+                log.info("%s: %s to %s not sent: %s", self.name, type(msg).__name__, node_id, exc)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the sender
+                log.exception("%s: sending %s to %s failed", self.name, type(msg).__name__, node_id)
+            finally:
+                queue.task_done()
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy re-exports (PEP 562): the driver modules import this one."""
+    if name in ("CoordinatorRuntime", "ServingModel"):
+        from meshnode.mesh import coordinator
+
+        return getattr(coordinator, name)
+    if name == "StageServerRuntime":
+        from meshnode.mesh import stage_server
+
+        return stage_server.StageServerRuntime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

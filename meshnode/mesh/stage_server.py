@@ -1,0 +1,296 @@
+"""The asyncio driver of :class:`StageServerControl`: serving a stage for another node.
+
+Theory of operation. Every node runs one :class:`StageServerRuntime`. The node's message
+dispatcher hands it each message with :meth:`StageServerRuntime.handle`; it takes the
+stage-control requests (Claim, Prepare, Inventory from its coordinator, Load, Stop) and
+the data plane of the stage it serves (Forward, Trim, SessionEnd), and returns False for
+anything else. After each feed it drains the machine: replies go to an :class:`Outbox`,
+events become host work:
+
+* ``PrepareRequested``: find the model by sha256 in this node's store (a model not held
+  fails the stage with a clear reason; fetching from peers comes later), then build the
+  slice with :class:`SliceCache` in a thread, reporting progress; ``slice_present()``.
+* ``LoadRequested``: open an :class:`EngineWorker` on the slice (hidden states in; logits
+  out on the last stage) and start a :class:`StageHost` routed to the downstream stage
+  (or back to the coordinator); ``loaded()``.
+* ``StopRequested`` / the stage turning FAILED: close the host and free the engine.
+
+Host work runs in tasks tagged with the claim they belong to (term, coordinator, range);
+a result that arrives after the stage was stopped or re-claimed is freed, never reported.
+The machine keeps no timers. When the link to the claiming coordinator drops, the stage
+fails and its memory is freed (the coordinator fails its plan on the same loss).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshnode import wire
+from meshnode.errors import MeshnodeError
+from meshnode.mesh.runtime import Outbox, Publish, find_held_model
+from meshnode.mesh.stage_control import (
+    LoadRequested,
+    PrepareRequested,
+    StageServerControl,
+    StopRequested,
+)
+from meshnode.paths import NodePaths
+from meshnode.state import StageChanged, StageInfo, StageState
+
+__all__ = ["StageServerRuntime"]
+
+log = logging.getLogger(__name__)
+
+_REQUESTS = (wire.Claim, wire.Prepare, wire.Load, wire.Stop)
+_DATA = (wire.Forward, wire.Trim, wire.SessionEnd)
+PROGRESS_EVERY_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """Which assignment a piece of host work belongs to."""
+
+    term: int
+    coordinator: str
+    start: int
+    end: int
+
+
+class StageServerRuntime:
+    """Serves at most one stage of another node's model (see the module docstring).
+
+    ``publish`` receives every :class:`StageChanged` (the node hands them to the UI).
+    ``n_threads``: llama.cpp threads of the stage engine (None: every core).
+    """
+
+    def __init__(self, fabric: Any, paths: NodePaths, *, n_threads: int | None = None,
+                 publish: Publish | None = None) -> None:
+        self.fabric = fabric
+        self.paths = paths
+        self.n_threads = n_threads
+        self.publish = publish
+        self.control = StageServerControl(fabric.node_id, time.monotonic(), name=fabric.name)
+        self._outbox = Outbox(fabric, "stage-server-send")
+        self._host: Any = None                 # StageHost while READY
+        self._host_claim: _Claim | None = None
+        self._slice: tuple[_Claim, Path, int] | None = None   # claim, slice path, n_layers_total
+        self._tasks: set[asyncio.Task] = set()
+        self._frees: set[asyncio.Task] = set()
+        self._last_progress = 0.0
+        fabric.on_peer_change(self._on_peer_change)
+
+    # ---- reading -----------------------------------------------------------------
+
+    def stages(self) -> list[StageInfo]:
+        """The stage this node serves for another node (empty while idle); a stopped or
+        failed stage stays listed, with its reason, until the next claim."""
+        st = self.control.stage
+        return [] if st is None else [st]
+
+    @property
+    def holds_engine(self) -> bool:
+        """True while a stage engine is loaded here (False once Stop freed it)."""
+        return self._host is not None
+
+    # ---- feeding -----------------------------------------------------------------
+
+    def handle(self, node_id: str, msg: Any) -> bool:
+        """Take ``msg`` from ``node_id`` if it is for the stage server; False otherwise.
+
+        Stage-control requests always are; Inventory only from the claiming coordinator
+        (the other direction carries Inventory reports to a coordinator); data messages
+        go to the stage host (a Forward with no stage here is answered with DataError).
+        """
+        if isinstance(msg, _DATA):
+            self._on_data(node_id, msg)
+            return True
+        if isinstance(msg, wire.Inventory):
+            if node_id != self.control.coordinator_id:
+                return False
+        elif not isinstance(msg, _REQUESTS):
+            return False
+        self.control.receive(node_id, msg, time.monotonic())
+        self._pump()
+        return True
+
+    async def stop(self) -> None:
+        """Node shutdown: the same as :meth:`close`."""
+        await self.close()
+
+    async def close(self) -> None:
+        """Free the engine and stop every task (node shutdown)."""
+        for t in list(self._tasks):
+            t.cancel()
+        await self._free("node stopping")
+        for t in list(self._frees):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await t
+        await self._outbox.flush()
+        await self._outbox.close()
+
+    async def wait_idle(self) -> None:
+        """Wait until no host work (prepare, load, free) is running (tests)."""
+        while self._tasks or self._frees:
+            await asyncio.gather(*self._tasks, *self._frees, return_exceptions=True)
+
+    # ---- the pump ----------------------------------------------------------------
+
+    def _pump(self) -> None:
+        c = self.control
+        while True:
+            for node_id, msg in c.messages_to_send():
+                self._outbox.put(node_id, msg)
+            ev = c.next_event()
+            if ev is None:
+                return
+            match ev:
+                case StageChanged(stage=st):
+                    if self.publish is not None:
+                        self.publish(ev)
+                    if st.state in (StageState.FAILED, StageState.STOPPED) and self._host is not None:
+                        self._spawn_free(st.detail or st.state.value)
+                case PrepareRequested():
+                    self._spawn(self._prepare(ev, self._claim()), "stage-prepare")
+                case LoadRequested():
+                    self._spawn(self._load(ev, self._claim()), "stage-load")
+                case StopRequested(reason=reason):
+                    self._spawn_free(reason)
+                case _:
+                    log.debug("stage server: %r", ev)
+
+    def _claim(self) -> _Claim:
+        c = self.control
+        return _Claim(c.term, c.coordinator_id or "", c.layer_start, c.layer_end)
+
+    def _current(self, claim: _Claim, state: StageState) -> bool:
+        return self.control.state is state and self._claim() == claim
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _spawn_free(self, reason: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._free(reason), name="stage-free")
+        self._frees.add(task)
+        task.add_done_callback(self._frees.discard)
+
+    # ---- host work -----------------------------------------------------------------
+
+    async def _prepare(self, ev: PrepareRequested, claim: _Claim) -> None:
+        from meshnode.models.slicer import SliceCache
+
+        c = self.control
+        try:
+            model = await asyncio.to_thread(find_held_model, self.paths, ev.model_sha256)
+            if model is None:
+                raise MeshnodeError(
+                    f"model {ev.model_name or '?'} (sha256 {ev.model_sha256[:12]}...) is not in the "
+                    f"store of {self.fabric.name}; fetching models from peers is not supported yet")
+            if model.n_layers != ev.n_layers_total:
+                raise MeshnodeError(f"the stored model has {model.n_layers} layers, "
+                                    f"the coordinator's has {ev.n_layers_total}")
+            loop = asyncio.get_running_loop()
+
+            def progress(phase: str, done: int, total: int | None) -> None:  # worker thread
+                if total:
+                    loop.call_soon_threadsafe(self._progress, claim, done / total)
+
+            path = await asyncio.to_thread(SliceCache(self.paths).get, model, ev.layer_start,
+                                           ev.layer_end, progress=progress)
+        except asyncio.CancelledError:
+            raise
+        except (MeshnodeError, OSError) as exc:
+            if self._current(claim, StageState.PREPARING):
+                c.slice_failed(str(exc))
+                self._pump()
+            return
+        if self._current(claim, StageState.PREPARING):
+            self._slice = (claim, Path(path), ev.n_layers_total)
+            c.slice_present()
+            self._pump()
+
+    def _progress(self, claim: _Claim, fraction: float) -> None:
+        now = time.monotonic()
+        if now - self._last_progress < PROGRESS_EVERY_S and fraction < 1.0:
+            return
+        self._last_progress = now
+        if self._current(claim, StageState.PREPARING) and not self.control.present:
+            self.control.slice_progress(fraction, f"slicing {fraction:.0%}")
+            self._pump()
+
+    async def _load(self, ev: LoadRequested, claim: _Claim) -> None:
+        from meshnode.engine import EngineError, EngineSpec
+        from meshnode.engine.worker import EngineWorker
+        from meshnode.mesh.stage_host import StageHost, StageRoute
+
+        c = self.control
+        t0 = time.perf_counter()
+        host = None
+        try:
+            if self._slice is None or self._slice[0] != claim:
+                raise MeshnodeError("no prepared slice for this load")
+            _, path, n_total = self._slice
+            p = ev.params
+            spec = EngineSpec(path, takes_tokens=ev.layer_start == 0, has_head=ev.layer_end == n_total,
+                              n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
+                              n_threads=self.n_threads)
+            worker = await EngineWorker.load(spec, name=f"stage{ev.stage_index}")
+            host = StageHost(self.fabric, worker,
+                             StageRoute(ev.coordinator, ev.downstream or None, p.wire_dtype))
+        except asyncio.CancelledError:
+            raise
+        except (EngineError, MeshnodeError, OSError) as exc:
+            if self._current(claim, StageState.LOADING):
+                c.load_failed(str(exc))
+                self._pump()
+            return
+        if not self._current(claim, StageState.LOADING):
+            await host.close()   # stopped or re-claimed while loading: free at once
+            return
+        if self._host is not None:   # cannot happen (one stage at a time); never leak it
+            self._spawn_free("replaced")
+        self._host, self._host_claim = host, claim
+        if not c.loaded(worker.engine.n_embd, (time.perf_counter() - t0) * 1000.0):
+            self._spawn_free("stopped while loading")
+        self._pump()
+
+    async def _free(self, reason: str) -> None:
+        host, self._host, self._host_claim = self._host, None, None
+        if host is not None:
+            log.info("stage server %s: freeing the stage engine (%s)", self.fabric.name, reason)
+            await host.close()
+
+    # ---- data plane and peers ---------------------------------------------------------
+
+    def _on_data(self, node_id: str, msg: Any) -> None:
+        if self._host is not None and self.control.state is StageState.READY:
+            self._host.accept(node_id, msg)
+            return
+        if isinstance(msg, wire.Forward):
+            reply = wire.DataError(ref=0, batch_id=msg.batch_id,
+                                   session=msg.segments[0].session if msg.segments else 0,
+                                   code=wire.ErrorCode.NO_SUCH_SESSION,
+                                   message=f"{self.fabric.name} serves no stage now")
+            task = asyncio.get_running_loop().create_task(self._send_data(node_id, reply))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send_data(self, node_id: str, msg: Any) -> None:
+        from meshnode.mesh.stage_host import DATA_STREAM
+
+        with contextlib.suppress(Exception):
+            await self.fabric.send_data(node_id, msg, DATA_STREAM)
+
+    def _on_peer_change(self, node_id: str, info: Any, reason: str) -> None:
+        c = self.control
+        if info is None and node_id == c.coordinator_id and c.state in (
+                StageState.ASSIGNED, StageState.PREPARING, StageState.LOADING, StageState.READY):
+            c.fail(f"coordinator {node_id} lost: {reason}")
+            self._pump()

@@ -1,0 +1,327 @@
+"""StageEngine on real llama.cpp: sessions, rollback, and bad input.
+
+- Several sessions interleaved on one engine (and several in one ``forward()`` call)
+  give exactly the logits each session gives alone on a fresh engine, for the whole
+  model and for a 3-stage chain of slices.
+- Rollback then re-decode equals a fresh run; ``rewind=True`` does the same in-band.
+- Bad input (non-GGUF, truncated GGUF, unsupported architecture, range out of bounds,
+  hidden states of the wrong width or dtype, position gaps, too many rows) is a typed
+  error with a clear message, leaves the engine usable and leaves no half-written file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshnode.engine import (
+    ContextOverflowError,
+    EngineBusyError,
+    EngineInputError,
+    EngineSpec,
+    ModelLoadError,
+    Segment,
+    StageEngine,
+)
+from meshnode.engine.tokenizer import Tokenizer
+from meshnode.models.errors import ModelFileError, SliceRangeError, UnsupportedArchitectureError
+from meshnode.models.slicer import SliceCache, write_slice
+
+THREADS = 1
+COMMON = dict(n_ctx=128, n_batch=64, n_seq_max=4, n_threads=THREADS)
+
+
+class Chain:
+    """Engines for consecutive layer ranges, driven like the pipeline drives them."""
+
+    def __init__(self, paths: Sequence[Path], **kw) -> None:
+        n = len(paths)
+        self.stages = [
+            StageEngine(EngineSpec(p, takes_tokens=(i == 0), has_head=(i == n - 1), **{**COMMON, **kw}))
+            for i, p in enumerate(paths)
+        ]
+
+    def forward(self, segs: Sequence[Segment], rewind: bool = False) -> list[np.ndarray]:
+        """``segs`` carry tokens; returns the final stage's logits per segment."""
+        outs: list[np.ndarray] = []
+        for i, eng in enumerate(self.stages):
+            if i > 0:
+                segs = [Segment(s.session, s.pos, hidden=h, n_logits=s.n_logits) for s, h in zip(segs, outs)]
+            outs = eng.forward(segs, rewind=rewind)
+        return outs
+
+    def rollback(self, session: int, pos: int) -> None:
+        for eng in self.stages:
+            eng.rollback(session, pos)
+
+    def drop(self, session: int) -> None:
+        for eng in self.stages:
+            eng.drop(session)
+
+    def close(self) -> None:
+        for eng in self.stages:
+            eng.close()
+
+
+def _toks(*ids: int) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def smol_chains(smollm2, model_store_paths):
+    """Paths of the whole model and of a 3-stage split [0,9) [9,21) [21,30)."""
+    cache = SliceCache(model_store_paths.ensure())
+    return {
+        "whole": [smollm2.path],
+        "3-stages": [cache.get(smollm2, 0, 9), cache.get(smollm2, 9, 21), cache.get(smollm2, 21, 30)],
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2) -> list[np.ndarray]:
+    tok = Tokenizer(smollm2.path)
+    texts = [
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+        "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
+        "The quick brown fox jumps over the lazy dog. " * 3,
+    ]
+    out = [np.asarray(tok.encode(t, add_bos=True), dtype=np.int32) for t in texts]
+    tok.close()
+    return out
+
+
+# Fixed continuation tokens (not sampled), so every run uses the same schedule.
+CONT = [_toks(504, 3725, 28, 198, 1604, 3987, 472, 585), _toks(216, 32, 42, 448, 1003, 5406, 2, 94),
+        _toks(30, 2000, 11, 727, 10204, 17, 19, 300)]
+
+
+def _alone(paths, prompt: np.ndarray, cont: np.ndarray) -> list[np.ndarray]:
+    """Logits of one session on a fresh engine: prefill (last row), then one per token."""
+    chain = Chain(paths)
+    try:
+        out = [chain.forward([Segment(7, 0, tokens=prompt, n_logits=1)])[0]]
+        pos = len(prompt)
+        for t in cont:
+            out.append(chain.forward([Segment(7, pos, tokens=_toks(t), n_logits=1)])[0])
+            pos += 1
+        return out
+    finally:
+        chain.close()
+
+
+@pytest.mark.parametrize("layout", ["whole", "3-stages"])
+def test_concurrent_sessions_do_not_disturb_each_other(smol_chains, prompts, layout):
+    paths = smol_chains[layout]
+    ref = [_alone(paths, p, c) for p, c in zip(prompts, CONT)]
+    got: list[list[np.ndarray]] = [[], [], []]
+    pos = [0, 0, 0]
+    sessions = [101, 202, 303]
+    chain = Chain(paths)
+
+    def run(idx: Sequence[int], rows: Sequence[np.ndarray]) -> None:
+        segs = [Segment(sessions[i], pos[i], tokens=r, n_logits=1) for i, r in zip(idx, rows)]
+        for i, logits in zip(idx, chain.forward(segs)):
+            got[i].append(logits)
+        for i, r in zip(idx, rows):
+            pos[i] += len(r)
+
+    try:
+        run([0], [prompts[0]])                              # A prefills alone
+        run([0], [CONT[0][0:1]])                            # A decodes
+        run([1, 2], [prompts[1], prompts[2]])               # B and C prefill in one call
+        for k in range(1, 4):                               # A, B, C decode together
+            run([0, 1, 2], [CONT[0][k:k + 1], CONT[1][k - 1:k], CONT[2][k - 1:k]])
+        run([2, 0], [CONT[2][3:4], CONT[0][4:5]])           # order inside a call changes
+        chain.drop(sessions[1])                             # B leaves mid-way ...
+        run([2], [CONT[2][4:5]])
+        for k in range(5, 8):
+            run([0, 2], [CONT[0][k:k + 1], CONT[2][k:k + 1]])
+        # ... and a new session D reuses B's slot and its KV cells: B again, from scratch
+        sessions[1], pos[1], got[1] = 404, 0, []
+        run([1], [prompts[1]])
+        for k in range(0, 8):
+            run([1], [CONT[1][k:k + 1]])
+    finally:
+        chain.close()
+
+    for i in range(3):
+        assert len(got[i]) == len(ref[i]) == 9
+        for step, (g, r) in enumerate(zip(got[i], ref[i])):
+            assert g.shape == r.shape == (1, r.shape[1])
+            assert np.array_equal(g, r), f"session {i} step {step}: max diff {np.max(np.abs(g - r))}"
+
+
+@pytest.mark.parametrize("layout", ["whole", "3-stages"])
+def test_rollback_then_redecode_equals_fresh_run(smol_chains, prompts, layout):
+    paths = smol_chains[layout]
+    prompt, cont = prompts[0], CONT[0]
+    fresh = _alone(paths, prompt, cont)
+    chain = Chain(paths)
+    try:
+        n = len(prompt)
+        chain.forward([Segment(1, 0, tokens=prompt, n_logits=1)])
+        for k, t in enumerate(cont):                      # decode 8
+            chain.forward([Segment(1, n + k, tokens=_toks(t), n_logits=1)])
+        chain.rollback(1, n + 3)                          # roll back 5
+        assert all(eng.next_pos(1) == n + 3 for eng in chain.stages)
+        for k in range(3, 8):                             # re-decode them
+            logits = chain.forward([Segment(1, n + k, tokens=cont[k:k + 1], n_logits=1)])[0]
+            assert np.array_equal(logits, fresh[k + 1]), f"token {k}"
+
+        # A verify batch of 4 with wrong drafts, rolled back in-band by the next window.
+        window = _toks(int(cont[7]), 1, 2, 3)
+        chain.forward([Segment(1, n + 8, tokens=window, n_logits=4)])
+        redo = chain.forward([Segment(1, n + 9, tokens=_toks(5), n_logits=1)], rewind=True)[0]
+    finally:
+        chain.close()
+
+    # A fresh engine that never saw the drafts.
+    ref = Chain(paths)
+    try:
+        ref.forward([Segment(1, 0, tokens=prompt, n_logits=1)])
+        for k, t in enumerate(cont):
+            ref.forward([Segment(1, n + k, tokens=_toks(t), n_logits=1)])
+        ref.forward([Segment(1, n + 8, tokens=_toks(int(cont[7])), n_logits=1)])
+        want = ref.forward([Segment(1, n + 9, tokens=_toks(5), n_logits=1)])[0]
+    finally:
+        ref.close()
+    assert np.array_equal(redo, want)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def smol_stages(smol_chains):
+    """A loaded first and middle stage of SmolLM2 for input checks."""
+    first, middle, _final = smol_chains["3-stages"]
+    a = StageEngine(EngineSpec(first, takes_tokens=True, has_head=False, **COMMON))
+    b = StageEngine(EngineSpec(middle, takes_tokens=False, has_head=False, **COMMON))
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_hidden_states_of_wrong_width_or_dtype(smol_stages):
+    first, middle = smol_stages
+    assert middle.n_embd == 576
+    good = first.forward([Segment(1, 0, tokens=_toks(1, 2, 3))])[0]
+    assert good.shape == (3, 576) and good.dtype == np.float32
+    for bad in (good[:, :-1], np.zeros((3, 577), np.float32), good[0], good[None]):
+        with pytest.raises(EngineInputError, match="shape"):
+            middle.forward([Segment(1, 0, hidden=np.ascontiguousarray(bad))])
+    for dtype in (np.float16, np.float64, np.int32):
+        with pytest.raises(EngineInputError, match="float32"):
+            middle.forward([Segment(1, 0, hidden=good.astype(dtype))])
+    with pytest.raises(EngineInputError, match="hidden states, not token ids"):
+        middle.forward([Segment(1, 0, tokens=_toks(1))])
+    with pytest.raises(EngineInputError, match="token ids, not hidden states"):
+        first.forward([Segment(2, 0, hidden=good)])
+    # Nothing was changed by the refusals: the middle stage still starts at position 0.
+    assert middle.next_pos(1) == 0
+    out = middle.forward([Segment(1, 0, hidden=good)])[0]
+    assert out.shape == (3, 576) and np.isfinite(out).all()
+    first.drop(1)
+    middle.drop(1)
+
+
+def test_positions_rows_and_sessions_are_checked(smol_stages):
+    first, _ = smol_stages
+    first.forward([Segment(5, 0, tokens=_toks(1, 2))])
+    with pytest.raises(EngineInputError, match="position 3 given, 2 expected"):
+        first.forward([Segment(5, 3, tokens=_toks(4))])       # a gap
+    with pytest.raises(EngineInputError, match="position 1 given, 2 expected"):
+        first.forward([Segment(5, 1, tokens=_toks(4))])       # overlap without rollback
+    with pytest.raises(EngineInputError, match="at most 64"):
+        first.forward([Segment(6, 0, tokens=np.ones(65, np.int32))])
+    with pytest.raises(EngineInputError, match="at most 64"):
+        first.forward([Segment(6, 0, tokens=np.ones(40, np.int32)), Segment(7, 0, tokens=np.ones(40, np.int32))])
+    with pytest.raises(EngineInputError, match="twice"):
+        first.forward([Segment(5, 2, tokens=_toks(1)), Segment(5, 3, tokens=_toks(1))])
+    with pytest.raises(EngineInputError, match="token id out of range"):
+        first.forward([Segment(6, 0, tokens=_toks(first.n_vocab))])
+    with pytest.raises(EngineInputError, match="empty"):
+        first.forward([Segment(6, 0, tokens=np.zeros(0, np.int32))])
+    with pytest.raises(EngineInputError, match="n_logits"):
+        first.forward([Segment(6, 0, tokens=_toks(1), n_logits=2)])
+    with pytest.raises(EngineInputError, match="rollback position"):
+        first.rollback(5, -1)
+    first.forward([Segment(5, 2, tokens=np.ones(64, np.int32))])
+    with pytest.raises(ContextOverflowError):  # n_ctx = 128 positions per session
+        first.forward([Segment(5, 66, tokens=np.ones(63, np.int32))])
+    # The engine is still usable and session 5 continues where it was.
+    assert first.next_pos(5) == 66
+    assert first.forward([Segment(5, 66, tokens=_toks(1))])[0].shape == (1, 576)
+    first.drop(5)
+
+
+def test_session_slots_run_out(smollm2):
+    with StageEngine(EngineSpec(smollm2.path, **{**COMMON, "n_seq_max": 2})) as eng:
+        eng.forward([Segment(1, 0, tokens=_toks(1)), Segment(2, 0, tokens=_toks(1))])
+        with pytest.raises(EngineBusyError):
+            eng.forward([Segment(3, 0, tokens=_toks(1))])
+        eng.drop(1)
+        assert eng.forward([Segment(3, 0, tokens=_toks(1), n_logits=1)])[0].shape == (1, eng.n_vocab)
+
+
+def test_engine_refuses_a_text_file(tmp_path):
+    junk = tmp_path / "notes.gguf"
+    junk.write_text("this is a text file, not a model\n" * 100)
+    with pytest.raises(ModelLoadError, match="notes.gguf"):
+        StageEngine(EngineSpec(junk, n_threads=THREADS))
+    with pytest.raises(ModelLoadError, match="not found"):
+        StageEngine(EngineSpec(tmp_path / "missing.gguf", n_threads=THREADS))
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999])
+def test_engine_refuses_a_truncated_gguf(synthetic_gguf, tmp_path, keep):
+    src = synthetic_gguf("whole.gguf", architecture="qwen3")
+    data = src.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        StageEngine(EngineSpec(cut, n_threads=THREADS))
+
+
+def test_engine_refuses_an_unknown_architecture(synthetic_gguf):
+    src = synthetic_gguf("odd.gguf", architecture="not-an-arch")
+    with pytest.raises(ModelLoadError, match="odd.gguf"):
+        StageEngine(EngineSpec(src, n_threads=THREADS))
+
+
+def test_slicer_refuses_unsupported_architecture_and_leaves_nothing(synthetic_gguf, tmp_path):
+    src = synthetic_gguf("mamba.gguf", architecture="mamba")
+    dest = tmp_path / "out" / "slice.gguf"
+    dest.parent.mkdir()
+    with pytest.raises(UnsupportedArchitectureError, match="'mamba' is not supported"):
+        write_slice(src, 0, 2, dest, keep_embedding=True, keep_head=False)
+    assert list(dest.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize(("a", "b"), [(0, 5), (3, 3), (4, 2), (-1, 2)])
+def test_slicer_refuses_range_out_of_bounds_and_leaves_nothing(synthetic_gguf, tmp_path, a, b):
+    src = synthetic_gguf("llama.gguf", architecture="llama", n_layer=4)
+    dest = tmp_path / "out" / "slice.gguf"
+    dest.parent.mkdir()
+    with pytest.raises(SliceRangeError, match=r"outside the llama\.gguf's blocks \[0, 4\)"):
+        write_slice(src, a, b, dest, keep_embedding=True, keep_head=False)
+    assert list(dest.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("what", ["text", "truncated"])
+def test_slicer_refuses_bad_source_and_leaves_nothing(synthetic_gguf, tmp_path, what):
+    if what == "text":
+        src = tmp_path / "src.gguf"
+        src.write_text("hello\n" * 100)
+    else:
+        whole = synthetic_gguf("whole.gguf")
+        src = tmp_path / "src.gguf"
+        src.write_bytes(whole.read_bytes()[:-1000])
+    dest = tmp_path / "out" / "slice.gguf"
+    dest.parent.mkdir()
+    with pytest.raises(ModelFileError, match="src.gguf"):
+        write_slice(src, 0, 2, dest, keep_embedding=True, keep_head=False)
+    assert list(dest.parent.iterdir()) == []

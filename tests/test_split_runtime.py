@@ -1,0 +1,344 @@
+"""Stage negotiation over real QUIC + mDNS on loopback with real llama.cpp stages.
+
+Several nodes (fabric + StageServerRuntime + CoordinatorRuntime each, own home with the
+SmolLM2 model in its store) run in one process. The coordinator plans a split, the
+negotiation reaches PlanReady, and greedy decoding through the MeshPipeline equals the
+whole model on one node token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshnode.mesh.fabric import MeshFabric
+from meshnode.mesh.planner import PlanError
+from meshnode.mesh.runtime import (
+    CoordinatorRuntime,
+    NegotiationError,
+    ServeOptions,
+    StageServerRuntime,
+    TermStore,
+    model_shape,
+    node_capabilities,
+)
+from meshnode.mesh.stage_control import CoordinatorState
+from meshnode.net.secret import new_secret
+from meshnode.paths import NodePaths
+from meshnode.serve.pipeline import LocalPipeline, MeshPipeline, Step
+from meshnode.state import StageChanged, StageState
+
+pytestmark = [pytest.mark.net, pytest.mark.slow]
+
+log = logging.getLogger(__name__)
+
+N_CTX, N_BATCH, N_NEW = 512, 64, 24
+PROMPT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    "Explain in a few sentences why the sky is blue, and then why sunsets are red. Mention "
+    "Rayleigh scattering, the wavelength of light and the path through the atmosphere.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+SECRET = new_secret()
+
+
+def _opts(**kw) -> ServeOptions:
+    return ServeOptions(n_ctx=N_CTX, n_batch=N_BATCH, n_seq_max=1, **kw)
+
+
+def _lo_multicast() -> bool:
+    out = subprocess.run(["ip", "link", "show", "lo"], capture_output=True, text=True).stdout
+    return "MULTICAST" in out
+
+
+async def _until(pred, timeout: float) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise TimeoutError
+
+
+def _install(model, paths: NodePaths) -> None:
+    """Put ``model`` (and its hash record) into the store of ``paths`` (hardlink or copy)."""
+    folder = paths.models / model.name
+    folder.mkdir(parents=True, exist_ok=True)
+    for src in (model.path, model.path.with_name(model.path.name + ".meta.json")):
+        dest = folder / src.name
+        if dest.exists():
+            continue
+        try:
+            os.link(src, dest)
+        except OSError:
+            shutil.copy2(src, dest)
+
+
+@pytest.fixture(scope="module")
+def homes(tmp_path_factory, smollm2) -> dict[str, NodePaths]:
+    """Homes a, b, c hold the model; d holds none. Module-scoped: slices are reused."""
+    root = tmp_path_factory.mktemp("split")
+    out = {}
+    for name in "abcd":
+        paths = NodePaths.resolve(root / name).ensure()
+        if name != "d":
+            _install(smollm2, paths)
+        out[name] = paths
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt_tokens(smollm2) -> list[int]:
+    from meshnode.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2.path)
+    try:
+        return tok.encode(PROMPT, add_bos=False)
+    finally:
+        tok.close()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2, prompt_tokens) -> list[int]:
+    """Greedy tokens of the whole model on one node (LocalPipeline), same batch schedule."""
+    from meshnode.engine import EngineSpec
+    from meshnode.engine.worker import EngineWorker
+
+    async def run() -> list[int]:
+        spec = EngineSpec(smollm2.path, n_ctx=N_CTX, n_batch=N_BATCH, n_seq_max=1, n_threads=1)
+        pipe = LocalPipeline(await EngineWorker.load(spec))
+        try:
+            return await _greedy(pipe, prompt_tokens)
+        finally:
+            await pipe.close()
+
+    return asyncio.run(run())
+
+
+async def _greedy(pipeline, prompt: list[int], n: int = N_NEW, session: int = 7) -> list[int]:
+    """Prefill in chunks of N_BATCH, then decode one token per step."""
+    pos, res = 0, None
+    for i in range(0, len(prompt), N_BATCH):
+        chunk = np.asarray(prompt[i:i + N_BATCH], dtype=np.int32)
+        last = i + N_BATCH >= len(prompt)
+        res = await pipeline.run([Step(session, pos, chunk, n_logits=1 if last else 0)])
+        pos += len(chunk)
+    out = [res[0].tokens[-1]]
+    while len(out) < n:
+        res = await pipeline.run([Step(session, pos, np.asarray(out[-1:], dtype=np.int32), n_logits=1)])
+        pos += 1
+        out.append(res[0].tokens[-1])
+    await pipeline.end_session(session)
+    return out
+
+
+class _Node:
+    """What node.py wires together: fabric, stage server, coordinator, one dispatcher."""
+
+    def __init__(self, name: str, paths: NodePaths, static: list[str]) -> None:
+        self.name = name
+        self.fabric = MeshFabric(paths, secret=SECRET, interfaces=["127.0.0.1"], name=name,
+                                 capabilities=node_capabilities(paths), static_peers=static,
+                                 discovery=not static)
+        self.coord_events: list[StageChanged] = []
+        self.server_events: list[StageChanged] = []
+        self.server = StageServerRuntime(self.fabric, paths, n_threads=1, publish=self.server_events.append)
+        self.coord = CoordinatorRuntime(self.fabric, paths, n_threads=1, publish=self.coord_events.append)
+        self.unhandled: list = []
+        self.drop_forwards = False
+        self.fabric.on_message(self._dispatch)
+
+    def _dispatch(self, node_id: str, msg) -> None:
+        if self.drop_forwards and type(msg).__name__ == "Forward":
+            return
+        # node.py asks the coordinator first; the order does not matter for these tests
+        if not (self.server.handle(node_id, msg) or self.coord.handle(node_id, msg)):
+            self.unhandled.append(msg)
+
+    @property
+    def id(self) -> str:
+        return self.fabric.node_id
+
+
+@contextlib.asynccontextmanager
+async def _mesh(homes: dict[str, NodePaths], names: str):
+    use_mdns = _lo_multicast()
+    nodes: list[_Node] = []
+    try:
+        for name in names:
+            static = [] if use_mdns else [f"127.0.0.1:{n.fabric.port}" for n in nodes]
+            node = _Node(name, homes[name], static)
+            await node.fabric.start()
+            nodes.append(node)
+        await _until(lambda: all(len(n.fabric.peers()) == len(nodes) - 1 for n in nodes), 10.0)
+        yield nodes
+    finally:
+        for n in nodes:
+            with contextlib.suppress(Exception):
+                await n.coord.close()
+        for n in nodes:
+            with contextlib.suppress(Exception):
+                await n.server.close()
+        for n in nodes:
+            await n.fabric.stop()
+
+
+def _states(events: list[StageChanged], index: int) -> list[str]:
+    """The distinct consecutive states stage ``index`` went through."""
+    out: list[str] = []
+    for ev in events:
+        if ev.stage.index == index and (not out or out[-1] != ev.stage.state.value):
+            out.append(ev.stage.state.value)
+    return out
+
+
+async def _split_and_decode(homes, names: str, split: int, reference, prompt_tokens) -> None:
+    async with _mesh(homes, names) as nodes:
+        coord, peers = nodes[0], nodes[1:]
+        sm = await coord.coord.start_model(coord_model(homes[coord.name]), _opts(split=split))
+        assert sm.state is CoordinatorState.READY
+        assert [s.node_id for s in sm.plan.stages][0] == coord.id
+        assert {s.node_id for s in sm.plan.stages[1:]} == {p.id for p in peers}
+        assert [(s.start, s.end) for s in sm.plan.stages][0][0] == 0 and sm.plan.stages[-1].end == 30
+        assert isinstance(sm.pipeline, MeshPipeline) and sm.pipeline.n_stages == split
+        assert [s.state for s in sm.stages()] == [StageState.READY] * split
+
+        # negotiation order: remote stages assigned -> preparing -> loading -> ready,
+        # stage 0 assigned -> loading -> ready; loads go downstream first, stage 0 last.
+        ev = coord.coord_events
+        assert _states(ev, 0) == ["assigned", "loading", "ready"]
+        for i in range(1, split):
+            assert _states(ev, i) == ["assigned", "preparing", "loading", "ready"]
+        order = [(e.stage.index, e.stage.state.value) for e in ev if e.stage.state.value in ("loading", "ready")]
+        expected = []
+        for i in range(split - 1, -1, -1):
+            expected += [(i, "loading"), (i, "ready")]
+        assert order == expected
+        for p in peers:
+            (st,) = p.server.stages()
+            assert st.state is StageState.READY and p.server.holds_engine
+            assert [s.value for s in dict.fromkeys(e.stage.state for e in p.server_events)] == [
+                "assigned", "preparing", "loading", "ready"]
+
+        got = await _greedy(sm.pipeline, prompt_tokens)
+        assert got == reference
+
+        await sm.stop("test done")
+        assert coord.coord.serving is None and coord.coord.stages() == []
+        for p in peers:
+            await p.server.wait_idle()
+            (st,) = p.server.stages()
+            assert st.state is StageState.STOPPED and not p.server.holds_engine
+        assert not any(type(m).__name__ in ("Error", "DataError") for n in nodes for m in n.unhandled)
+
+
+def coord_model(paths: NodePaths):
+    from meshnode.models.store import list_models
+
+    (ref,) = list_models(paths)
+    return ref
+
+
+async def test_split2_matches_whole_model(homes, reference, prompt_tokens):
+    await _split_and_decode(homes, "ab", 2, reference, prompt_tokens)
+
+
+async def test_split3_matches_whole_model(homes, reference, prompt_tokens):
+    await _split_and_decode(homes, "abc", 3, reference, prompt_tokens)
+
+
+async def test_single_stage_is_local(homes, reference, prompt_tokens):
+    async with _mesh(homes, "a") as (a,):
+        sm = await a.coord.start_model(coord_model(homes["a"]), _opts(split=1))
+        assert isinstance(sm.pipeline, LocalPipeline) and sm.plan.n_stages == 1
+        assert await _greedy(sm.pipeline, prompt_tokens) == reference
+        await sm.stop()
+
+
+async def test_second_coordinator_is_fenced_then_busy(homes):
+    async with _mesh(homes, "abc") as (a, b, c):
+        TermStore(homes["a"]).advance_to(1000)
+        TermStore(homes["c"]).advance_to(10)
+        sm = await a.coord.start_model(coord_model(homes["a"]), _opts(explicit="a=0:15,b=15:30"))
+        assert sm.term == 1001 and b.server.control.term == 1001
+        # c claims b with a stale term: FENCED, and b keeps serving a.
+        with pytest.raises(NegotiationError) as err:
+            await c.coord.start_model(coord_model(homes["c"]), _opts(explicit="c=0:15,b=15:30"))
+        assert err.value.stage_index == 1 and "fenced" in err.value.reason
+        assert b.server.stages()[0].state is StageState.READY and b.server.holds_engine
+        # a higher term cannot take a node that serves someone else either: BUSY.
+        TermStore(homes["c"]).advance_to(5000)
+        with pytest.raises(NegotiationError) as err:
+            await c.coord.start_model(coord_model(homes["c"]), _opts(explicit="c=0:15,b=15:30"))
+        assert "busy" in err.value.reason
+        assert b.server.control.coordinator_id == a.id
+        # once a stops, c's higher term claims b.
+        await sm.stop()
+        await b.server.wait_idle()
+        sm2 = await c.coord.start_model(coord_model(homes["c"]), _opts(explicit="c=0:15,b=15:30"))
+        assert sm2.term == 5002 and b.server.control.coordinator_id == c.id
+        await sm2.stop()
+
+
+async def test_model_not_held_by_peer(homes):
+    async with _mesh(homes, "ad") as (a, d):
+        model = coord_model(homes["a"])
+        # automatic plans only consider peers that hold the model
+        with pytest.raises(PlanError, match="do not hold"):
+            await a.coord.start_model(model, _opts(split=2))
+        # an explicit plan names d anyway: d refuses with a clear reason
+        with pytest.raises(NegotiationError) as err:
+            await a.coord.start_model(model, _opts(explicit="a=0:15,d=15:30"))
+        assert err.value.stage_index == 1
+        assert "is not in the store of d" in err.value.reason
+        assert [s.state for s in a.coord.stages()] == []   # forgotten after the failure
+        await d.server.wait_idle()
+        (st,) = d.server.stages()   # FAILED, then STOPPED by the coordinator's Stop
+        assert st.state is StageState.STOPPED and "not in the store of d" in st.detail
+        assert [e.stage.state.value for e in d.server_events][-2:] == ["failed", "stopped"]
+        assert not d.server.holds_engine
+
+
+def test_term_store_is_persistent_and_increasing(tmp_path):
+    paths = NodePaths.resolve(tmp_path / "n").ensure()
+    assert TermStore(paths).next_term() == 1
+    assert TermStore(paths).next_term() == 2          # a "restarted" coordinator
+    assert TermStore(paths).advance_to(1) == 2        # never lowered
+    assert TermStore(paths).next_term() == 3
+
+
+def test_model_shape_of_smollm2(smollm2):
+    shape = model_shape(smollm2.path, 512)
+    assert shape.n_layers == 30 and shape.n_embd == 576
+    assert shape.kv_bytes_per_token == 3 * 64 * 2 * 2      # n_head_kv * head_dim * (K+V) * f16
+    assert shape.embed_bytes > 0 and shape.head_bytes >= shape.embed_bytes   # tied head
+    assert sum(shape.layer_bytes) + shape.embed_bytes < Path(smollm2.path).stat().st_size
+
+
+async def test_stage_node_lost_fails_the_plan(homes):
+    from meshnode.serve.errors import EngineUnavailableError
+
+    async with _mesh(homes, "ab") as (a, b):
+        sm = await a.coord.start_model(coord_model(homes["a"]), _opts(split=2))
+        pipe = sm.pipeline
+        b.drop_forwards = True                     # the step below waits for its tokens
+        waiting = asyncio.ensure_future(pipe.run([Step(3, 0, np.asarray([1, 2, 3], np.int32))]))
+        await _until(lambda: pipe._pending, 5.0)  # noqa: SLF001 - the Forward went out
+        await b.fabric.stop()                      # the stage's node leaves the mesh
+        await _until(lambda: sm.state is CoordinatorState.FAILED, 5.0)
+        assert sm.stages()[1].state is StageState.FAILED and "link lost" in sm.failure
+        assert sm.stages()[0].state is StageState.STOPPED
+        with pytest.raises(EngineUnavailableError):
+            await waiting
+        with pytest.raises(EngineUnavailableError, match="link lost"):   # stage 0 was freed too
+            await pipe.run([Step(4, 0, np.asarray([1], np.int32))])
+        await b.server.wait_idle()
+        assert b.server.stages()[0].state is StageState.FAILED and not b.server.holds_engine
+        await sm.stop()

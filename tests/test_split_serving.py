@@ -1,0 +1,136 @@
+"""Split serving end to end: real node processes on loopback (real mDNS, QUIC, HTTP),
+the official openai client, greedy output compared token for token with one node."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.nodeproc import meshnode_cmd, start_node, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.net]
+
+PROMPTS = [
+    "Write a haiku about autumn leaves.",
+    "What is the capital of France? Answer in one sentence.",
+    "def fibonacci(n):\n    # complete this function\n",
+    "List three uses of a paperclip.",
+]
+MAX_TOKENS = 24
+NODE_FLAGS = ("--threads", "1", "--ctx", "512", "--batch", "64", "--parallel", "2")
+
+
+def _home_with_model(root: Path, name: str, model: Path) -> Path:
+    """A node home whose store holds ``model`` (hard link: no copy of the bytes)."""
+    home = root / name
+    dest = home / "data" / "models" / model.stem / model.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(model, dest)
+    except OSError:
+        shutil.copy2(model, dest)
+    return home
+
+
+def _same_mesh(homes: list[Path]) -> None:
+    tok = meshnode_cmd("invite", "--home", str(homes[0])).stdout.strip().splitlines()[-1]
+    for h in homes[1:]:
+        r = meshnode_cmd("join", tok, "--home", str(h))
+        assert r.returncode == 0, r.stderr
+
+
+def _wait_ready(node, timeout: float = 120.0) -> None:
+    def ready() -> bool:
+        model = node.get("/health").get("model") or {}
+        if model.get("state") == "failed":
+            raise AssertionError(f"model failed: {model}\n{node.log()[-3000:]}")
+        return model.get("state") == "ready"
+    wait_for(ready, timeout, interval=0.25)
+
+
+def _complete_all(port: int) -> list[str]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    out = []
+    for p in PROMPTS:
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        out.append(r.choices[0].message.content)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_node_outputs(smollm2, tmp_path_factory) -> list[str]:
+    """The reference: the same prompts on one node (whole model, same batch schedule)."""
+    root = tmp_path_factory.mktemp("single")
+    home = _home_with_model(root, "solo", smollm2.path)
+    node = start_node(home, "solo", "--model", str(smollm2.path), *NODE_FLAGS)
+    try:
+        node.wait_up(30)
+        _wait_ready(node)
+        return _complete_all(node.info["http_port"])
+    finally:
+        node.stop()
+
+
+def _run_split(smollm2, root: Path, n_stages: int, wire: str = "f32"):
+    names = [f"n{i}" for i in range(n_stages)]
+    homes = [_home_with_model(root, n, smollm2.path) for n in names]
+    _same_mesh(homes)
+    helpers = [start_node(h, n, "--no-model", *NODE_FLAGS) for h, n in zip(homes[1:], names[1:])]
+    coord = None
+    try:
+        for h in helpers:
+            h.wait_up(30)
+        coord = start_node(homes[0], names[0], "--model", str(smollm2.path), "--split", str(n_stages),
+                           "--wire-dtype", wire, *NODE_FLAGS).wait_up(30)
+        _wait_ready(coord)
+        status = coord.status()
+        stages = status["stages"]
+        assert [s["state"] for s in stages] == ["ready"] * n_stages, stages
+        assert stages[0]["layers"][0] == 0 and stages[-1]["layers"][1] == smollm2.n_layers
+        assert len({s["node_id"] for s in stages}) == n_stages
+        return _complete_all(coord.info["http_port"]), coord, helpers
+    except BaseException:
+        for n in [coord, *helpers]:
+            if n is not None:
+                print(n.log()[-4000:])
+                n.stop()
+        raise
+
+
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_split_output_equals_single_node(smollm2, single_node_outputs, tmp_path, n_stages):
+    outputs, coord, helpers = _run_split(smollm2, tmp_path, n_stages)
+    try:
+        assert outputs == single_node_outputs
+        # Stop releases every stage's memory: the helpers report no stage any more.
+        coord.stop()
+        wait_for(lambda: all(not h.status()["stages"] or
+                             all(s["state"] in ("stopped",) for s in h.status()["stages"])
+                             for h in helpers), 10)
+    finally:
+        for n in [coord, *helpers]:
+            n.stop()
+
+
+def test_f16_wire_agreement(smollm2, single_node_outputs, tmp_path):
+    """f16 activations are not exact by design: measure and report token agreement."""
+    outputs, coord, helpers = _run_split(smollm2, tmp_path, 2, wire="f16")
+    try:
+        same = sum(a == b for a, b in zip(outputs, single_node_outputs))
+        chars = sum(len(os.path.commonprefix([a, b])) for a, b in zip(outputs, single_node_outputs))
+        total = sum(len(b) for b in single_node_outputs)
+        print(f"\nf16 wire: {same}/{len(PROMPTS)} prompts identical, "
+              f"{100 * chars / max(1, total):.1f}% of reference text in the common prefix")
+        assert all(isinstance(o, str) and o for o in outputs)
+    finally:
+        for n in [coord, *helpers]:
+            n.stop()
