@@ -59,6 +59,7 @@ class Node:
         interfaces: list[str] | None = None,
         name: str | None = None,
         static_peers: list[str] | tuple[str, ...] = (),
+        discovery: bool = True,
         service: Any = None,
         threads: int | None = None,
         max_memory: int | None = None,
@@ -71,6 +72,7 @@ class Node:
         self.name = name or socket.gethostname()
         self.fabric = MeshFabric(
             self.paths, port=port, interfaces=interfaces, name=self.name, static_peers=static_peers,
+            discovery=discovery,
         )
         self._http_host = http_host
         self._interfaces = interfaces
@@ -83,8 +85,10 @@ class Node:
         self._started_at: float | None = None
         self.fabric.on_peer_change(self._on_peer_change)
         self.max_memory = max_memory
-        self.stage_server = StageServerRuntime(self.fabric, self.paths, n_threads=threads)
-        self.coordinator = CoordinatorRuntime(self.fabric, self.paths, n_threads=threads)
+        self.stage_server = StageServerRuntime(self.fabric, self.paths, n_threads=threads,
+                                               publish=self.publish)
+        self.coordinator = CoordinatorRuntime(self.fabric, self.paths, n_threads=threads,
+                                              publish=self.publish)
         self.service = ModelService(self, service) if service is not None else None
         self.fabric.on_message(self._dispatch)
 
@@ -99,6 +103,9 @@ class Node:
         from meshnode.serve.app import create_app
 
         self._install_log_handler()
+        # Capabilities (held models, memory budget) go out in the Hello of every link, so
+        # they must be known before the first link: peers reached by --peer see no mDNS.
+        await self._advertise()
         await self.fabric.start()
         config = uvicorn.Config(
             create_app(self), host=self._http_host, port=self._http_port,
@@ -124,7 +131,6 @@ class Node:
                 "started": self._started_at,
             }).encode())
         self._caps_task = asyncio.get_running_loop().create_task(self._refresh_caps())
-        self.advertise_models()
         log.info("node %s up: HTTP %s, QUIC port %d", self.name, self.http_url, self.fabric.port)
         if self.service is not None:
             self.service.start()
@@ -138,6 +144,8 @@ class Node:
         if self.service is not None:
             with contextlib.suppress(Exception):
                 await self.service.stop()
+        with contextlib.suppress(Exception):
+            await self.coordinator.close()
         with contextlib.suppress(Exception):
             await self.stage_server.stop()
         await self.fabric.stop()

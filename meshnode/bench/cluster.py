@@ -1,0 +1,152 @@
+"""Local clusters of real `meshnode` processes for benchmarks.
+
+Each node gets its own home under a temporary folder (identity, secret, store), the
+model is hard-linked into every store (no copy of the bytes), all homes join one mesh,
+and nodes talk over loopback: by mDNS, or — when a :class:`~meshnode.bench.relay.UdpDelayRelay`
+emulates LAN latency — only through the relay (discovery off, the coordinator dials the
+relay, which forwards to the stage node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("MESHNODE_KEYRING", "file")
+    env.pop("MESHNODE_HOME", None)
+    return env
+
+
+def cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshnode", *args], env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class LocalNode:
+    name: str
+    home: Path
+    proc: subprocess.Popen
+    log_path: Path
+    info: dict = field(default_factory=dict)
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.info['http_port']}{path}", timeout=5) as r:
+            return json.loads(r.read())
+
+    @property
+    def http_port(self) -> int:
+        return int(self.info["http_port"])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+    def wait_up(self, timeout: float = 60.0) -> "LocalNode":
+        rt = self.home / "state" / "node.json"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node {self.name} exited ({self.proc.returncode}):\n{self.log_tail()}")
+            if rt.exists():
+                try:
+                    self.info = json.loads(rt.read_text())
+                    self.get("/health")
+                    return self
+                except (ValueError, OSError):
+                    pass
+            time.sleep(0.05)
+        raise TimeoutError(f"node {self.name} did not come up:\n{self.log_tail()}")
+
+    def wait_model(self, timeout: float = 300.0) -> "LocalNode":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            model = self.get("/health").get("model") or {}
+            if model.get("state") == "ready":
+                return self
+            if model.get("state") == "failed":
+                raise RuntimeError(f"model failed on {self.name}: {model.get('detail')}\n{self.log_tail()}")
+            time.sleep(0.2)
+        raise TimeoutError(f"model not ready on {self.name}:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class LocalCluster:
+    """``with LocalCluster(model, n_nodes) as c: c.start(...)``; everything stops on exit."""
+
+    def __init__(self, model: Path, n_nodes: int, *, root: Path | None = None) -> None:
+        self.model = Path(model)
+        self._tmp = None if root else tempfile.mkdtemp(prefix="meshnode-bench-")
+        self.root = Path(root or self._tmp)
+        self.homes = [self.root / f"node{i}" for i in range(n_nodes)]
+        self.nodes: list[LocalNode] = []
+        for h in self.homes:
+            dest = h / "data" / "models" / self.model.stem / self.model.name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if not dest.exists():
+                try:
+                    os.link(self.model, dest)
+                except OSError:
+                    shutil.copy2(self.model, dest)
+        token = cli("invite", "--home", str(self.homes[0])).stdout.strip().splitlines()[-1]
+        for h in self.homes[1:]:
+            r = cli("join", token, "--home", str(h))
+            if r.returncode != 0:
+                raise RuntimeError(f"join failed: {r.stderr}")
+
+    def start(self, index: int, *flags: str, log_level: str = "info") -> LocalNode:
+        home = self.homes[index]
+        log_path = home / "node.log"
+        with open(log_path, "ab") as f:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "meshnode", "serve", "--headless", "--home", str(home),
+                 "--port", "0", "--interface", "127.0.0.1", "--name", f"node{index}",
+                 "--log-level", log_level, *flags],
+                env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        node = LocalNode(f"node{index}", home, proc, log_path)
+        self.nodes.append(node)
+        return node.wait_up()
+
+    def stop_all(self) -> None:
+        for n in reversed(self.nodes):
+            n.stop()
+        self.nodes.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def free_udp_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,190 @@
+"""`meshnode bench engine`: the whole model against its chained slices, in one process.
+
+Both paths run the same tokens through real llama.cpp engines with the same batch
+schedule: the whole model as one :class:`~meshnode.engine.StageEngine`, and the slices
+for ``--splits`` chained the way the pipeline chains them (stage i's hidden states fed to
+stage i+1 through ``forward()``), with no network in between. So the ratio is the cost
+of slicing itself: graph stops, the ``cb_eval`` capture, hidden-state copies, one
+llama_decode per stage instead of one in all.
+
+- decode: after a short prompt, ``--tokens`` single-token steps (greedy tokens of the
+  whole model, fed to both paths); the two paths alternate token by token, and which goes
+  first alternates too, so machine load drifts hit both alike. Median ms/token after
+  ``--warmup`` steps.
+- prefill: a ``--prefill``-token prompt fed in chunks of ``--batch`` rows, ``--reps``
+  times per path (chunk by chunk, alternating which path goes first), median tokens/s.
+
+Per-stage medians show where the chain's time goes. The last line with ``--json`` is one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "decode ms/token and prefill tokens/s: whole model vs chained slices in one process"
+
+TEXT = (
+    "Pipeline parallelism splits a transformer into contiguous ranges of layers. Each "
+    "machine keeps its own key-value cache and forwards the residual stream to the next. "
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a GGUF path or a model name in the store (default: the default model)")
+    parser.add_argument("--splits", default="10,20", metavar="L1,L2,...",
+                        help="layers where a new stage starts (default 10,20: three stages)")
+    parser.add_argument("--tokens", type=int, default=64, help="decode steps measured (default 64)")
+    parser.add_argument("--warmup", type=int, default=8, help="decode steps not measured (default 8)")
+    parser.add_argument("--prefill", type=int, default=256, help="prompt tokens for prefill (default 256)")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="rows per llama_decode, the prefill chunk (default 64)")
+    parser.add_argument("--reps", type=int, default=5, help="prefill repetitions per path (default 5)")
+    parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import time
+
+    import numpy as np
+
+    from meshnode.certify import parse_splits
+    from meshnode.engine import EngineSpec, Segment, StageEngine
+    from meshnode.engine.stage import default_threads
+    from meshnode.engine.tokenizer import Tokenizer
+    from meshnode.errors import MeshnodeError
+    from meshnode.models.slicer import SliceCache
+    from meshnode.models.store import resolve_model
+    from meshnode.paths import NodePaths
+
+    if args.tokens < 1 or args.prefill < 1 or args.batch < 1 or args.reps < 1 or args.warmup < 0:
+        raise MeshnodeError("--tokens, --prefill, --batch and --reps must be positive")
+    paths = NodePaths.resolve(args.home).ensure()
+    ref = resolve_model(args.model, paths)
+    splits = parse_splits(args.splits, ref.n_layers)
+    cache = SliceCache(paths)
+    bounds = [0, *splits, ref.n_layers]
+    ranges = list(zip(bounds[:-1], bounds[1:]))
+    slice_paths = [cache.get(ref, a, b) for a, b in ranges]
+    threads = args.threads or default_threads()
+
+    tok = Tokenizer(ref.path)
+    text_ids = tok.encode(TEXT * 64, add_bos=True)
+    tok.close()
+    if len(text_ids) < args.prefill + 32:
+        raise MeshnodeError(f"the benchmark text is only {len(text_ids)} tokens for this model")
+    prefill_ids = np.asarray(text_ids[: args.prefill], dtype=np.int32)
+    prompt_ids = np.asarray(text_ids[:32], dtype=np.int32)
+
+    n_ctx = max(args.prefill, 32 + args.warmup + args.tokens) + 8
+    common = dict(n_ctx=n_ctx, n_batch=args.batch, n_seq_max=1, n_threads=threads)
+    whole = StageEngine(EngineSpec(ref.path, **common))
+    stages = [
+        StageEngine(EngineSpec(p, takes_tokens=(i == 0), has_head=(i == len(ranges) - 1), **common))
+        for i, p in enumerate(slice_paths)
+    ]
+    stage_times: list[list[float]] = [[] for _ in stages]
+
+    def chain_forward(pos: int, rows: np.ndarray, n_logits: int, record: bool) -> np.ndarray:
+        h: np.ndarray | None = None
+        for i, eng in enumerate(stages):
+            seg = (Segment(0, pos, tokens=rows, n_logits=0) if i == 0
+                   else Segment(0, pos, hidden=h, n_logits=n_logits if eng.has_head else 0))
+            t0 = time.perf_counter()
+            h = eng.forward([seg])[0]
+            if record:
+                stage_times[i].append(time.perf_counter() - t0)
+        assert h is not None
+        return h
+
+    def whole_forward(pos: int, rows: np.ndarray, n_logits: int, record: bool) -> np.ndarray:
+        return whole.forward([Segment(0, pos, tokens=rows, n_logits=n_logits)])[0]
+
+    paths_fwd = {"whole": whole_forward, "chain": chain_forward}
+
+    try:
+        # ---- decode ------------------------------------------------------------------
+        decode: dict[str, list[float]] = {"whole": [], "chain": []}
+        logits = {name: fwd(0, prompt_ids, 1, False) for name, fwd in paths_fwd.items()}
+        exact = bool(np.array_equal(logits["whole"], logits["chain"]))
+        nxt = int(logits["whole"][-1].argmax())
+        pos = len(prompt_ids)
+        for step in range(args.warmup + args.tokens):
+            measured = step >= args.warmup
+            order = ("whole", "chain") if step % 2 == 0 else ("chain", "whole")
+            row = np.asarray([nxt], dtype=np.int32)
+            for name in order:
+                t0 = time.perf_counter()
+                logits[name] = paths_fwd[name](pos, row, 1, measured)
+                if measured:
+                    decode[name].append(time.perf_counter() - t0)
+            exact = exact and bool(np.array_equal(logits["whole"], logits["chain"]))
+            nxt = int(logits["whole"][-1].argmax())
+            pos += 1
+        decode_stage_ms = [1000 * float(np.median(t)) for t in stage_times]
+
+        # ---- prefill -----------------------------------------------------------------
+        for t in stage_times:
+            t.clear()
+        prefill: dict[str, list[float]] = {"whole": [], "chain": []}
+        for rep in range(args.reps + 1):  # the first repetition warms caches up
+            for eng in (whole, *stages):
+                eng.rollback(0, 0)
+            spent = {"whole": 0.0, "chain": 0.0}
+            for k, start in enumerate(range(0, args.prefill, args.batch)):
+                chunk = prefill_ids[start:start + args.batch]
+                n_logits = 1 if start + args.batch >= args.prefill else 0
+                # Chunk by chunk, alternating which path goes first: drift hits both alike.
+                for name in (("whole", "chain") if (rep + k) % 2 == 0 else ("chain", "whole")):
+                    t0 = time.perf_counter()
+                    paths_fwd[name](start, chunk, n_logits, rep > 0)
+                    spent[name] += time.perf_counter() - t0
+            if rep > 0:
+                for name, t in spent.items():
+                    prefill[name].append(t)
+        prefill_stage_s = [float(np.sum(t)) / args.reps for t in stage_times]
+    finally:
+        whole.close()
+        for eng in stages:
+            eng.close()
+
+    dec = {k: 1000 * float(np.median(v)) for k, v in decode.items()}
+    pre = {k: args.prefill / float(np.median(v)) for k, v in prefill.items()}
+    result = {
+        "model": ref.name,
+        "n_layers": ref.n_layers,
+        "splits": splits,
+        "threads": threads,
+        "batch": args.batch,
+        "tokens": args.tokens,
+        "prefill_tokens": args.prefill,
+        "loadavg": list(os.getloadavg()),
+        "decode_ms_per_token": {**dec, "ratio": dec["chain"] / dec["whole"]},
+        "prefill_tokens_per_s": {**pre, "ratio": pre["chain"] / pre["whole"]},
+        "decode_stage_ms": decode_stage_ms,
+        "prefill_stage_ms_per_chunk": [
+            1000 * s / -(-args.prefill // args.batch) for s in prefill_stage_s],
+        "chain_logits_identical": exact,
+    }
+
+    names = [f"[{a},{b})" for a, b in ranges]
+    print(f"meshnode bench engine: {ref.name} ({ref.n_layers} layers), stages {' '.join(names)}, "
+          f"{threads} thread(s), batch {args.batch}")
+    print(f"  {'':<22} {'whole':>10} {'chain':>10} {'chain/whole':>12}")
+    print(f"  {'decode ms/token':<22} {dec['whole']:>10.2f} {dec['chain']:>10.2f} "
+          f"{result['decode_ms_per_token']['ratio']:>12.3f}")
+    print(f"  {'prefill tokens/s':<22} {pre['whole']:>10.1f} {pre['chain']:>10.1f} "
+          f"{result['prefill_tokens_per_s']['ratio']:>12.3f}")
+    print("  per stage: decode ms/token " + ", ".join(
+        f"{n} {t:.2f}" for n, t in zip(names, decode_stage_ms)))
+    print("             prefill ms/chunk " + ", ".join(
+        f"{n} {t:.1f}" for n, t in zip(names, result["prefill_stage_ms_per_chunk"])))
+    print(f"  decode logits identical on both paths: {'yes' if exact else 'NO'}; "
+          f"load average {' '.join(f'{x:.2f}' for x in result['loadavg'])}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
