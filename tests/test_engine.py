@@ -206,8 +206,8 @@ def test_dropping_a_session_under_others_chain_equals_whole_model(smol_chains, p
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "llama.cpp's unified KV cache moves its search head back to the first freed cell "
     "(llama_kv_cache::seq_rm), so the next tokens of the surviving sessions land in the "
-    "dropped session's hole, below their own earlier cells; flash attention then sums "
-    "those keys in another order and the rounding differs (~0.9 in SmolLM2's logits, "
+    "dropped session's hole, below their own earlier cells; the attention kernel then visits "
+    "their keys in another order and the rounding differs (~0.9 in SmolLM2's logits, "
     "amplified by Q8 activation quantization). See docs/benchmarks.md, Engine."))
 def test_dropping_a_session_under_others_equals_alone(smol_chains, prompts):
     got = _drop_while_others_run(smol_chains["whole"], prompts)

@@ -19,7 +19,7 @@ HELP = "serving benchmark: single node vs 2/3-stage splits (decode, TTFT, prefil
 
 STORY = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 LONG_PROMPT = ("Summarize the following notes in one sentence.\n" +
-               "\n".join(f"- Note {i}: the meeting about topic {i} moved to room {i % 7}." for i in range(40)))
+               "\n".join(f"- Note {i}: the meeting about topic {i} moved to room {i % 7}." for i in range(24)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run a random-weight ~1B llama (written once into the cache; slow)")
     p.add_argument("--stages", default="1,2,3", help="stage counts to run (default 1,2,3)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per stage (default 1)")
-    p.add_argument("--tokens", type=int, default=48, help="tokens per stream (default 48)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per stream (default 64)")
     p.add_argument("--concurrency", default="1,4,8", help="concurrent streams (default 1,4,8)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and configurations")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -41,19 +41,23 @@ def _stream(base: str, model: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft = None
+    ttft = t_first = None
     usage = timings = None
     with httpx.Client(timeout=600) as c, c.stream("POST", f"{base}/chat/completions", json=body) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"HTTP {r.status_code} from the node: {r.text[:300]}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if ttft is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - t0
+                t_first = time.perf_counter()
+                ttft = t_first - t0
             usage = chunk.get("usage") or usage
             timings = chunk.get("timings") or timings
-    return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0,
+    return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "t_first": t_first or t0,
+            "t_end": time.perf_counter(),
             "tokens": (usage or {}).get("completion_tokens", 0), "timings": timings or {}}
 
 
@@ -66,11 +70,12 @@ def _measure_endpoint(base: str, model: str, tokens: int, concurrency: list[int]
     prefill = pre["timings"].get("prompt_per_second", 0.0)
     agg = {}
     for c in concurrency:
-        t0 = time.perf_counter()
+        # Aggregate decode throughput: tokens after each stream's first one, over the span
+        # from the first first-token to the last end (later prompts' prefill included).
         with ThreadPoolExecutor(c) as ex:
             results = list(ex.map(lambda _: _stream(base, model, STORY, tokens), range(c)))
-        wall = time.perf_counter() - t0
-        agg[str(c)] = sum(r["tokens"] for r in results) / wall
+        span = max(r["t_end"] for r in results) - min(r["t_first"] for r in results)
+        agg[str(c)] = sum(max(0, r["tokens"] - 1) for r in results) / span
     return {"decode_tok_s": decode, "ttft_ms": 1e3 * ttft, "prefill_tok_s": prefill,
             "prefill_tokens": pre["timings"].get("prompt_n", 0), "aggregate_tok_s": agg}
 
@@ -105,7 +110,7 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
     from meshnode.bench.cluster import LocalCluster
 
     results = {}
-    flags = ("--threads", str(args.threads), "--parallel", str(max(concurrency)), "--ctx", "512",
+    flags = ("--threads", str(args.threads), "--parallel", str(max(concurrency)), "--ctx", "1024",
              "--batch", "64", "--spec-mode", "off", "--model", str(model_ref.path))
     for n in stage_counts:
         print(f"  {model_ref.name}: {n} stage(s) ...", file=sys.stderr, flush=True)
@@ -146,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     from meshnode.paths import NodePaths
 
     if args.quick:
-        args.tokens = min(args.tokens, 24)
+        args.tokens = min(args.tokens, 32)
     stage_counts = [int(x) for x in args.stages.split(",")]
     concurrency = [int(x) for x in args.concurrency.split(",")]
     paths = NodePaths.resolve(args.home).ensure()

@@ -69,6 +69,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     n = data["node"]
     print(f"node   {n['name']} ({n['node_id']})  mesh {n['mesh_id']}  {n['address']}  {n['http_url']}")
     print(f"       {_caps(n.get('capabilities'))}")
+    model = data.get("model")
+    stages = data.get("stages") or []
+    if model or stages:
+        print(f"model  {model or '-'}")
+        for s in stages:
+            a, b = s["layers"]
+            detail = f"  ({s['detail']})" if s.get("detail") else ""
+            print(f"       stage {s['index']}: layers [{a},{b}) on {s['node']}: {s['state']}{detail}")
     peers = data["peers"]
     if not peers:
         print("peers  none")

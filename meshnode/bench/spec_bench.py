@@ -1,0 +1,329 @@
+"""Speculative decoding over a 2-stage split with emulated LAN latency.
+
+Topology (all on this machine, real node processes with their own homes)::
+
+    coordinator A (stage 0) --QUIC--> UdpDelayRelay (+delay each way) --> node B (stage 1)
+
+B runs with ``--no-discovery --quic-port P``; the relay listens on R and forwards to
+127.0.0.1:P; A runs with ``--no-discovery --peer 127.0.0.1:R --split 2``, so every
+packet between the stages crosses the relay. The kernel here has no netem (DESIGN.md
+section 6), so the relay is the latency emulation; the output says so.
+
+Strategies, each a fresh coordinator (B stays up): ``baseline`` (``--spec-mode off``),
+``ngram_auto`` (``--spec ngram --spec-mode auto``) and ``draft`` (``--draft-model D``,
+where D is the target requantized to Q4_0 with llama.cpp's quantizer, made once and
+cached). Workloads: ``code_edit`` (code given in the prompt, asked to be renamed or
+refactored: the answer copies most of it) and ``mixed_chat`` (open questions, stories,
+explanations). Decode tokens/s is the response's ``timings.predicted_per_second``
+averaged over prompts; acceptance is ``sum(draft_n_accepted) / sum(draft_n)``; speedup
+is against that workload's baseline in the same invocation. Greedy decoding throughout,
+so every strategy must produce the same text (checked and reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model on a 2-stage split"
+
+STRATEGIES = ("baseline", "ngram_auto", "draft")
+WORKLOADS = ("code_edit", "mixed_chat")
+
+_CODE = [
+    ("Rename the function `calc` to `compute_total` and the variable `lst` to `items`. "
+     "Return the whole code, nothing else.",
+     '''def calc(lst, tax):
+    total = 0
+    for x in lst:
+        if x.price > 0:
+            total += x.price * x.quantity
+        else:
+            print("skipping", x.name)
+    total = total * (1 + tax)
+    return round(total, 2)
+
+
+def report(lst, tax):
+    value = calc(lst, tax)
+    print("items:", len(lst))
+    print("total:", value)
+    return value
+
+
+def cheapest(lst):
+    best = None
+    for x in lst:
+        if best is None or x.price < best.price:
+            best = x
+    return best
+'''),
+    ("Refactor this class: rename `Stack` to `LifoQueue` and `data` to `items`. "
+     "Give the full code.",
+     '''class Stack:
+    def __init__(self):
+        self.data = []
+
+    def push(self, value):
+        self.data.append(value)
+
+    def pop(self):
+        if not self.data:
+            raise IndexError("pop from empty stack")
+        return self.data.pop()
+
+    def peek(self):
+        if not self.data:
+            return None
+        return self.data[-1]
+
+    def size(self):
+        return len(self.data)
+
+    def is_empty(self):
+        return len(self.data) == 0
+'''),
+    ("Add type hints to every function below and rename `n` to `count`. Show the complete code.",
+     '''def repeat(word, n):
+    result = []
+    for i in range(n):
+        result.append(word)
+    return result
+
+
+def join_words(words, sep):
+    text = ""
+    for i, w in enumerate(words):
+        if i > 0:
+            text += sep
+        text += w
+    return text
+
+
+def shout(word, n):
+    words = repeat(word.upper(), n)
+    return join_words(words, " ")
+'''),
+    ("Rewrite this JavaScript to use `const` instead of `var` and rename `arr` to `values`. "
+     "Output the whole code.",
+     '''function sum(arr) {
+    var total = 0;
+    for (var i = 0; i < arr.length; i++) {
+        total += arr[i];
+    }
+    return total;
+}
+
+function average(arr) {
+    var n = arr.length;
+    if (n === 0) {
+        return 0;
+    }
+    return sum(arr) / n;
+}
+
+function maximum(arr) {
+    var best = arr[0];
+    for (var i = 1; i < arr.length; i++) {
+        if (arr[i] > best) {
+            best = arr[i];
+        }
+    }
+    return best;
+}
+'''),
+]
+
+CODE_EDIT = [f"{ask}\n\n```\n{code}```" for ask, code in _CODE]
+
+MIXED_CHAT = [
+    "Write a short story about a fox who learns to swim.",
+    "Why is the sky blue? Explain it to a ten-year-old.",
+    "What are three good habits for staying healthy while working from home?",
+    "Explain what a hash table is and when you would use one.",
+    "Describe a perfect autumn day in a small mountain village.",
+    "What should I consider when choosing my first programming language?",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF or store name (default: the default model)")
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per stage (default 1)")
+    p.add_argument("--delay-ms", type=float, default=5.0,
+                   help="latency added by the relay, each way (default 5 ms)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="max tokens per completion (default 160, --quick 96)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts per workload (default all, --quick 2)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help=f"comma-separated subset of {','.join(STRATEGIES)}")
+    p.add_argument("--draft-quant", default="Q4_0",
+                   help="quantization of the derived draft model (default Q4_0)")
+    p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a few minutes)")
+    p.add_argument("--json", action="store_true", help="last line: one JSON object")
+
+
+# ---- the relay, in a thread of its own (the benchmark itself blocks on HTTP) ----------
+
+
+class _RelayThread:
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        import asyncio
+        import threading
+
+        from meshnode.bench.relay import UdpDelayRelay
+
+        self._loop = asyncio.new_event_loop()
+        self.relay = UdpDelayRelay(("127.0.0.1", 0), ("127.0.0.1", target_port), delay_s)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="relay", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.relay.start(), self._loop).result(10)
+
+    @property
+    def port(self) -> int:
+        return self.relay.port
+
+    def stop(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.relay.stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+# ---- one completion -----------------------------------------------------------------
+
+
+def _complete(base: str, model: str, prompt: str, max_tokens: int) -> dict:
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{base}/chat/completions", json=body, timeout=600)
+    r.raise_for_status()
+    data = r.json()
+    return {"text": data["choices"][0]["message"]["content"],
+            "tokens": data["usage"]["completion_tokens"], "timings": data.get("timings") or {}}
+
+
+def _measure(base: str, model: str, prompts: list[str], max_tokens: int) -> dict:
+    runs = [_complete(base, model, p, max_tokens) for p in prompts]
+    t = [r["timings"] for r in runs]
+    draft_n = sum(x.get("draft_n", 0) for x in t)
+    accepted = sum(x.get("draft_n_accepted", 0) for x in t)
+    return {
+        "tok_s": statistics.mean(x.get("predicted_per_second", 0.0) for x in t),
+        "acceptance": accepted / draft_n if draft_n else 0.0,
+        "draft_n": draft_n,
+        "draft_n_accepted": accepted,
+        "tokens": sum(r["tokens"] for r in runs),
+        "texts": [r["text"] for r in runs],
+    }
+
+
+# ---- the run ------------------------------------------------------------------------
+
+
+def _derived_draft(ref, paths, quant: str):
+    from meshnode.models.derive import requantize
+    from meshnode.spec.draft import check_vocab
+
+    dest = paths.cache / "bench" / f"{ref.path.stem}-draft-{quant}.gguf"
+    if not dest.exists():
+        print(f"deriving a draft: {ref.path.name} requantized to {quant} (once) ...",
+              file=sys.stderr, flush=True)
+        requantize(ref.path, dest, quant)
+    check_vocab(ref.path, dest)
+    return dest
+
+
+def _strategy_flags(name: str, draft_path) -> tuple[str, ...]:
+    if name == "baseline":
+        return ("--spec-mode", "off")
+    if name == "ngram_auto":
+        return ("--spec", "ngram", "--spec-mode", "auto")
+    if name == "draft":
+        return ("--draft-model", str(draft_path))
+    raise ValueError(f"unknown strategy {name!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshnode.bench.cluster import LocalCluster, free_udp_port
+    from meshnode.models.store import resolve_model
+    from meshnode.paths import NodePaths
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    for s in strategies:
+        if s not in STRATEGIES:
+            print(f"meshnode bench spec: unknown strategy {s!r}", file=sys.stderr)
+            return 2
+    max_tokens = args.tokens or (96 if args.quick else 160)
+    n_prompts = args.prompts or (2 if args.quick else None)
+    workloads = {"code_edit": CODE_EDIT[:n_prompts], "mixed_chat": MIXED_CHAT[:n_prompts]}
+    paths = NodePaths.resolve(getattr(args, "home", None)).ensure()
+    ref = resolve_model(args.model, paths)
+    draft_path = _derived_draft(ref, paths, args.draft_quant) if "draft" in strategies else None
+    latency = (f"latency: emulated by a delaying UDP relay, {args.delay_ms:g} ms each way "
+               f"(no netem in this kernel)")
+    print(f"spec benchmark: {ref.name}, 2 stages on loopback, {args.threads} thread(s) per stage, "
+          f"greedy, max_tokens {max_tokens}, load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    print(latency, file=sys.stderr, flush=True)
+
+    common = ("--threads", str(args.threads), "--ctx", "1024", "--batch", "64", "--parallel", "1")
+    results: dict[str, dict[str, dict]] = {w: {} for w in WORKLOADS}
+    with LocalCluster(ref.path, 2) as cluster:
+        quic_port = free_udp_port()
+        cluster.start(1, "--no-model", "--no-discovery", "--quic-port", str(quic_port), *common)
+        relay = _RelayThread(quic_port, args.delay_ms / 1000.0)
+        try:
+            for strategy in strategies:
+                print(f"  {strategy} ...", file=sys.stderr, flush=True)
+                t0 = time.perf_counter()
+                coord = cluster.start(0, "--no-discovery", "--peer", f"127.0.0.1:{relay.port}",
+                                      "--split", "2", "--model", str(ref.path), *common,
+                                      *_strategy_flags(strategy, draft_path))
+                try:
+                    coord.wait_model()
+                    if strategy == "draft" and "draft model" in coord.log_tail(100_000) \
+                            and "disabled" in coord.log_tail(100_000):
+                        print("  warning: the draft model was disabled (see the node log)",
+                              file=sys.stderr)
+                    model = coord.get("/v1/models")["data"][0]["id"]
+                    _complete(coord.base_url, model, "Hello", 4)  # warm-up
+                    for w in WORKLOADS:
+                        results[w][strategy] = _measure(coord.base_url, model, workloads[w], max_tokens)
+                finally:
+                    coord.stop()
+                    cluster.nodes.remove(coord)
+                print(f"  {strategy} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+                      flush=True)
+            counters = relay.relay.counters
+        finally:
+            relay.stop()
+    print(f"relay forwarded {counters.datagrams_up} datagrams up, {counters.datagrams_down} down",
+          file=sys.stderr)
+
+    out: dict[str, dict[str, dict]] = {}
+    print(latency)
+    print(f"{'workload':<11} {'strategy':<11} {'tok/s':>7} {'accept':>7} {'drafts':>7} "
+          f"{'speedup':>8} {'same text':>10}")
+    for w in WORKLOADS:
+        base = results[w].get("baseline")
+        out[w] = {}
+        for s in strategies:
+            r = results[w][s]
+            speedup = r["tok_s"] / base["tok_s"] if base and base["tok_s"] else float("nan")
+            same = "-" if base is None else ("yes" if r["texts"] == base["texts"] else "NO")
+            print(f"{w:<11} {s:<11} {r['tok_s']:>7.1f} {r['acceptance']:>7.2f} {r['draft_n']:>7d} "
+                  f"{speedup:>7.2f}x {same:>10}")
+            out[w][s] = {"tok_s": round(r["tok_s"], 2), "acceptance": round(r["acceptance"], 3),
+                         "speedup": round(speedup, 3), "draft_n": r["draft_n"],
+                         "draft_n_accepted": r["draft_n_accepted"], "tokens": r["tokens"],
+                         "same_text_as_baseline": same != "NO"}
+    if args.json:
+        print(json.dumps(out))
+    return 0
