@@ -94,6 +94,7 @@ def test_smollm2_chain_is_exact(smollm2, smol_slice_for, splits):
         pytest.param([6], id="global|swa"),
     ],
 )
+@pytest.mark.slow
 def test_gemma3_270m_across_sliding_window_boundaries(gemma3_270m, tmp_path_factory, splits):
     folder = tmp_path_factory.getbasetemp() / "gemma3-slices"
     folder.mkdir(exist_ok=True)

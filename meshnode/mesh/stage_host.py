@@ -43,6 +43,7 @@ class StageHost:
         self._task = asyncio.get_running_loop().create_task(self._serve(), name="stage-host")
         self._out_dtype = np.float16 if route.wire_dtype == "f16" else np.float32
         self.batches = 0
+        self.sessions: set[int] = set()   # sessions holding KV here (loop thread only)
 
     def accept(self, peer: str, msg: object) -> bool:
         """Queue a data-plane message; False if it is not one."""
@@ -65,10 +66,12 @@ class StageHost:
             try:
                 match msg:
                     case wire.Forward():
+                        self.sessions.update(seg.session for seg in msg.segments)
                         await self._forward(msg)
                     case wire.Trim(session=session, pos=pos):
                         await self.worker.rollback(session, pos)
                     case wire.SessionEnd(session=session):
+                        self.sessions.discard(session)
                         self.sampler.forget(session)
                         await self.worker.drop(session)
             except asyncio.CancelledError:

@@ -93,6 +93,10 @@ class StageServerRuntime:
         st = self.control.stage
         return [] if st is None else [st]
 
+    def sessions(self) -> list[int]:
+        """Sessions whose KV this node holds for the stage it serves."""
+        return sorted(self._host.sessions) if self._host is not None else []
+
     @property
     def holds_engine(self) -> bool:
         """True while a stage engine is loaded here (False once Stop freed it)."""

@@ -69,6 +69,7 @@ class ServeSettings:
     n_ctx: int = 2048           # per request context
     n_batch: int = 64           # prefill chunk (every stage uses the same schedule)
     max_batch_rows: int = 32
+    parallel: int = 4           # sessions at once; later requests wait in a queue
     aliases: tuple[str, ...] = ()
     spec: SpecConfig | None = None
 
@@ -106,6 +107,8 @@ class ModelServer:
         self.scheduler = BatchScheduler(pipeline, max_rows=settings.max_batch_rows)
         self._publish = publish or (lambda ev: None)
         self._sessions = itertools.count(1)
+        # Every stage holds parallel sequence slots; requests beyond that queue here.
+        self._slots = asyncio.Semaphore(settings.parallel)
         self._active: dict[str, _Req] = {}
         self._recent: deque[RequestInfo] = deque(maxlen=RECENT_REQUESTS)
         self._points: deque[TelemetryPoint] = deque(maxlen=240)
@@ -152,11 +155,17 @@ class ModelServer:
         session = next(self._sessions)
         rid = req.request_id
         now = time.time()
-        st = _Req(RequestInfo(rid, self.settings.name, "prefill", len(prompt), 0, 0.0, None, now,
+        st = _Req(RequestInfo(rid, self.settings.name, "queued", len(prompt), 0, 0.0, None, now,
                               strategy=self._spec.telemetry.strategy), time.perf_counter())
         self._active[rid] = st
         self._update(st)
         yield Admitted(prompt_tokens=len(prompt))
+        try:
+            await self._slots.acquire()
+        except BaseException:
+            self._finish(st, "cancelled")
+            raise
+        st.info = replace(st.info, status="prefill")
         finish = "length"
         generated: list[int] = []
         stops = StopMatcher(tuple(req.stop) + tuple(template_stops))
@@ -227,7 +236,10 @@ class ModelServer:
             raise EngineFailedError(f"generation failed: {exc}") from exc
         finally:
             self._spec.telemetry.end_request(rid)
-            await asyncio.shield(self._end_session(session))
+            try:
+                await asyncio.shield(self._end_session(session))
+            finally:
+                self._slots.release()
 
     # ---- steps --------------------------------------------------------------------------
 

@@ -54,4 +54,9 @@ async def health(request: Request) -> dict[str, Any]:
 
 @router.get("/status")
 async def status(request: Request) -> dict[str, Any]:
-    return status_json(request.app.state.node.snapshot())
+    node = request.app.state.node
+    data = status_json(node.snapshot())
+    stage_server = getattr(node, "stage_server", None)
+    if stage_server is not None:
+        data["stage_sessions"] = stage_server.sessions()
+    return data

@@ -121,7 +121,7 @@ class ModelService:
                 n_batch=o.n_batch, n_seq_max=o.parallel, wire_dtype=o.wire_dtype))
             self.serving = serving
             self.server = ModelServer(
-                ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch,
+                ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch, parallel=o.parallel,
                               aliases=tuple(o.aliases) + (ref.path.name, ref.path.stem), spec=spec),
                 tokenizer, serving.pipeline, publish=self.node.publish, draft=draft)
             self._set("ready", f"{serving.pipeline.n_stages} stage(s)")

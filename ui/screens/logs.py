@@ -51,7 +51,9 @@ class LogsScreen(NodeScreen):
                 id="level",
             )
             yield Label("", id="logs-count")
-        yield RichLog(id="log", max_lines=5000, wrap=True, markup=False)
+        # min_width=1: RichLog wraps at 78 columns at least by default, wider than an
+        # 80-column terminal less padding and scrollbar (lines were cut at the edge)
+        yield RichLog(id="log", max_lines=5000, wrap=True, markup=False, min_width=1)
 
     def action_next_level(self) -> None:
         levels = [level for _, level in LEVELS]

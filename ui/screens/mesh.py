@@ -5,13 +5,14 @@ from __future__ import annotations
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import DataTable, Label
+from textual.widgets import DataTable, Label, Static
 
 from meshnode.state import NodeSnapshot, PeerInfo
 from ui.format import fmt_ms, fmt_size
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
 from ui.widgets import StageMap, TransferList
+from ui.widgets.status_bar import service_status
 
 
 def _mem(caps) -> tuple[str, str]:
@@ -35,6 +36,7 @@ class MeshScreen(NodeScreen):
             yield Label("Nodes  (* this node)", classes="section")
             yield DataTable(id="nodes", cursor_type="row", zebra_stripes=True)
             yield Label("Stage map", classes="section", id="stage-title")
+            yield Static(id="service-status")
             yield StageMap(id="stage-map")
             yield Label("Transfers", classes="section", id="transfers-title")
             yield TransferList(id="transfers")
@@ -50,14 +52,22 @@ class MeshScreen(NodeScreen):
             f"S{s.index} [{s.layer_start},{s.layer_end})" for s in snap.stages if s.node_id == me.node_id
         )
         ram, backend = _mem(me.capabilities)
-        rows = [(me.node_id, [Text(f"{me.name} *", style="bold"), me.address, "-", ram, backend,
+        address = "-" if me.address.endswith(":0") else me.address  # QUIC not bound yet
+        rows = [(me.node_id, [Text(f"{me.name} *", style="bold"), address, "-", ram, backend,
                              Text("self", style="dim"), my_role or "idle"])]
         for p in sorted(snap.peers, key=lambda p: p.name):
             rows.append((p.node_id, self._peer_row(p)))
         fill_table(self.query_one("#nodes", DataTable), rows)
         self.query_one(StageMap).show(snap.stages, snap.model_layers)
-        title = f"Stage map · {snap.model or 'no model'} · {snap.model_layers} layers"
+        title = f"Stage map · {snap.model} · {snap.model_layers} layers" if snap.model else "Stage map"
         self.query_one("#stage-title", Label).update(title)
+        # The model service's start-up (fetch, wait for peers, plan) or failure, in full:
+        # the status bar has room for one line only.
+        service = self.query_one("#service-status", Static)
+        service.display = snap.status not in ("", "running", "ready")
+        if service.display:
+            glyph, text, style = service_status(snap)
+            service.update(Text(f"{glyph} model: {text}", style=style))
         has_transfers = bool(snap.transfers)
         self.query_one("#transfers-title").display = has_transfers
         transfers = self.query_one(TransferList)

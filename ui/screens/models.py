@@ -7,7 +7,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Label
 
 from meshnode.state import NodeSnapshot
-from ui.format import fmt_bytes
+from ui.format import fmt_bytes, fmt_size
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
 from ui.widgets import TransferList
@@ -27,7 +27,7 @@ class ModelsScreen(NodeScreen):
 
     def on_mount(self) -> None:
         self.query_one("#local-models", DataTable).add_columns(
-            "Name", "Kind", "Layers", "Size", "Source", "Arch", "sha256"
+            "Name", "Kind", "Layers", "Size", "Source", "sha256"
         )
         self.query_one("#mesh-models", DataTable).add_columns("Name", "Layers", "Size", "Held by")
         super().on_mount()
@@ -35,9 +35,13 @@ class ModelsScreen(NodeScreen):
     def show_snapshot(self, snap: NodeSnapshot) -> None:
         local = []
         for m in snap.models:
-            layers = f"[{m.layer_range[0]},{m.layer_range[1]}) of {m.n_layers}" if m.layer_range else str(m.n_layers)
-            local.append((f"{m.sha256}:{m.path}", [m.name, m.kind, layers, fmt_bytes(m.size_bytes),
-                                                   m.source, m.architecture, m.sha256[:12]]))
+            # (columns kept narrow enough for 80 columns: the range shows once, sizes are compact)
+            name, layers = m.name, f"{m.n_layers} {m.architecture}"
+            if m.layer_range:
+                layers = f"[{m.layer_range[0]},{m.layer_range[1]})"
+                name = name.removesuffix(f" {layers}")
+            local.append((f"{m.sha256}:{m.path}", [name, m.kind, layers, fmt_size(m.size_bytes),
+                                                   m.source, m.sha256[:8]]))
         fill_table(self.query_one("#local-models", DataTable), local)
 
         held: dict[str, tuple[str, int, int, list[str]]] = {}

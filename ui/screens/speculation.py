@@ -11,7 +11,7 @@ from textual.widgets import DataTable, Label, RichLog
 
 from meshnode.state import NodeSnapshot, SpecState
 from ui.feed import EventFeed
-from ui.format import render_draft
+from ui.format import fmt_ms, render_draft
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
 from ui.widgets import MetricRow
@@ -37,11 +37,11 @@ class SpeculationScreen(NodeScreen):
             yield Label("Acceptance per window (recent)", classes="section")
             yield Vertical(id="acceptance")
             yield Label("Drafts  ✓ accepted  ✗ rejected  → bonus", classes="section")
-            yield RichLog(id="drafts", max_lines=500, wrap=True, markup=False)
+            yield RichLog(id="drafts", max_lines=500, wrap=True, markup=False, min_width=1)
 
     def on_mount(self) -> None:
         self.query_one("#spec-stats", DataTable).add_columns(
-            "Strategy", "State", "Window", "Accept", "Proposed", "Accepted", "Windows", "Verify"
+            "Strategy", "State", "Win", "Accept", "Proposed", "Accepted", "Windows", "Verify"
         )
         super().on_mount()
 
@@ -52,12 +52,13 @@ class SpeculationScreen(NodeScreen):
                 [
                     Text(s.strategy, style="bold"),
                     Text(s.state.value, style=_STATE_STYLE[s.state]),
-                    str(s.current_window),
+                    # the window is only meaningful while drafting
+                    str(s.current_window) if s.state is SpecState.ENABLED else "-",
                     f"{100 * s.acceptance:.0f}%",
                     str(s.proposed),
                     str(s.accepted),
                     str(s.windows),
-                    f"{s.verify_ms:.1f} ms",
+                    fmt_ms(s.verify_ms) if s.windows else "-",
                 ],
             )
             for s in snap.spec

@@ -43,7 +43,8 @@ class TelemetryScreen(NodeScreen):
         points = snap.telemetry
         span = points[-1].t - points[0].t if len(points) > 1 else 0.0
         self.query_one("#telemetry-title", Label).update(
-            f"Now and the last {span:.0f} s ({len(points)} samples)" if points else "No samples yet"
+            (f"Now and the last {span:.0f} s ({len(points)} sample{'s' if len(points) != 1 else ''})"
+             if points else "No samples yet (one per finished request)")
         )
         for key, _, get, fmt in METRICS:
             values = [get(p) for p in points]

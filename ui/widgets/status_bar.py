@@ -1,4 +1,12 @@
-"""One line at the top of every screen: who we are, what we serve, and the node's state."""
+"""One line at the top of every screen: who we are, what we serve, and the node's state.
+
+The right-hand side combines two states: the node process as the app sees it
+(``starting`` until ``node.start()`` returns, ``running``, ``stopping``, ``failed``) and,
+once it runs, the model service's state from the snapshot (``NodeSnapshot.status``:
+fetching with the first transfer's progress, waiting for peers, planning with the
+stages ready so far, ready, failed with the reason). Every state has a glyph as well
+as a colour (``●`` ready, ``◌`` in progress, ``✗`` failed, ``○`` no model).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,44 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Static
 
-from meshnode.state import NodeSnapshot
+from meshnode.state import NodeSnapshot, StageState, TransferInfo
+
+
+def transfer_progress(t: TransferInfo) -> str:
+    """``extract 45%`` (or just the phase while the total is unknown)."""
+    if t.total_bytes:
+        return f"{t.what} {100 * t.done_bytes / t.total_bytes:.0f}%"
+    return t.what
+
+
+def service_status(snap: NodeSnapshot | None) -> tuple[str, str, str]:
+    """(glyph, text, style) of the model service in ``snap``, for the status bar and Mesh."""
+    status = snap.status if snap is not None else ""
+    detail = snap.status_detail if snap is not None else ""
+    match status:
+        case "" | "running":  # a node that does not report its model service
+            return "●", "running", "green"
+        case "ready":
+            return "●", "ready" + (f" · {detail}" if detail else ""), "green"
+        case "fetching":
+            text = "fetching" + (f" {detail}" if detail else "")
+            if snap is not None and snap.transfers:
+                text += f" · {transfer_progress(snap.transfers[0])}"
+            return "◌", text, "yellow"
+        case "planning":
+            text = "planning"
+            if snap is not None and snap.stages:
+                ready = sum(s.state is StageState.READY for s in snap.stages)
+                text += f" · {ready}/{len(snap.stages)} stages ready"
+            return "◌", text + (f" · {detail}" if detail else ""), "yellow"
+        case "waiting for peers":
+            return "◌", "waiting for peers" + (f" · {detail}" if detail else ""), "yellow"
+        case "failed":
+            return "✗", "failed" + (f": {detail}" if detail else ""), "bold red"
+        case "no model":
+            return "○", "no model (lending memory)", "dim"
+        case _:
+            return "◌", status + (f" · {detail}" if detail else ""), "yellow"
 
 
 class StatusBar(Horizontal):
@@ -18,7 +63,7 @@ class StatusBar(Horizontal):
         background: $panel;
     }
     StatusBar > #status-left { width: 1fr; height: 1; text-wrap: nowrap; text-overflow: ellipsis; }
-    StatusBar > #status-right { width: auto; max-width: 50%; height: 1; text-wrap: nowrap; text-overflow: ellipsis; }
+    StatusBar > #status-right { width: auto; max-width: 60%; height: 1; text-wrap: nowrap; text-overflow: ellipsis; }
     """
 
     def __init__(self, title: str, **kwargs) -> None:
@@ -42,13 +87,15 @@ class StatusBar(Horizontal):
         right = Text()
         match node_state:
             case "running":
-                right.append("● running", style="green")
+                glyph, text, style = service_status(snap)
+                if snap is not None and snap.status == "failed":
+                    text = "model " + text  # the node itself still runs
+                right.append(f"{glyph} {text}", style=style)
             case "starting":
                 right.append("◌ starting", style="yellow")
                 if snap is not None and snap.transfers:
                     t = snap.transfers[0]
-                    pct = 100 * t.done_bytes / t.total_bytes if t.total_bytes else 0
-                    right.append(f" · {t.what} {t.name} {pct:.0f}%")
+                    right.append(f" · {t.name} {transfer_progress(t)}")
             case "stopping":
                 right.append("◌ stopping", style="yellow")
             case "failed":

@@ -1,0 +1,221 @@
+"""Speculative decoding end to end on a 2-stage split: real node processes on loopback
+(QUIC, HTTP), the official openai client.
+
+One stage-1 node stays up for the whole module; the coordinator (stage 0) restarts with
+each configuration. Greedy output with speculation (n-gram, a draft model given on the
+command line, a draft declared by ``model-package.json``) must equal the output with
+``--spec-mode off`` token for token; the response's non-standard ``timings`` shows the
+drafting. A draft that cannot be used (missing file, another vocabulary) leaves the node
+serving without it, with a clear warning in its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.nodeproc import meshnode_cmd, start_node, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.net]
+
+CODE_PROMPT = (
+    "Rename the class `Stack` to `LifoQueue` and `data` to `items`. Give the full code.\n\n"
+    "```\nclass Stack:\n    def __init__(self):\n        self.data = []\n\n"
+    "    def push(self, value):\n        self.data.append(value)\n\n"
+    "    def pop(self):\n        return self.data.pop()\n\n"
+    "    def size(self):\n        return len(self.data)\n```"
+)
+CHAT_PROMPT = "Write a short story about a fox who learns to swim."
+PROMPTS = (CODE_PROMPT, CHAT_PROMPT)
+MAX_TOKENS = 32
+NODE_FLAGS = ("--threads", "1", "--ctx", "1024", "--batch", "64", "--parallel", "1")
+
+
+def _free_udp_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Split:
+    """Stage 1 (up for the module) and a coordinator restarted per configuration."""
+
+    def __init__(self, root: Path, model: Path) -> None:
+        self.homes = [root / "n0", root / "n1"]
+        # The coordinator serves its own hard link of the model, so a model-package.json
+        # written beside it concerns this module only.
+        self.model = self.homes[0] / "data" / "models" / model.stem / model.name
+        for home in self.homes:
+            dest = home / "data" / "models" / model.stem / model.name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(model, dest)
+            except OSError:
+                shutil.copy2(model, dest)
+        tok = meshnode_cmd("invite", "--home", str(self.homes[0])).stdout.strip().splitlines()[-1]
+        r = meshnode_cmd("join", tok, "--home", str(self.homes[1]))
+        assert r.returncode == 0, r.stderr
+        self.quic_port = _free_udp_port()
+        self.stage1 = start_node(self.homes[1], "n1", "--no-model", "--no-discovery",
+                                 "--quic-port", str(self.quic_port), *NODE_FLAGS).wait_up(30)
+        self.coord = None
+
+    @property
+    def package_file(self) -> Path:
+        return self.model.parent / "model-package.json"
+
+    def start(self, *flags: str):
+        """(Re)start the coordinator with ``flags``; return it once its model is ready."""
+        self.stop_coordinator()
+        self.coord = start_node(self.homes[0], "n0", "--model", str(self.model), "--split", "2",
+                                "--no-discovery", "--peer", f"127.0.0.1:{self.quic_port}",
+                                *NODE_FLAGS, *flags).wait_up(30)
+
+        def ready() -> bool:
+            model = self.coord.get("/health").get("model") or {}
+            if model.get("state") == "failed":
+                raise AssertionError(f"model failed: {model}\n{self.coord.log()[-3000:]}")
+            return model.get("state") == "ready"
+
+        try:
+            wait_for(ready, 180, interval=0.25)
+            stages = self.coord.status()["stages"]
+            assert [s["state"] for s in stages] == ["ready", "ready"], stages
+        except BaseException:
+            print(self.coord.log()[-4000:])
+            raise
+        return self.coord
+
+    def complete_all(self) -> list[tuple[str, dict]]:
+        """Greedy completions of PROMPTS: (text, timings) each."""
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{self.coord.info['http_port']}/v1",
+                        api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        out = []
+        for p in PROMPTS:
+            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                               max_tokens=MAX_TOKENS, temperature=0)
+            timings = (r.model_extra or {}).get("timings") or {}
+            out.append((r.choices[0].message.content, timings))
+        return out
+
+    def spec_strategy(self) -> str:
+        return self.coord.status()["spec"][0]["strategy"]
+
+    def stop_coordinator(self) -> None:
+        if self.coord is not None:
+            self.coord.stop()
+            self.coord = None
+
+    def close(self) -> None:
+        self.stop_coordinator()
+        self.stage1.stop()
+
+
+@pytest.fixture(scope="module")
+def split(smollm2, tmp_path_factory):
+    s = Split(tmp_path_factory.mktemp("spec-split"), smollm2.path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def reference(split) -> list[str]:
+    """Plain greedy decoding on the same split (speculation off)."""
+    split.start("--spec-mode", "off")
+    out = split.complete_all()
+    assert all(t.get("draft_n", 0) == 0 for _, t in out)
+    assert all(text for text, _ in out)
+    return [text for text, _ in out]
+
+
+@pytest.fixture
+def package(split):
+    """Write model-package.json beside the coordinator's model; removed afterwards."""
+    def write(strategies: dict, default: str) -> None:
+        split.package_file.write_text(json.dumps(
+            {"generation": {"speculative_decoding": {"default": default, "strategies": strategies}}}))
+    yield write
+    split.package_file.unlink(missing_ok=True)
+    split.stop_coordinator()
+
+
+def _drafted(timings: dict) -> bool:
+    return timings.get("draft_n", 0) > 0 and timings.get("draft_n_accepted", 0) > 0
+
+
+def test_ngram_on_equals_plain_greedy(split, reference):
+    split.start("--spec", "ngram", "--spec-mode", "on")
+    out = split.complete_all()
+    assert [text for text, _ in out] == reference
+    code_timings = out[0][1]
+    assert _drafted(code_timings), code_timings
+    assert code_timings["draft_n_accepted"] <= code_timings["draft_n"]
+
+
+def test_draft_model_equals_plain_greedy(split, reference):
+    # The target as its own draft: same vocabulary by construction, drafts mostly accepted.
+    split.start("--draft-model", str(split.model))
+    assert split.spec_strategy() == "draft"
+    out = split.complete_all()
+    assert [text for text, _ in out] == reference
+    for _, timings in out:
+        assert _drafted(timings), timings
+
+
+def test_package_declared_draft_and_no_draft(split, reference, package):
+    draft = split.model.parent / "draft-copy.gguf"
+    try:
+        os.link(split.model, draft)
+    except OSError:
+        shutil.copy2(split.model, draft)
+    package({"pkg-draft": {"type": "draft-model", "draft_model": draft.name,
+                           "window_policy": {"default": "adaptive", "initial_window": 4,
+                                             "min_window": 1, "max_window": 8}}}, "pkg-draft")
+    try:
+        split.start()
+        assert split.spec_strategy() == "draft"
+        out = split.complete_all()
+        assert [text for text, _ in out] == reference
+        assert all(_drafted(t) for _, t in out), [t for _, t in out]
+
+        split.start("--no-draft")   # the package's draft is turned off: built-in n-gram
+        assert split.spec_strategy() == "ngram"
+        out = split.complete_all()
+        assert [text for text, _ in out] == reference
+    finally:
+        draft.unlink(missing_ok=True)
+
+
+def test_unresolvable_package_draft_still_serves(split, reference, package):
+    package({"pkg-draft": {"type": "draft-model", "draft_model": "no-such-draft-model.gguf"}},
+            "pkg-draft")
+    coord = split.start()   # ready: a missing draft never fails the start
+    log = coord.log()
+    assert "WARNING" in log and "draft model 'no-such-draft-model.gguf' disabled" in log, log[-3000:]
+    assert "serving without it" in log
+    out = split.complete_all()
+    assert [text for text, _ in out] == reference
+    assert all(t.get("draft_n", 0) == 0 for _, t in out)
+
+
+def test_draft_with_another_vocabulary_is_refused(split, reference, tmp_path):
+    from meshnode.models.synthetic import write_synthetic_gguf
+
+    other = write_synthetic_gguf(tmp_path / "other-vocab.gguf", vocab=320)
+    coord = split.start("--draft-model", str(other))
+    log = coord.log()
+    assert "WARNING" in log and "disabled" in log and "vocabulary" in log, log[-3000:]
+    out = split.complete_all()
+    assert [text for text, _ in out] == reference
+    assert all(t.get("draft_n", 0) == 0 for _, t in out)
