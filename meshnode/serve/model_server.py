@@ -276,6 +276,10 @@ class ModelServer:
         assert res is not None
         tokens = list(res.tokens)
         spec.cost.observe(len(drafts), dt)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %s: %d draft(s), %d accepted, %.1f ms (state %s, window %s)", rid,
+                      len(drafts), res.n_accepted, 1e3 * dt, spec.policy.state.value,
+                      getattr(spec.window, "size", "-"))
         if drafts:
             spec.policy.record_verify(len(drafts), res.n_accepted)
             spec.window.update(len(drafts), res.n_accepted)
