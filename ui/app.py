@@ -28,11 +28,13 @@ from typing import Protocol
 from textual import work
 from textual.app import App
 from textual.binding import Binding
+from textual.filter import Monochrome
 from textual.message import Message
 from textual.timer import Timer
 
 from meshnode.state import NodeAPI, NodeSnapshot
 from ui.feed import EventFeed
+from ui.nocolor import ReadableMonochrome
 from ui.screens.base import NodeScreen
 from ui.screens.chat import ChatScreen
 from ui.screens.help import HelpScreen
@@ -113,6 +115,8 @@ class MeshnodeApp(App[int]):
         ``cursor_blink`` the prompt's cursor, so tests can freeze them.
         """
         super().__init__()
+        if self.no_color:  # NO_COLOR: greys, but never dark grey on black (ui/nocolor.py)
+            self._filters = [ReadableMonochrome() if type(f) is Monochrome else f for f in self._filters]
         self.node = node
         self.refresh_hz = min(max(refresh_hz, 0.1), MAX_REFRESH_HZ)
         self.manage_node = manage_node
@@ -177,7 +181,7 @@ class MeshnodeApp(App[int]):
 
     def set_node_state(self, state: str, detail: str = "") -> None:
         self.node_state, self.node_detail = state, detail
-        if self.is_running and isinstance(self.screen, NodeScreen):
+        if self.is_running and isinstance(self.screen, NodeScreen) and self.screen.ready:
             self.screen.refresh_status()
 
     # -- node -> UI -----------------------------------------------------------------
@@ -221,7 +225,7 @@ class MeshnodeApp(App[int]):
     def _flush_feed(self) -> None:
         self._flush_timer = None
         self._last_flush = time.monotonic()
-        if isinstance(self.screen, NodeScreen):
+        if isinstance(self.screen, NodeScreen) and self.screen.ready:
             self.screen.show_feed(self.feed)
 
 

@@ -103,6 +103,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _check_model_options(args: argparse.Namespace) -> None:
+    """Catch mistakes in flags before anything starts (the rest is checked while loading)."""
+    from pathlib import Path
+
+    from meshnode.errors import MeshnodeError
+    from meshnode.mesh.planner import parse_explicit
+
+    if args.no_model and (args.model or args.split or args.stages):
+        raise MeshnodeError("--no-model cannot be combined with --model, --split or --stages")
+    if args.split and args.stages:
+        raise MeshnodeError("give either --split or --stages, not both")
+    if args.stages:
+        parse_explicit(args.stages)  # raises PlanError with what is wrong
+    if args.model and (args.model.endswith(".gguf") or "/" in args.model) and not Path(args.model).expanduser().exists():
+        raise MeshnodeError(f"model file not found: {args.model}")
+    if args.draft_model and args.no_draft:
+        raise MeshnodeError("--draft-model and --no-draft contradict each other")
+
+
 def _node_kwargs(args: argparse.Namespace, paths) -> dict:
     """Node arguments from CLI flags over config.toml over defaults. Raises MeshnodeError."""
     from meshnode.config import load_config, parse_size
@@ -115,6 +134,7 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
     node_cfg = config.node
     max_memory = parse_size(args.max_memory) if args.max_memory else node_cfg.max_memory
     service = None
+    _check_model_options(args)
     if not args.no_model:
         strategy = args.spec_strategy
         if args.draft_model and strategy is None:

@@ -92,9 +92,16 @@ class ModelService:
     def _progress(self, what: str) -> Callable[[str, int, int | None], None]:
         loop = asyncio.get_running_loop()
 
+        logged: dict[str, int] = {}
+
         def hook(phase: str, done: int, total: int | None) -> None:
             info = TransferInfo(f"{what} ({phase})", done, total or 0, phase)
             loop.call_soon_threadsafe(self._transfers.__setitem__, what, info)
+            if total:  # headless users see progress in the log, every 10 %
+                tenth = min(10, 10 * done // total)
+                if tenth > logged.get(phase, -1):
+                    logged[phase] = tenth
+                    log.info("%s: %s %d%% (%.1f of %.1f MB)", what, phase, 10 * tenth, done / 1e6, total / 1e6)
         return hook
 
     async def _run(self) -> None:

@@ -28,6 +28,11 @@ class NodeScreen(Screen):
 
     snapshot: reactive[NodeSnapshot | None] = reactive(None, init=False)
 
+    #: True once mounted (subclasses' on_mount, e.g. a table's columns, has run). The app
+    #: may hand a snapshot to a screen it has just switched to before that: such a
+    #: snapshot is only stored, and drawn by :meth:`catch_up` from on_mount.
+    ready = False
+
     @property
     def mesh_app(self) -> MeshnodeApp:
         return self.app  # type: ignore[return-value]
@@ -41,6 +46,7 @@ class NodeScreen(Screen):
         yield from ()
 
     def on_mount(self) -> None:
+        self.ready = True
         self.catch_up()
 
     def on_screen_resume(self) -> None:
@@ -49,8 +55,10 @@ class NodeScreen(Screen):
     def catch_up(self) -> None:
         app = self.mesh_app
         self.refresh_status()
-        if app.latest_snapshot is not None:
-            self.snapshot = app.latest_snapshot
+        snap = app.latest_snapshot
+        if snap is not None:
+            self.set_reactive(NodeScreen.snapshot, snap)  # drawn here, not by the watcher
+            self.show_snapshot(snap)
         self.show_feed(app.feed)
 
     def refresh_status(self) -> None:
@@ -58,7 +66,7 @@ class NodeScreen(Screen):
         self.query_one(StatusBar).show(self.snapshot or app.latest_snapshot, app.node_state, app.node_detail)
 
     def watch_snapshot(self, snap: NodeSnapshot | None) -> None:
-        if snap is None:
+        if snap is None or not self.ready:
             return
         self.refresh_status()
         self.show_snapshot(snap)
