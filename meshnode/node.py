@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,12 +39,14 @@ from meshnode.state import (
     PeerDiscovered,
     PeerInfo,
     PeerLost,
+    TelemetryPoint,
 )
 
 log = logging.getLogger(__name__)
 
 EVENT_QUEUE = 1000
 CAPS_REFRESH_S = 30.0
+TELEMETRY_POINTS = 240      # one a second: the last four minutes
 
 
 class Node:
@@ -80,6 +83,8 @@ class Node:
         self._server: Any = None
         self._server_task: asyncio.Task | None = None
         self._caps_task: asyncio.Task | None = None
+        self._telemetry_task: asyncio.Task | None = None
+        self._telemetry: deque[TelemetryPoint] = deque(maxlen=TELEMETRY_POINTS)
         self._subscribers: set[asyncio.Queue] = set()
         self._log_handler: logging.Handler | None = None
         self._started_at: float | None = None
@@ -131,6 +136,7 @@ class Node:
                 "started": self._started_at,
             }).encode())
         self._caps_task = asyncio.get_running_loop().create_task(self._refresh_caps())
+        self._telemetry_task = asyncio.get_running_loop().create_task(self._sample_telemetry())
         log.info("node %s up: HTTP %s, QUIC port %d", self.name, self.http_url, self.fabric.port)
         if self.service is not None:
             self.service.start()
@@ -141,6 +147,8 @@ class Node:
             self.paths.runtime_file.unlink()
         if self._caps_task is not None:
             self._caps_task.cancel()
+        if self._telemetry_task is not None:
+            self._telemetry_task.cancel()
         if self.service is not None:
             with contextlib.suppress(Exception):
                 await self.service.stop()
@@ -181,7 +189,7 @@ class Node:
         svc = self.service
         server = svc.server if svc is not None else None
         ref = svc.model_ref if svc is not None else None
-        stages = tuple(svc.serving.stages()) if svc is not None and svc.serving is not None else ()
+        stages = self.snapshot_stages()
         return NodeSnapshot(
             node=info, peers=tuple(f.peers()),
             model=ref.name if ref is not None else None,
@@ -189,7 +197,7 @@ class Node:
             stages=stages + tuple(self.stage_server.stages()),
             requests=server.requests() if server is not None else (),
             spec=server.spec_stats() if server is not None else (),
-            telemetry=server.telemetry() if server is not None else (),
+            telemetry=tuple(self._telemetry),
             models=svc.model_infos() if svc is not None else (),
             transfers=svc.transfers() if svc is not None else (),
             status=svc.state if svc is not None else "no model",
@@ -255,6 +263,30 @@ class Node:
 
     def _on_peer_change(self, node_id: str, info: PeerInfo | None, reason: str) -> None:
         self.publish(PeerDiscovered(info) if info is not None else PeerLost(node_id, reason))
+
+    async def _sample_telemetry(self) -> None:
+        """One :class:`TelemetryPoint` a second: throughput, latency, hops and link traffic."""
+        last_tokens, last_t = 0, time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            server = self.service.server if self.service is not None else None
+            tokens = server.tokens_out if server is not None else 0
+            tps = (tokens - last_tokens) / (now - last_t)
+            last_tokens, last_t = tokens, now
+            peers = self.fabric.peers()
+            stage_nodes = {st.node_id for st in self.snapshot_stages()}
+            rtts = [p.rtt_ms for p in peers if p.rtt_ms is not None and p.node_id in stage_nodes]
+            self._telemetry.append(TelemetryPoint(
+                t=time.time(), tokens_per_s=tps,
+                ttft_ms=server.last_ttft_ms if server is not None else None,
+                tpot_ms=server.last_tpot_ms if server is not None and tps else None,
+                hop_ms=(sum(rtts) / len(rtts) / 2) if rtts else None,
+                link_bytes_per_s=sum(p.bytes_per_s_in + p.bytes_per_s_out for p in peers)))
+
+    def snapshot_stages(self) -> tuple:
+        svc = self.service
+        return tuple(svc.serving.stages()) if svc is not None and svc.serving is not None else ()
 
     async def _refresh_caps(self) -> None:
         while True:

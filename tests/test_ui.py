@@ -366,3 +366,108 @@ async def test_every_screen_copes_with_an_empty_node():
         await pilot.press("6")
         answer = await _ask(pilot, app, "hello")
         assert answer.error == "no model is loaded yet (see the Mesh screen)"
+
+
+# -- the model service's start-up in the status bar and on Mesh ------------------------
+
+
+def _status_snap(status: str, detail: str = "", **changes):
+    from meshnode.state import TransferInfo
+
+    base = FakeNode().snapshot()
+    changes.setdefault("transfers", (TransferInfo("default model (extract)", 45, 100, "extract"),))
+    return replace(base, status=status, status_detail=detail, **changes)
+
+
+@pytest.mark.parametrize("status, detail, bar, mesh", [
+    ("fetching", "default model", "◌ fetching default model · extract 45%",
+     "◌ model: fetching default model · extract 45%"),
+    ("waiting for peers", "plan needs 2 nodes, mesh has 1", "◌ waiting for peers · plan needs 2 nodes, mesh has 1",
+     "◌ model: waiting for peers · plan needs 2 nodes, mesh has 1"),
+    ("planning", "", "◌ planning · 2/3 stages ready", "◌ model: planning · 2/3 stages ready"),
+    ("failed", "no such model: x.gguf", "✗ model failed: no such model: x.gguf", "✗ model: failed: no such model: x.gguf"),
+    ("no model", "", "○ no model (lending memory)", "○ model: no model (lending memory)"),
+    ("ready", "3 stage(s)", "● ready · 3 stage(s)", None),
+])
+async def test_model_service_state_is_shown(status, detail, bar, mesh):
+    app = new_app(FakeNode(snapshot=_status_snap(status, detail), events=[]))
+    async with app.run_test(size=(120, 30)) as pilot:
+        await pilot.pause(0.1)
+        right = str(app.screen.query_one(StatusBar).query_one("#status-right").render())
+        assert right.strip() == bar
+        service = app.screen.query_one("#service-status", Static)
+        assert service.display == (mesh is not None)
+        if mesh is not None:
+            assert str(service.render()) == mesh
+
+
+# -- 80 columns, NO_COLOR, a node whose snapshot always changes ----------------------------
+
+
+async def test_tables_fit_80_columns():
+    app = new_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        for i, (mode, _, _) in enumerate(SCREENS, start=1):
+            if isinstance(app.screen, ChatScreen):
+                await pilot.press("escape")
+            await pilot.press(str(i))
+            await pilot.pause(0.1)
+            for table in app.screen.query(DataTable):
+                assert table.virtual_size.width <= table.scrollable_content_region.width, (mode, table.id)
+
+
+def test_sparkline_draws_one_column_per_sample_from_zero():
+    from ui.widgets.metric import spark_text
+
+    assert spark_text([14.5], 10) == "█"          # one sample is one bar, not a full row
+    assert spark_text([0.0, 0.0], 10) == "▁▁"     # a constant 0 is low, not full
+    assert spark_text([1, 2, 4, 8], 3) == "▃▅█"   # newest at the right, scaled 0..max
+    assert spark_text([], 5) == ""
+
+
+async def test_no_color_keeps_every_foreground_readable(monkeypatch):
+    from rich.style import Style
+    from textual.color import Color
+
+    from ui.nocolor import ReadableMonochrome, readable_monochrome_style
+
+    monkeypatch.setenv("NO_COLOR", "1")
+    app = new_app()
+    assert any(isinstance(f, ReadableMonochrome) for f in app._filters)
+    for fg in ("#ff0000", "#0000ff", "#00aa00", "#555555"):
+        style = readable_monochrome_style(Style.parse(f"{fg} strike on #121212"))
+        assert style.strike
+        assert abs(Color.from_rich_color(style.color).brightness
+                   - Color.from_rich_color(style.bgcolor).brightness) >= 0.3
+
+
+class ChangingNode(FakeNode):
+    """Like a real node: every snapshot differs from the last (the token count grows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def snapshot(self):
+        self.n += 1
+        snap = super().snapshot()
+        req = replace(snap.requests[0], generated_tokens=self.n)
+        return replace(snap, requests=(req, *snap.requests[1:]))
+
+
+async def test_switching_screens_while_snapshots_change():
+    """A snapshot handed to a screen before its on_mount ran (columns not added yet)
+    used to crash the app with 'More values provided than there are columns'."""
+    node = ChangingNode()
+    app = new_app(node, refresh_hz=10)
+    async with app.run_test(size=(80, 24)) as pilot:
+        for _ in range(3):
+            for key in ("f2", "f3", "f4", "f5", "f7", "f1"):
+                await pilot.press(key)
+                await pilot.pause(0.02)
+        await pilot.press("f4")
+        table = app.screen.query_one("#requests", DataTable)
+        await wait_for(pilot, lambda: table.row_count == 5)
+        n = int(str(table.get_row("req-0007")[3]))
+        await pilot.pause(0.3)
+        assert int(str(table.get_row("req-0007")[3])) > n

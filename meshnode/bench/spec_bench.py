@@ -87,7 +87,7 @@ def cheapest(lst):
     def is_empty(self):
         return len(self.data) == 0
 '''),
-    ("Add type hints to every function below and rename `n` to `count`. Show the complete code.",
+    ("Rename the variable `n` to `count` everywhere in this code. Return the whole code.",
      '''def repeat(word, n):
     result = []
     for i in range(n):

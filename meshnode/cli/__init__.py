@@ -60,18 +60,23 @@ def setup_logging(level_name: str | None) -> None:
     )
 
 
+def _commands(parser: argparse.ArgumentParser) -> set[str]:
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction):
+            return set(action.choices)
+    return set()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Bare `meshnode [node options]` is `meshnode run [node options]`: the node plus its TUI.
+    if not ({"-h", "--help", "--version"} & set(argv)) and not (_commands(parser) & set(argv)):
+        argv = ["run", *argv]
     args = parser.parse_args(argv)
     for opt in ("home", "log_level"):
         if not hasattr(args, opt):
             setattr(args, opt, None)
-    if args.command is None:
-        # Bare `meshnode`: the node plus its TUI (see cli/run.py).
-        args = parser.parse_args(["run", *(argv if argv is not None else sys.argv[1:])])
-        for opt in ("home", "log_level"):
-            if not hasattr(args, opt):
-                setattr(args, opt, None)
     if not getattr(args, "tui_logging", False):
         setup_logging(args.log_level)
     try:

@@ -103,6 +103,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _first(*values):
+    """The first value that is set (0 counts: it means "any free port")."""
+    return next(v for v in values if v is not None)
+
+
 def _check_model_options(args: argparse.Namespace) -> None:
     """Catch mistakes in flags before anything starts (the rest is checked while loading)."""
     from pathlib import Path
@@ -149,8 +154,8 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
                                     no_draft=args.no_draft),
             config=config)
     return dict(
-        port=args.quic_port if args.quic_port is not None else (node_cfg.quic_port or 0),
-        http_port=args.port if args.port is not None else (node_cfg.http_port or 8642),
+        port=_first(args.quic_port, node_cfg.quic_port, 0),
+        http_port=_first(args.port, node_cfg.http_port, 8642),
         http_host=args.host, interfaces=args.interface, name=args.name or node_cfg.name,
         static_peers=args.peer, discovery=not args.no_discovery, service=service, threads=args.threads, max_memory=max_memory,
     )

@@ -55,11 +55,15 @@ from meshnode.spec.ngram import NGramProposer
 from meshnode.spec.policy import AutoPolicy, CostModel, WindowPolicy, make_window
 from meshnode.spec.stats import SpecTelemetry
 from meshnode.spec.strategy import Proposer, SpecConfig
-from meshnode.state import DraftVerified, RequestInfo, RequestUpdated, SpecState, TelemetryPoint
+from meshnode.state import DraftVerified, RequestInfo, RequestUpdated
 
 log = logging.getLogger(__name__)
 
 MAX_DRAFT = 16          # rows per verify stay well inside batch invariance (<= 32)
+# n-gram drafts only continue a suffix of at least this many tokens seen before: a 1- or
+# 2-token match in prose is mostly a coincidence, and its verify rows are paid for
+# nothing (measured with `meshnode bench spec`, docs/speculative.md "Proposers").
+MIN_NGRAM_MATCH = 3
 RECENT_REQUESTS = 50
 
 
@@ -111,7 +115,10 @@ class ModelServer:
         self._slots = asyncio.Semaphore(settings.parallel)
         self._active: dict[str, _Req] = {}
         self._recent: deque[RequestInfo] = deque(maxlen=RECENT_REQUESTS)
-        self._points: deque[TelemetryPoint] = deque(maxlen=240)
+        # Read by the node's telemetry sampler (one point a second).
+        self.tokens_out = 0
+        self.last_ttft_ms: float | None = None
+        self.last_tpot_ms: float | None = None
         self.created = int(time.time())
         cfg = settings.spec
         strategy = "none" if cfg is None or not cfg.enabled else ("draft" if cfg.type == "draft-model" else "ngram")
@@ -266,7 +273,7 @@ class ModelServer:
             if spec.draft is not None:
                 drafts = await self._draft_call(spec.draft.propose, [], k)
             else:
-                drafts = ngram.propose(k)
+                drafts = ngram.propose(k, min_match=MIN_NGRAM_MATCH)
             drafts = [int(t) for t in drafts[:k]]
             spec.telemetry.set_window(k)
         t0 = time.perf_counter()
@@ -290,7 +297,7 @@ class ModelServer:
                 self.tokenizer.decode([tokens[-1]]), time.time()))
         else:
             if spec.policy.should_observe:
-                spec.policy.record_cold(ngram.would_hit(tokens[0]))
+                spec.policy.record_cold(ngram.would_hit(tokens[0], min_match=MIN_NGRAM_MATCH))
             spec.telemetry.record_plain(rid, dt, len(tokens))
         ngram.observe(tokens)
         if spec.draft is not None:
@@ -318,6 +325,10 @@ class ModelServer:
         elapsed = time.perf_counter() - (st.first_token_t or st.t0)
         ttft = None if st.first_token_t is None else 1e3 * (st.first_token_t - st.t0)
         tps = (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0
+        self.tokens_out += n - st.info.generated_tokens
+        self.last_ttft_ms = ttft if ttft is not None else self.last_ttft_ms
+        if tps:
+            self.last_tpot_ms = 1e3 / tps
         st.info = replace(st.info, status="decoding", generated_tokens=n, tokens_per_s=tps, ttft_ms=ttft)
 
     def _finish(self, st: _Req, status: str) -> None:
@@ -327,15 +338,9 @@ class ModelServer:
         st.info = replace(st.info, status=status, finished_at=time.time())
         self._recent.appendleft(st.info)
         self._update(st)
-        i = st.info
-        tpot = 1e3 / i.tokens_per_s if i.tokens_per_s else None
-        self._points.append(TelemetryPoint(time.time(), i.tokens_per_s, i.ttft_ms, tpot, None, 0.0))
 
     def requests(self) -> tuple[RequestInfo, ...]:
         return tuple(r.info for r in self._active.values()) + tuple(self._recent)
-
-    def telemetry(self) -> tuple[TelemetryPoint, ...]:
-        return tuple(self._points)
 
     def spec_stats(self):
         return (self._spec.telemetry.snapshot(),)

@@ -94,16 +94,17 @@ class NGramProposer:
                 return n, start
         return None
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, *, min_match: int = 1) -> list[int]:
         """Up to ``k`` draft tokens continuing the latest earlier occurrence of the suffix.
 
-        Returns ``[]`` when no suffix n-gram occurred before (or ``k <= 0``). The result
-        always has exactly ``k`` tokens otherwise (periodic extension, see module doc).
+        Returns ``[]`` when no suffix n-gram of at least ``min_match`` tokens occurred
+        before (or ``k <= 0``). The result always has exactly ``k`` tokens otherwise
+        (periodic extension, see module doc).
         """
         if k <= 0:
             return []
         m = self.match()
-        if m is None:
+        if m is None or m[0] < min_match:
             return []
         _, start = m
         toks = self._tokens
@@ -115,13 +116,14 @@ class NGramProposer:
             out.append(toks[p] if p < size else out[p - size])
         return out
 
-    def would_hit(self, actual_next: int) -> bool | None:
-        """Would a one-token draft have predicted ``actual_next``? None: no draft at all.
+    def would_hit(self, actual_next: int, *, min_match: int = 1) -> bool | None:
+        """Would a one-token draft have predicted ``actual_next``? None: no draft at all
+        (no suffix n-gram of at least ``min_match`` tokens occurred before).
 
         Call *before* :meth:`observe` of ``actual_next``. Cost: one index lookup.
         """
         m = self.match()
-        if m is None:
+        if m is None or m[0] < min_match:
             return None
         return self._tokens[m[1]] == actual_next
 

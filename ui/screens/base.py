@@ -54,10 +54,11 @@ class NodeScreen(Screen):
 
     def catch_up(self) -> None:
         app = self.mesh_app
-        self.refresh_status()
         snap = app.latest_snapshot
         if snap is not None:
             self.set_reactive(NodeScreen.snapshot, snap)  # drawn here, not by the watcher
+        self.refresh_status()  # (after the line above: the status reads self.snapshot)
+        if snap is not None:
             self.show_snapshot(snap)
         self.show_feed(app.feed)
 

@@ -34,7 +34,10 @@ class TransferRow(Horizontal):
         self.show(self.info)
 
     def show(self, info: TransferInfo) -> None:
+        """Show ``info``; safe before the row is composed (on_mount shows the latest)."""
         self.info = info
+        if not self.children:
+            return
         self.query_one(".transfer-name", Label).update(f"{info.what}: {info.name}")
         bar = self.query_one(ProgressBar)
         bar.update(total=max(info.total_bytes, 1), progress=info.done_bytes)
