@@ -47,7 +47,7 @@ from meshnode.serve.client import (
     Timings,
     Usage,
 )
-from meshnode.serve.errors import ContextOverflowError, EngineFailedError, UnknownModelError
+from meshnode.serve.errors import ContextOverflowError, EngineFailedError, ServeError, UnknownModelError
 from meshnode.serve.final import Sampling
 from meshnode.serve.pipeline import Pipeline, Step
 from meshnode.serve.scheduler import BatchScheduler
@@ -167,6 +167,32 @@ class ModelServer:
         self._active[rid] = st
         self._update(st)
         yield Admitted(prompt_tokens=len(prompt))
+        # The request runs in its own task and hands events over through a queue: decoding
+        # never waits for the HTTP client to take the previous token, so every session is
+        # ready for the next batch at once (continuous batching stays dense).
+        events: asyncio.Queue = asyncio.Queue()
+        task = asyncio.get_running_loop().create_task(
+            self._produce(events, st, session, prompt, template_stops, req, sampling, max_tokens),
+            name=f"request-{rid}")
+        try:
+            while True:
+                item = await events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _produce(self, events: asyncio.Queue, st: _Req, session: int, prompt: list[int],
+                       template_stops: list[str], req: GenerationRequest, sampling: Sampling,
+                       max_tokens: int) -> None:
+        """Prefill and decode one request, putting its events on ``events``."""
+        rid = req.request_id
+        n_ctx = self.settings.n_ctx
         try:
             await self._slots.acquire()
         except BaseException:
@@ -177,18 +203,18 @@ class ModelServer:
         generated: list[int] = []
         stops = StopMatcher(tuple(req.stop) + tuple(template_stops))
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        spec = self._spec
         try:
             # ---- prefill -----------------------------------------------------------------
             t_prefill = time.perf_counter()
             first = await self._prefill(session, prompt, sampling)
             prefill_s = time.perf_counter() - t_prefill
-            self._spec.telemetry.record_prompt(rid, len(prompt), prefill_s)
+            spec.telemetry.record_prompt(rid, len(prompt), prefill_s)
             st.first_token_t = time.perf_counter()
             # ---- decode ------------------------------------------------------------------
             # Both proposers hold the whole context: prompt + every generated token.
             proposer = NGramProposer(prompt)
             proposer.observe([first])
-            spec = self._spec
             spec.policy.on_prompt(prompt)
             if spec.draft is not None:
                 await self._draft_call(spec.draft.reset, list(prompt))
@@ -196,6 +222,7 @@ class ModelServer:
             pos = len(prompt)
             pending = [first]
             t_decode = time.perf_counter()
+            self.scheduler.enter(session)
             while True:
                 # emit what the last step produced
                 done = False
@@ -206,7 +233,7 @@ class ModelServer:
                         break
                     text = stops.feed(utf8.decode(self.tokenizer.decode_bytes([tok])))
                     if text:
-                        yield TextDelta(text, (tok,))
+                        events.put_nowait(TextDelta(text, (tok,)))
                     if stops.stopped:
                         finish, done = "stop", True
                         break
@@ -222,27 +249,26 @@ class ModelServer:
                 pos += len(pending)  # last + accepted drafts entered the KV
             tail = stops.flush() + utf8.decode(b"", final=True)
             if tail and not stops.stopped:
-                yield TextDelta(tail, ())
+                events.put_nowait(TextDelta(tail, ()))
             decode_s = time.perf_counter() - t_decode
             counters = spec.telemetry.counters(rid)
-            self._finish(st, "done")  # before the last yield: the caller may close us there
-            yield Finished(finish, Usage(len(prompt), len(generated)), Timings(
+            self._finish(st, "done")
+            events.put_nowait(Finished(finish, Usage(len(prompt), len(generated)), Timings(
                 prompt_n=len(prompt), prompt_ms=1e3 * prefill_s, predicted_n=len(generated),
                 predicted_ms=1e3 * decode_s, draft_n=counters.proposed,
-                draft_n_accepted=counters.accepted))
+                draft_n_accepted=counters.accepted)))
         except asyncio.CancelledError:
             self._finish(st, "cancelled")
             raise
-        except GeneratorExit:
-            self._finish(st, "cancelled")
-            raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, typed
             self._finish(st, "error")
-            if isinstance(exc, (EngineFailedError,)) or hasattr(exc, "message"):
-                raise
-            raise EngineFailedError(f"generation failed: {exc}") from exc
+            if not isinstance(exc, ServeError):
+                log.exception("request %s failed", rid)
+                exc = EngineFailedError(f"generation failed: {exc}")
+            events.put_nowait(exc)
         finally:
-            self._spec.telemetry.end_request(rid)
+            self.scheduler.leave(session)
+            spec.telemetry.end_request(rid)
             try:
                 await asyncio.shield(self._end_session(session))
             finally:

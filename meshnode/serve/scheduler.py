@@ -22,6 +22,8 @@ from meshnode.serve.pipeline import Pipeline, Step
 
 log = logging.getLogger(__name__)
 
+GATHER_S = 0.002   # longest wait for the other decoding sessions to submit
+
 
 class BatchScheduler:
     def __init__(self, pipeline: Pipeline, *, max_rows: int = 32, max_inflight: int | None = None) -> None:
@@ -34,6 +36,21 @@ class BatchScheduler:
         self._running: set[asyncio.Task] = set()
         self.batches = 0
         self.rows = 0
+        self._decoding: set[int] = set()    # sessions in their decode loop
+        self._in_flight: set[int] = set()   # sessions whose step is being computed
+
+    # Sessions in their decode loop announce themselves, so a batch can wait (briefly)
+    # until every one of them has submitted its next step instead of leaving half behind.
+    def enter(self, session: int) -> None:
+        self._decoding.add(session)
+
+    def leave(self, session: int) -> None:
+        self._decoding.discard(session)
+        self._wake.set()
+
+    def _all_ready(self) -> bool:
+        waiting = {step.session for step, _ in self._pending}
+        return self._decoding - self._in_flight <= waiting
 
     async def submit(self, step: Step) -> Finalized | None:
         fut = asyncio.get_running_loop().create_future()
@@ -65,7 +82,11 @@ class BatchScheduler:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await asyncio.sleep(0)  # let sessions woken by the same batch submit too
+            # Let the sessions woken by the same batch submit too (bounded: a slow one
+            # must not hold the others back).
+            deadline = asyncio.get_running_loop().time() + GATHER_S
+            while not self._all_ready() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0)
             while self._pending:
                 await self._inflight.acquire()
                 if not self._pending:
@@ -77,8 +98,9 @@ class BatchScheduler:
                 task.add_done_callback(self._running.discard)
 
     async def _run(self, batch: Sequence[tuple[Step, asyncio.Future]]) -> None:
+        steps = [s for s, _ in batch]
+        self._in_flight.update(s.session for s in steps)
         try:
-            steps = [s for s, _ in batch]
             results = await self.pipeline.run(steps)
             self.batches += 1
             self.rows += sum(int(s.tokens.shape[0]) for s in steps)
@@ -90,6 +112,7 @@ class BatchScheduler:
                 if not fut.done():
                     fut.set_exception(exc)
         finally:
+            self._in_flight.difference_update(s.session for s in steps)
             self._inflight.release()
 
     async def close(self) -> None:
