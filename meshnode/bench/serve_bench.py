@@ -42,6 +42,7 @@ def _stream(base: str, model: str, prompt: str, max_tokens: int) -> dict:
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft = t_first = None
+    stamps: list[float] = []
     usage = timings = None
     with httpx.Client(timeout=600) as c, c.stream("POST", f"{base}/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -51,12 +52,14 @@ def _stream(base: str, model: str, prompt: str, max_tokens: int) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                t_first = time.perf_counter()
-                ttft = t_first - t0
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+                if ttft is None:
+                    t_first = stamps[-1]
+                    ttft = t_first - t0
             usage = chunk.get("usage") or usage
             timings = chunk.get("timings") or timings
-    return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "t_first": t_first or t0,
+    return {"ttft_s": ttft, "wall_s": time.perf_counter() - t0, "t_first": t_first or t0, "stamps": stamps,
             "t_end": time.perf_counter(),
             "tokens": (usage or {}).get("completion_tokens", 0), "timings": timings or {}}
 
@@ -70,12 +73,15 @@ def _measure_endpoint(base: str, model: str, tokens: int, concurrency: list[int]
     prefill = pre["timings"].get("prompt_per_second", 0.0)
     agg = {}
     for c in concurrency:
-        # Aggregate decode throughput: tokens after each stream's first one, over the span
-        # from the first first-token to the last end (later prompts' prefill included).
+        # Aggregate decode throughput in the steady state: text chunks (~tokens) that
+        # arrive while every stream is decoding, i.e. between the last stream's first
+        # token and the first stream's end, over that window.
         with ThreadPoolExecutor(c) as ex:
             results = list(ex.map(lambda _: _stream(base, model, STORY, tokens), range(c)))
-        span = max(r["t_end"] for r in results) - min(r["t_first"] for r in results)
-        agg[str(c)] = sum(max(0, r["tokens"] - 1) for r in results) / span
+        lo = max(r["t_first"] for r in results)
+        hi = min(r["stamps"][-1] if r["stamps"] else r["t_end"] for r in results)
+        n = sum(sum(1 for t in r["stamps"] if lo < t <= hi) for r in results)
+        agg[str(c)] = n / (hi - lo) if hi > lo else 0.0
     return {"decode_tok_s": decode, "ttft_ms": 1e3 * ttft, "prefill_tok_s": prefill,
             "prefill_tokens": pre["timings"].get("prompt_n", 0), "aggregate_tok_s": agg}
 
