@@ -294,7 +294,8 @@ class ModelServer:
         spec = self._spec
         room = min(remaining - 1, n_ctx - pos - 2, MAX_DRAFT)
         drafts: list[int] = []
-        if spec.policy.should_draft and room > 0:
+        t0 = time.perf_counter()
+        if spec.policy.should_draft and room > 0 and self._pays(min(spec.window.next_window(), room)):
             k = min(spec.window.next_window(), room)
             if spec.draft is not None:
                 drafts = await self._draft_call(spec.draft.propose, [], k)
@@ -302,10 +303,9 @@ class ModelServer:
                 drafts = ngram.propose(k, min_match=MIN_NGRAM_MATCH)
             drafts = [int(t) for t in drafts[:k]]
             spec.telemetry.set_window(k)
-        t0 = time.perf_counter()
         res = await self.scheduler.submit(Step(session, pos, np.asarray([last, *drafts], dtype=np.int32),
                                                len(drafts) + 1, tuple(drafts), sampling))
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0  # drafting included: it is part of what a step costs
         assert res is not None
         tokens = list(res.tokens)
         spec.cost.observe(len(drafts), dt)
@@ -324,12 +324,26 @@ class ModelServer:
         else:
             if spec.policy.should_observe:
                 spec.policy.record_cold(ngram.would_hit(tokens[0], min_match=MIN_NGRAM_MATCH))
+            elif spec.policy.should_draft and spec.draft is None:
+                # Held back by cost: keep the acceptance estimate alive for free, so drafting
+                # resumes when the text starts repeating (an edit reaching copied code).
+                hit = ngram.would_hit(tokens[0], min_match=MIN_NGRAM_MATCH)
+                if hit is not None and hasattr(spec.window, "seed_acceptance"):
+                    spec.window.seed_acceptance(int(hit), 1)
             spec.telemetry.record_plain(rid, dt, len(tokens))
         ngram.observe(tokens)
         if spec.draft is not None:
             await self._draft_call(spec.draft.accept, tokens)
         spec.policy.on_generated(len(tokens))
         return tokens
+
+    def _pays(self, k: int) -> bool:
+        """In auto mode, draft only while the route's measured costs say a window of ``k``
+        beats a plain step at the current acceptance (``on`` mode always drafts)."""
+        spec = self._spec
+        if spec.policy.mode != "auto" or k not in spec.cost.observed or 0 not in spec.cost.observed:
+            return True  # nothing measured yet: the policy's own probing decides
+        return spec.cost.speedup(k, spec.window.acceptance) >= 1.0
 
     async def _draft_call(self, fn, *args):
         spec = self._spec
