@@ -295,7 +295,7 @@ class ModelServer:
         room = min(remaining - 1, n_ctx - pos - 2, MAX_DRAFT)
         drafts: list[int] = []
         t0 = time.perf_counter()
-        if spec.policy.should_draft and room > 0 and self._pays(min(spec.window.next_window(), room)):
+        if spec.policy.should_draft and room > 0:
             k = min(spec.window.next_window(), room)
             if spec.draft is not None:
                 drafts = await self._draft_call(spec.draft.propose, [], k)
@@ -324,26 +324,12 @@ class ModelServer:
         else:
             if spec.policy.should_observe:
                 spec.policy.record_cold(ngram.would_hit(tokens[0], min_match=MIN_NGRAM_MATCH))
-            elif spec.policy.should_draft and spec.draft is None:
-                # Held back by cost: keep the acceptance estimate alive for free, so drafting
-                # resumes when the text starts repeating (an edit reaching copied code).
-                hit = ngram.would_hit(tokens[0], min_match=MIN_NGRAM_MATCH)
-                if hit is not None and hasattr(spec.window, "seed_acceptance"):
-                    spec.window.seed_acceptance(int(hit), 1)
             spec.telemetry.record_plain(rid, dt, len(tokens))
         ngram.observe(tokens)
         if spec.draft is not None:
             await self._draft_call(spec.draft.accept, tokens)
         spec.policy.on_generated(len(tokens))
         return tokens
-
-    def _pays(self, k: int) -> bool:
-        """In auto mode, draft only while the route's measured costs say a window of ``k``
-        beats a plain step at the current acceptance (``on`` mode always drafts)."""
-        spec = self._spec
-        if spec.policy.mode != "auto" or k not in spec.cost.observed or 0 not in spec.cost.observed:
-            return True  # nothing measured yet: the policy's own probing decides
-        return spec.cost.speedup(k, spec.window.acceptance) >= 1.0
 
     async def _draft_call(self, fn, *args):
         spec = self._spec
