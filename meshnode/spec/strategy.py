@@ -21,8 +21,7 @@ model on the same command line is a :class:`SpecConfigError`. ``mode = "off"`` o
 clamped into ``[min, max]`` (the bounds may come from different sources); a fixed
 window uses ``initial`` and sets ``min = max = initial``.
 
-Model-package input (parsed here from plain dicts so this module does not depend on
-``meshnode/models/package.py``)::
+Model-package input (``model-package.json`` beside a model; this is its one parser)::
 
     {"generation": {"speculative_decoding": {
         "default": "qwen-draft",
