@@ -167,12 +167,14 @@ class PeerLink(QuicConnectionProtocol):
         self._send_on(self._control_stream(), encode(msg))
 
     def send_data(self, msg: Any, stream_key: Any) -> None:
-        """Queue ``msg`` on the data stream for ``stream_key`` (opened on first use)."""
+        """Queue ``msg`` on the data stream for ``stream_key`` (opened on first use).
+
+        ``msg`` may also be an already encoded frame (the per-session decode template)."""
         sid = self._data_sids.get(stream_key)
         if sid is None:
             sid = self._quic.get_next_available_stream_id(is_unidirectional=True)
             self._data_sids[stream_key] = sid
-        self._send_on(sid, encode(msg))
+        self._send_on(sid, msg if isinstance(msg, (bytes, bytearray, memoryview)) else encode(msg))
 
     def close_data_stream(self, stream_key: Any) -> None:
         sid = self._data_sids.pop(stream_key, None)

@@ -108,6 +108,9 @@ class MeshPipeline:
         self.reply_timeout = reply_timeout
         self._batch_ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        # Hot path: a lone one-row decode step reuses its session's preencoded frame and
+        # only patches batch id, position and the activation (wire.DecodeTemplate).
+        self._templates: dict[int, wire.DecodeTemplate] = {}
         self.closed: str | None = None   # why, once closed: later runs fail with it
 
     # Called by the node's message dispatcher for TokenReturn / DataError frames.
@@ -142,7 +145,8 @@ class MeshPipeline:
         if act.dtype != self.wire_dtype:
             act = act.astype(self.wire_dtype)
         batch_id = next(self._batch_ids)
-        segs = tuple(
+        frame = self._decode_frame(steps, batch_id, act)
+        segs = () if frame is not None else tuple(
             wire.Segment(session=s.session, pos=s.pos, n_rows=int(s.tokens.shape[0]),
                          n_logits=s.n_logits, drafts=tuple(s.drafts),
                          temperature=s.sampling.temperature, top_k=s.sampling.top_k,
@@ -153,7 +157,8 @@ class MeshPipeline:
         if want:
             fut = asyncio.get_running_loop().create_future()
             self._pending[batch_id] = fut
-        msg = wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
+        msg = frame if frame is not None else wire.Forward(
+            ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
         try:
             await self.fabric.send_data(self.route[0], msg, DATA_STREAM)
         except Exception as exc:
@@ -173,7 +178,20 @@ class MeshPipeline:
             out.append(None if r is None else Finalized(tuple(r.tokens), r.n_accepted, r.n_drafted))
         return out
 
+    def _decode_frame(self, steps: Sequence[Step], batch_id: int, act: np.ndarray) -> memoryview | None:
+        if len(steps) != 1 or steps[0].drafts or steps[0].n_logits != 1 or act.shape[0] != 1:
+            return None
+        s = steps[0]
+        t = self._templates.get(s.session)
+        if t is None:
+            t = self._templates[s.session] = wire.DecodeTemplate(
+                s.session, act.shape[1], "f16" if act.dtype == np.float16 else "f32", n_logits=1,
+                temperature=s.sampling.temperature, top_k=s.sampling.top_k,
+                top_p=s.sampling.top_p, seed=s.sampling.seed)
+        return t.encode(batch_id, 0, s.pos, act[0])
+
     async def end_session(self, session: int) -> None:
+        self._templates.pop(session, None)
         if self.closed is not None:
             return   # the engines were freed with their KV
         await self.worker.drop(session)
