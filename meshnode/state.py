@@ -39,6 +39,7 @@ class Capabilities:
     backend: str = "cpu"       # cpu | cuda | metal | vulkan ...
     cores: int = 1
     models: tuple["HeldModel", ...] = ()
+    speed: float = 0.0         # measured GFLOP/s of a float32 matmul (0: not measured)
 
 
 @dataclass(frozen=True, slots=True)

@@ -329,7 +329,7 @@ class CoordinatorRuntime:
         """The plan for ``model`` over the current peers (raises :class:`PlanError`)."""
         me = capsmod.local_capabilities()
         cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes,
-                           budget=options.max_memory, is_coordinator=True)]
+                           budget=options.max_memory, speed=me.speed or None, is_coordinator=True)]
         skipped = []
         for p in self.fabric.peers():
             caps = p.capabilities
@@ -338,7 +338,7 @@ class CoordinatorRuntime:
                 skipped.append(p.name or p.node_id)
                 continue
             cands.append(Candidate(p.node_id, p.name or p.node_id, caps.free_ram_bytes if caps else 0,
-                                   rtt_ms=p.rtt_ms))
+                                   speed=(caps.speed or None) if caps else None, rtt_ms=p.rtt_ms))
         try:
             return make_plan(shape, cands, split=options.split, explicit=options.explicit)
         except PlanError as exc:
