@@ -1,31 +1,21 @@
 """Helpers to run real `meshnode` processes in tests (each with its own --home).
 
-``meshnode_cmd(*args)`` runs the CLI in a subprocess. Until every command module listed
-in ``meshnode.cli.COMMAND_MODULES`` exists in the tree (other packages land
-concurrently), the launcher skips the missing ones so these tests run on their own.
+``meshnode_cmd(*args)`` runs the CLI in a subprocess; ``start_node`` starts a headless
+node whose :class:`NodeProc` extends the benchmarks' :class:`~meshnode.bench.cluster.LocalNode`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshnode.bench.cluster import LocalNode
+
 ROOT = Path(__file__).resolve().parents[1]
-
-_LAUNCHER = (
-    "import importlib.util, sys, meshnode.cli as c;"
-    "c.COMMAND_MODULES = tuple(m for m in c.COMMAND_MODULES"
-    " if importlib.util.find_spec('meshnode.cli.' + m));"
-    "sys.exit(c.main(sys.argv[1:]))"
-)
-
 
 def env() -> dict[str, str]:
     e = dict(os.environ)
@@ -36,20 +26,15 @@ def env() -> dict[str, str]:
 
 
 def meshnode_argv(*args: str) -> list[str]:
-    return [sys.executable, "-c", _LAUNCHER, *args]
+    return [sys.executable, "-m", "meshnode", *args]
 
 
 def meshnode_cmd(*args: str, timeout: float = 20.0) -> subprocess.CompletedProcess:
     return subprocess.run(meshnode_argv(*args), env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-@dataclass
-class NodeProc:
-    home: Path
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    info: dict = field(default_factory=dict)
+class NodeProc(LocalNode):
+    """A node process of a test: :class:`meshnode.bench.cluster.LocalNode` plus helpers."""
 
     @property
     def node_id(self) -> str:
@@ -60,24 +45,8 @@ class NodeProc:
         return self.info["quic_port"]
 
     def wait_up(self, timeout: float = 15.0) -> "NodeProc":
-        rt = self.home / "state" / "node.json"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"node {self.name} exited {self.proc.returncode}:\n{self.log()}")
-            if rt.exists():
-                try:
-                    self.info = json.loads(rt.read_text())
-                    self.get("/health")
-                    return self
-                except (ValueError, OSError):
-                    pass
-            time.sleep(0.05)
-        raise TimeoutError(f"node {self.name} did not come up:\n{self.log()}")
-
-    def get(self, path: str) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.info['http_port']}{path}", timeout=5) as r:
-            return json.loads(r.read())
+        super().wait_up(timeout)
+        return self
 
     def status(self) -> dict:
         return self.get("/status")
@@ -109,7 +78,7 @@ def start_node(home: Path, name: str, *extra: str) -> NodeProc:
         env=env(), stdout=f, stderr=subprocess.STDOUT,
     )
     f.close()
-    return NodeProc(home, name, proc, log_path)
+    return NodeProc(name=name, home=home, proc=proc, log_path=log_path)
 
 
 def wait_for(pred, timeout: float, interval: float = 0.05) -> float:
