@@ -55,24 +55,51 @@ class LayerTap:
 
     ``stop_layer``: after copying this layer, stop the graph (non-final stages).
     ``taps``: other layers to copy without stopping (certification, debugging).
-    Buffers are preallocated by the owner: ``buffers[il]`` is a C-contiguous float32
-    array of at least ``rows * n_embd`` elements; ``rows_written[il]`` counts rows.
+    ``buffers[il]`` is a float32 array of ``(rows, n_embd)`` owned here; :meth:`written`
+    says how many bytes the last decode put in it. With only a stop layer (the hot path)
+    the callback is native C when it can be built (:mod:`meshnode.engine.native`): the
+    same copy without entering Python for every graph node.
     """
 
-    def __init__(self, n_embd: int, stop_layer: int | None, taps: tuple[int, ...] = ()) -> None:
+    def __init__(self, n_embd: int, rows: int, stop_layer: int | None, taps: tuple[int, ...] = ()) -> None:
+        import numpy as np
+
         self._lib = _libggml_base()
         self.n_embd = n_embd
         self.stop_layer = stop_layer
         layers = set(taps) | ({stop_layer} if stop_layer is not None else set())
         self._names = {f"l_out-{il}".encode(): il for il in layers}
-        self.buffers: dict[int, object] = {}   # il -> numpy array, set by the owner
+        self.buffers = {il: np.empty((rows, n_embd), dtype=np.float32) for il in layers}
         self.bytes_written: dict[int, int] = {il: 0 for il in layers}
-        # Keep a reference: ctypes callbacks die with their Python object.
-        self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+        self._native = None
+        if not taps and stop_layer is not None:
+            from .native import native_tap
+
+            buf = self.buffers[stop_layer]
+            self._native = native_tap(self._lib, f"l_out-{stop_layer}", buf.ctypes.data, buf.nbytes)
+        if self._native is not None:
+            ptr, state = self._native
+            self.c_callback = ctypes.cast(ptr, llama_cpp.ggml_backend_sched_eval_callback)
+            self.user_data = ctypes.c_void_p(ctypes.addressof(state))
+        else:
+            # Keep a reference: ctypes callbacks die with their Python object.
+            self.c_callback = llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+            self.user_data = None
+
+    @property
+    def native(self) -> bool:
+        return self._native is not None
 
     def reset(self) -> None:
+        if self._native is not None:
+            self._native[1].written = 0
         for il in self.bytes_written:
             self.bytes_written[il] = 0
+
+    def written(self, il: int) -> int:
+        if self._native is not None:
+            return int(self._native[1].written)
+        return self.bytes_written[il]
 
     def _callback(self, tensor: int, ask: bool, _user_data: int) -> bool:
         lib = self._lib
@@ -84,9 +111,9 @@ class LayerTap:
         buf = self.buffers[il]
         nbytes = lib.ggml_nbytes(tensor)
         offset = self.bytes_written[il]
-        if offset + nbytes > buf.nbytes:  # type: ignore[attr-defined]
+        if offset + nbytes > buf.nbytes:
             return False  # never write past our buffer; the owner sees a short capture
-        lib.ggml_backend_tensor_get(tensor, buf.ctypes.data + offset, 0, nbytes)  # type: ignore[attr-defined]
+        lib.ggml_backend_tensor_get(tensor, buf.ctypes.data + offset, 0, nbytes)
         self.bytes_written[il] = offset + nbytes
         # Returning False stops the scheduler: nothing after the slice's last layer runs.
         return il != self.stop_layer

@@ -126,10 +126,8 @@ class StageEngine:
         self.n_ctx = spec.n_ctx
 
         stop = None if spec.has_head else self.n_layer - 1
-        self._tap = LayerTap(self.n_embd, stop, spec.taps) if (stop is not None or spec.taps) else None
-        if self._tap is not None:
-            for il in self._tap.bytes_written:
-                self._tap.buffers[il] = np.empty((spec.n_batch, self.n_embd), dtype=np.float32)
+        self._tap = (LayerTap(self.n_embd, spec.n_batch, stop, spec.taps)
+                     if (stop is not None or spec.taps) else None)
 
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = spec.n_ctx * spec.n_seq_max
@@ -144,7 +142,7 @@ class StageEngine:
         cparams.no_perf = True
         if self._tap is not None:
             cparams.cb_eval = self._tap.c_callback
-            cparams.cb_eval_user_data = None
+            cparams.cb_eval_user_data = self._tap.user_data
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
@@ -314,7 +312,7 @@ class StageEngine:
         if not self.has_head:
             assert self._tap is not None and self._tap.stop_layer is not None
             il = self._tap.stop_layer
-            got = self._tap.bytes_written[il] // (4 * self.n_embd)
+            got = self._tap.written(il) // (4 * self.n_embd)
             if got != total:
                 raise DecodeError(f"captured {got} rows of layer {il}, expected {total}")
             buf = self._tap.buffers[il]
