@@ -13,6 +13,7 @@ pytest.importorskip("llama_cpp")
 
 from meshnode.engine import EngineSpec, Segment, StageEngine  # noqa: E402
 from meshnode.models.derive import requantize, truncate_layers  # noqa: E402
+from meshnode.engine.errors import ModelLoadError  # noqa: E402
 from meshnode.models.errors import ModelFileError, SliceRangeError  # noqa: E402
 from meshnode.models.gguf_info import read_model_info  # noqa: E402
 from meshnode.spec.acceptance import verify_greedy  # noqa: E402
@@ -110,7 +111,7 @@ def test_requantize_synthetic(synthetic_gguf, tmp_path: Path):
 def test_requantize_errors_leave_nothing(tmp_path: Path, synthetic_gguf):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a model")
-    with pytest.raises(ModelFileError):
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
         requantize(bad, tmp_path / "out.gguf", "Q4_0")
     with pytest.raises(ValueError, match="unknown quantization"):
         requantize(synthetic_gguf(), tmp_path / "out.gguf", "Q9_X")

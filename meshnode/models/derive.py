@@ -14,9 +14,9 @@ Both write to a temp file beside ``dest`` and rename it into place, so a reader 
 a half-written model. The tokenizer metadata is carried over untouched; check the result
 with :func:`meshnode.spec.draft.check_vocab` anyway.
 
-Note: :func:`requantize` imports ``llama_cpp`` and ``meshnode.engine.llama_log`` lazily:
-it is the one llama_cpp user outside ``meshnode.engine`` (it runs no model, only the
-offline quantizer), and importing this module stays free of llama_cpp.
+Requantization runs llama.cpp's quantizer, so it lives in the engine
+(:func:`meshnode.engine.quantize.requantize`, re-exported here for callers that think of
+it as a model operation).
 """
 
 from __future__ import annotations
@@ -31,62 +31,15 @@ from meshnode.models.gguf_info import open_gguf
 from meshnode.models.progress import ProgressFn
 from meshnode.models.slicer import write_slice
 
-__all__ = ["QUANT_TYPES", "requantize", "truncate_layers"]
 
-# Names accepted by requantize (llama_ftype LLAMA_FTYPE_MOSTLY_<name>).
-QUANT_TYPES: tuple[str, ...] = (
-    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L",
-    "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "F16", "BF16",
-)
+def requantize(src: Path | str, dest: Path | str, ftype: str | int = "Q4_0", **kw) -> Path:
+    """See :func:`meshnode.engine.quantize.requantize` (imported lazily: llama_cpp)."""
+    from meshnode.engine.quantize import requantize as _requantize
 
-
-def _ftype(name: str | int) -> int:
-    import llama_cpp
-
-    if isinstance(name, int) and not isinstance(name, bool):
-        return name
-    key = str(name).upper()
-    if key not in QUANT_TYPES:
-        raise ValueError(f"unknown quantization type {name!r}; choose one of {', '.join(QUANT_TYPES)}")
-    return int(getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{key}"))
+    return _requantize(src, dest, ftype, **kw)
 
 
-def requantize(
-    src: Path | str,
-    dest: Path | str,
-    ftype: str | int = "Q4_0",
-    *,
-    n_threads: int = 1,
-    allow_requantize: bool = True,
-) -> Path:
-    """Quantize the GGUF ``src`` to ``ftype`` (a name of :data:`QUANT_TYPES` or a
-    llama_ftype value) at ``dest``; return ``dest``.
-
-    Tensors whose shape a k-quant cannot take (rows not a multiple of 256, e.g.
-    SmolLM2's 576) fall back to a compatible type chosen by llama.cpp.
-    Raises ``ValueError`` for an unknown type, :class:`ModelFileError` when the source is
-    not a readable GGUF or llama.cpp's quantizer fails. Nothing is left at ``dest`` on
-    failure (an existing ``dest`` stays untouched).
-    """
-    import llama_cpp
-
-    from meshnode.engine.llama_log import install_log_bridge
-
-    install_log_bridge()  # the quantizer logs a line per tensor; route it to debug logging
-    src, dest = Path(src), Path(dest)
-    open_gguf(src)  # a clear ModelFileError for a missing / non-GGUF / truncated file
-    ftype_value = _ftype(ftype)
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype_value
-    params.nthread = max(1, int(n_threads))
-    params.allow_requantize = allow_requantize
-    with _temp_beside(dest) as tmp:
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-        if rc != 0:
-            raise ModelFileError(f"llama.cpp could not quantize {src.name} to {ftype} (code {rc})")
-        os.replace(tmp, dest)
-    return dest
-
+__all__ = ["requantize", "truncate_layers"]
 
 def truncate_layers(
     src: Path | str,
