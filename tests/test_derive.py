@@ -14,7 +14,7 @@ pytest.importorskip("llama_cpp")
 from meshnode.engine import EngineSpec, Segment, StageEngine  # noqa: E402
 from meshnode.models.derive import requantize, truncate_layers  # noqa: E402
 from meshnode.engine.errors import ModelLoadError  # noqa: E402
-from meshnode.models.errors import ModelFileError, SliceRangeError  # noqa: E402
+from meshnode.models.errors import SliceRangeError  # noqa: E402
 from meshnode.models.gguf_info import read_model_info  # noqa: E402
 from meshnode.spec.acceptance import verify_greedy  # noqa: E402
 from meshnode.spec.draft import DraftModelProposer, check_vocab  # noqa: E402
