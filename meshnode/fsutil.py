@@ -14,6 +14,24 @@ CHUNK = 1 << 20
 
 
 @contextlib.contextmanager
+def temp_beside(path: Path) -> Iterator[Path]:
+    """A fresh temp file beside ``path`` (same filesystem, so ``os.replace`` is atomic),
+    with ordinary permissions; removed on exit unless the caller renamed it away."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    os.close(fd)
+    tmp = Path(name)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; these are ordinary files
+    try:
+        yield tmp
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+@contextlib.contextmanager
 def atomic_write(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
     """Write to a temp file beside ``path`` and rename it into place on success.
 

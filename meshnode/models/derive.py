@@ -21,13 +21,8 @@ it as a model operation).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from pathlib import Path
 
-from meshnode.models.errors import ModelFileError
-from meshnode.models.gguf_info import open_gguf
 from meshnode.models.progress import ProgressFn
 from meshnode.models.slicer import write_slice
 
@@ -59,19 +54,3 @@ def truncate_layers(
     # blocks [0, n_keep) with both ends of the model kept: write_slice keeps token_embd,
     # the tokenizer, output_norm and output.weight (when the model has one) for this role
     return write_slice(src, 0, n_keep, dest, keep_embedding=True, keep_head=True, progress=progress)
-
-
-@contextlib.contextmanager
-def _temp_beside(dest: Path):
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    os.close(fd)
-    tmp = Path(name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a model file is an ordinary file
-    try:
-        yield tmp
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()

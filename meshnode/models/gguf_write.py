@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from gguf import GGUFWriter
+
+from meshnode.fsutil import temp_beside
 
 __all__ = ["atomic_gguf_writer", "begin_tensor_data"]
 
@@ -38,30 +39,20 @@ def atomic_gguf_writer(dest: Path, arch: str) -> Iterator[GGUFWriter]:
     ``writer.write_tensor_data(array)`` for each tensor in declaration order.
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a model file is an ordinary file
     if _writer_log.level == logging.NOTSET:
         _writer_log.setLevel(logging.WARNING)
-    writer = GGUFWriter(tmp, arch)
-    try:
-        yield writer
-        if writer.fout is None:
-            raise RuntimeError("atomic_gguf_writer: nothing was written")
-        for f in writer.fout:
-            f.flush()
-            os.fsync(f.fileno())
-        writer.close()
+    with temp_beside(dest) as tmp:
+        writer = GGUFWriter(tmp, arch)
+        try:
+            yield writer
+            if writer.fout is None:
+                raise RuntimeError("atomic_gguf_writer: nothing was written")
+            for f in writer.fout:
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            writer.close()
         os.replace(tmp, dest)
-    except BaseException:
-        writer.close()
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
 
 
 def begin_tensor_data(writer: GGUFWriter) -> None:
