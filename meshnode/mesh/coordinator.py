@@ -34,7 +34,9 @@ from typing import Any
 from meshnode import wire
 from meshnode.errors import MeshnodeError
 from meshnode.mesh.planner import Candidate, Plan, PlanError, plan as make_plan
-from meshnode.mesh.runtime import NegotiationError, Outbox, Publish, ServeOptions, TermStore, model_shape
+from meshnode.mesh.runtime import (
+    NegotiationError, Outbox, Publish, ServeOptions, TermStore, drain, model_shape,
+)
 from meshnode.mesh.stage_control import (
     CoordinatorControl,
     CoordinatorState,
@@ -159,13 +161,7 @@ class ServingModel:
     # ---- the pump ----------------------------------------------------------------
 
     def _pump(self) -> None:
-        c = self.control
-        while True:
-            for node_id, msg in c.messages_to_send():
-                self._outbox.put(node_id, msg)
-            ev = c.next_event()
-            if ev is None:
-                break
+        for ev in drain(self.control, self._outbox):
             match ev:
                 case StageChanged():
                     if self.runtime.publish is not None:

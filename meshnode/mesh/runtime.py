@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,6 +234,20 @@ def _as_max(value: Any) -> int:
 
 
 # ---- sending ------------------------------------------------------------------------------
+
+
+def drain(control: Any, outbox: "Outbox") -> Iterator[Any]:
+    """Drive a sans-IO stage-control machine: queue what it wants sent, yield its events.
+
+    The one pump loop both drivers share (aioquic's asyncio layer does the same: feed,
+    drain datagrams, drain events)."""
+    while True:
+        for node_id, msg in control.messages_to_send():
+            outbox.put(node_id, msg)
+        ev = control.next_event()
+        if ev is None:
+            return
+        yield ev
 
 
 class Outbox:

@@ -33,7 +33,7 @@ from typing import Any
 
 from meshnode import wire
 from meshnode.errors import MeshnodeError
-from meshnode.mesh.runtime import Outbox, Publish, find_held_model
+from meshnode.mesh.runtime import Outbox, Publish, drain, find_held_model
 from meshnode.mesh.stage_control import (
     LoadRequested,
     PrepareRequested,
@@ -146,13 +146,7 @@ class StageServerRuntime:
     # ---- the pump ----------------------------------------------------------------
 
     def _pump(self) -> None:
-        c = self.control
-        while True:
-            for node_id, msg in c.messages_to_send():
-                self._outbox.put(node_id, msg)
-            ev = c.next_event()
-            if ev is None:
-                return
+        for ev in drain(self.control, self._outbox):
             match ev:
                 case StageChanged(stage=st):
                     if self.publish is not None:
