@@ -3,10 +3,8 @@ the official openai client, greedy output compared token for token with one node
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest

@@ -22,7 +22,7 @@ import dataclasses
 import inspect
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from meshnode import PROTOCOL_VERSION

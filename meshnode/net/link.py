@@ -38,7 +38,7 @@ from aioquic.quic.connection import QuicConnection
 
 from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
-from meshnode.wire import Error, ErrorCode, FrameDecoder, Heartbeat, Hello, WireError, encode
+from meshnode.wire import Error, FrameDecoder, Heartbeat, Hello, WireError, encode
 
 log = logging.getLogger(__name__)
 
