@@ -156,9 +156,11 @@ async def test_real_node_screens_show_what_the_node_reports(tmp_path: Path, mode
             return bool(points) and metric("tps") == f"{points[-1].tokens_per_s:.1f}" \
                 and metric("ttft") == fmt_ms(points[-1].ttft_ms)
 
+        # The node samples once a second: the chat's tokens land in the next sample.
+        await wait_for(pilot, lambda: any(p.tokens_per_s > 0 for p in node.snapshot().telemetry),
+                       5, "the chat's tokens were sampled")
         await wait_for(pilot, shows_latest, 5, "telemetry drawn")
         points = node.snapshot().telemetry
-        assert any(p.tokens_per_s > 0 for p in points), "the chat's tokens were sampled"
         assert points[-1].ttft_ms == req.ttft_ms  # the last request's time to first token
         assert metric("hop") == "-"  # one node: no hops
 
