@@ -179,10 +179,19 @@ class MeshnodeApp(App[int]):
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 
+    @property
+    def node_screen(self) -> NodeScreen | None:
+        """The visible screen if it shows node state. None while a screen switch has the
+        stack momentarily empty (timers keep firing then)."""
+        stack = self.screen_stack
+        top = stack[-1] if stack else None
+        return top if isinstance(top, NodeScreen) else None
+
     def set_node_state(self, state: str, detail: str = "") -> None:
         self.node_state, self.node_detail = state, detail
-        if self.is_running and isinstance(self.screen, NodeScreen) and self.screen.ready:
-            self.screen.refresh_status()
+        screen = self.node_screen if self.is_running else None
+        if screen is not None and screen.ready:
+            screen.refresh_status()
 
     # -- node -> UI -----------------------------------------------------------------
 
@@ -197,8 +206,9 @@ class MeshnodeApp(App[int]):
         if snap is self.latest_snapshot or snap == self.latest_snapshot:
             return
         self.latest_snapshot = snap
-        if isinstance(self.screen, NodeScreen):
-            self.screen.snapshot = snap
+        screen = self.node_screen
+        if screen is not None:
+            screen.snapshot = snap
 
     @work(exclusive=True, group="node-events", exit_on_error=False)
     async def consume_events(self) -> None:
@@ -225,8 +235,9 @@ class MeshnodeApp(App[int]):
     def _flush_feed(self) -> None:
         self._flush_timer = None
         self._last_flush = time.monotonic()
-        if isinstance(self.screen, NodeScreen) and self.screen.ready:
-            self.screen.show_feed(self.feed)
+        screen = self.node_screen
+        if screen is not None and screen.ready:
+            screen.show_feed(self.feed)
 
 
 def make_app(node: NodeAPI, **kwargs) -> MeshnodeApp:
