@@ -290,9 +290,19 @@ async def test_chat_streams_the_answer(openai_server):
         assert "Hello, mesh!" in str(answer.render())
         body = api.state.bodies[-1]
         assert body["stream"] is True and body["model"] == FakeNode().snapshot().model
+        assert "temperature" not in body  # the endpoint's default unless the app sets one
         # second turn carries the conversation
         await _ask(pilot, app, "again")
         assert [m["role"] for m in api.state.bodies[-1]["messages"]] == ["user", "assistant", "user"]
+
+
+async def test_chat_sends_the_apps_temperature(openai_server):
+    url, api = openai_server
+    app = new_app(FakeNode(http_url=url), chat_temperature=0.0)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("6")
+        await _ask(pilot, app, "hi there")
+        assert api.state.bodies[-1]["temperature"] == 0.0
 
 
 async def test_chat_shows_openai_errors_inline(openai_server):

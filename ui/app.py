@@ -108,8 +108,12 @@ class MeshnodeApp(App[int]):
         clock: Callable[[], float] = time.time,
         tz: _dt.tzinfo | None = None,
         cursor_blink: bool = True,
+        chat_temperature: float | None = None,
     ) -> None:
         """``manage_node``: start the node on mount and stop it on quit (``run_tui``).
+
+        ``chat_temperature``: the sampling temperature the Chat screen asks for (None:
+        the endpoint's default; 0 makes answers greedy and repeatable, as tests need).
 
         ``clock`` (unix time) and ``tz`` (None: local) drive every time shown, and
         ``cursor_blink`` the prompt's cursor, so tests can freeze them.
@@ -123,6 +127,7 @@ class MeshnodeApp(App[int]):
         self.clock = clock
         self.tz = tz
         self.cursor_blink = cursor_blink
+        self.chat_temperature = chat_temperature
         self.feed = EventFeed()
         self.latest_snapshot: NodeSnapshot | None = None
         self.node_state = "starting" if manage_node else "running"

@@ -61,11 +61,14 @@ async def stream_chat(
     messages: Sequence[dict[str, str]],
     *,
     max_tokens: int | None = None,
+    temperature: float | None = None,
 ) -> AsyncIterator[ChatChunk]:
     url = base_url.rstrip("/") + "/chat/completions"
     body: dict[str, object] = {"model": model, "messages": list(messages), "stream": True}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
+    if temperature is not None:
+        body["temperature"] = temperature
     finish: str | None = None
     try:
         async with client.stream(

@@ -116,7 +116,8 @@ class ChatScreen(NodeScreen):
                 return
             last_draw = 0.0
             async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0)) as client:
-                async for chunk in stream_chat(client, app.node.http_url, snap.model, self.history):
+                async for chunk in stream_chat(client, app.node.http_url, snap.model, self.history,
+                                               temperature=app.chat_temperature):
                     match chunk:
                         case ChatDelta(text=text):
                             answer.text += text
