@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -30,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per stage (default 1)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream (default 64)")
     p.add_argument("--concurrency", default="1,4,8", help="concurrent streams (default 1,4,8)")
-    p.add_argument("--quick", action="store_true", help="fewer tokens and configurations")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds over all configurations (default 3; medians reported)")
+    p.add_argument("--quick", action="store_true", help="fewer tokens and rounds")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
 
 
@@ -64,90 +67,140 @@ def _stream(base: str, model: str, prompt: str, max_tokens: int) -> dict:
             "tokens": (usage or {}).get("completion_tokens", 0), "timings": timings or {}}
 
 
-def _measure_endpoint(base: str, model: str, tokens: int, concurrency: list[int]) -> dict:
-    _stream(base, model, "Hello", 4)  # warm-up
-    single = [_stream(base, model, STORY, tokens) for _ in range(2)]
-    decode = statistics.median(s["timings"].get("predicted_per_second", 0.0) for s in single)
-    ttft = statistics.median(s["ttft_s"] or 0.0 for s in single)
-    pre = _stream(base, model, LONG_PROMPT, 1)
-    prefill = pre["timings"].get("prompt_per_second", 0.0)
-    agg = {}
-    for c in concurrency:
-        # Aggregate decode throughput in the steady state: text chunks (~tokens) that
-        # arrive while every stream is decoding, i.e. between the last stream's first
-        # token and the first stream's end, over that window.
-        with ThreadPoolExecutor(c) as ex:
-            results = list(ex.map(lambda _: _stream(base, model, STORY, tokens), range(c)))
-        lo = max(r["t_first"] for r in results)
-        hi = min(r["stamps"][-1] if r["stamps"] else r["t_end"] for r in results)
-        n = sum(sum(1 for t in r["stamps"] if lo < t <= hi) for r in results)
-        agg[str(c)] = n / (hi - lo) if hi > lo else 0.0
-    return {"decode_tok_s": decode, "ttft_ms": 1e3 * ttft, "prefill_tok_s": prefill,
-            "prefill_tokens": pre["timings"].get("prompt_n", 0), "aggregate_tok_s": agg}
+def _aggregate(base: str, model: str, tokens: int, c: int) -> float:
+    """Aggregate decode tokens/s of ``c`` concurrent streams in the steady state: text
+    chunks (~tokens) that arrive while every stream is decoding, i.e. between the last
+    stream's first token and the first stream's end, over that window."""
+    with ThreadPoolExecutor(c) as ex:
+        results = list(ex.map(lambda _: _stream(base, model, STORY, tokens), range(c)))
+    lo = max(r["t_first"] for r in results)
+    hi = min(r["stamps"][-1] if r["stamps"] else r["t_end"] for r in results)
+    n = sum(sum(1 for t in r["stamps"] if lo < t <= hi) for r in results)
+    return n / (hi - lo) if hi > lo else 0.0
 
 
-def _engine_ceiling(model_path, threads: int, sizes: list[int], steps: int = 16) -> dict:
-    """Tokens/s of the same engine decoding one batch of B sessions directly."""
-    import numpy as np
+class _Ceiling:
+    """The same engine decoding one batch of B sessions directly, in this process: what
+    continuous batching could reach at best. Loaded once, measured in every round."""
 
-    from meshnode.engine import EngineSpec, Segment, StageEngine
+    def __init__(self, model_path, threads: int, max_b: int) -> None:
+        from meshnode.engine import EngineSpec, StageEngine
 
-    out = {}
-    with StageEngine(EngineSpec(model_path, n_ctx=256, n_batch=64, n_seq_max=max(sizes),
-                                n_threads=threads)) as eng:
-        for b in sizes:
-            for s in range(b):
-                eng.drop(s)
-                eng.forward([Segment(s, 0, tokens=np.arange(1, 17, dtype=np.int32), n_logits=1)])
-            times = []
-            for k in range(steps):
-                segs = [Segment(s, 16 + k, tokens=np.asarray([5 + s], dtype=np.int32), n_logits=1)
-                        for s in range(b)]
-                t0 = time.perf_counter()
-                eng.forward(segs)
-                times.append(time.perf_counter() - t0)
-            out[str(b)] = b / statistics.median(times)
-            for s in range(b):
-                eng.drop(s)
-    return out
+        self.engine = StageEngine(EngineSpec(model_path, n_ctx=256, n_batch=64, n_seq_max=max_b,
+                                             n_threads=threads))
+
+    def tok_s(self, b: int, steps: int = 16) -> float:
+        import numpy as np
+
+        from meshnode.engine import Segment
+
+        eng = self.engine
+        for s in range(b):
+            eng.drop(s)
+            eng.forward([Segment(s, 0, tokens=np.arange(1, 17, dtype=np.int32), n_logits=1)])
+        times = []
+        for k in range(steps):
+            segs = [Segment(s, 16 + k, tokens=np.asarray([5 + s], dtype=np.int32), n_logits=1)
+                    for s in range(b)]
+            t0 = time.perf_counter()
+            eng.forward(segs)
+            times.append(time.perf_counter() - t0)
+        for s in range(b):
+            eng.drop(s)
+        return b / statistics.median(times)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _rotated(items: list, r: int) -> list:
+    return items[r % len(items):] + items[:r % len(items)]
 
 
 def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
+    """Every configuration is up at once and the rounds interleave them (order rotated
+    each round), so a slow spell of this shared machine hits all of them alike. Ratios
+    are paired: computed within a round, then the median over rounds."""
+    import contextlib
+
     from meshnode.bench.cluster import LocalCluster
 
-    results = {}
     flags = ("--threads", str(args.threads), "--parallel", str(max(concurrency)), "--ctx", "1024",
              "--batch", "64", "--spec-mode", "off", "--model", str(model_ref.path))
-    for n in stage_counts:
-        print(f"  {model_ref.name}: {n} stage(s) ...", file=sys.stderr, flush=True)
-        with LocalCluster(model_ref.path, n) as cluster:
+    ends: dict[int, tuple[str, str]] = {}
+    with contextlib.ExitStack() as stack:
+        for n in stage_counts:
+            print(f"  {model_ref.name}: starting {n} stage(s) ...", file=sys.stderr, flush=True)
+            cluster = stack.enter_context(LocalCluster(model_ref.path, n))
             for i in range(1, n):
                 cluster.start(i, "--no-model", "--threads", str(args.threads), "--parallel",
                               str(max(concurrency)))
             coord = cluster.start(0, *flags, "--split", str(n)).wait_model()
-            model = coord.get("/v1/models")["data"][0]["id"]
-            results[str(n)] = _measure_endpoint(coord.base_url, model, args.tokens, concurrency)
-    results["ceiling_tok_s"] = _engine_ceiling(model_ref.path, args.threads, concurrency)
-    return results
+            ends[n] = (coord.base_url, coord.get("/v1/models")["data"][0]["id"])
+        ceiling = _Ceiling(model_ref.path, args.threads, max(concurrency))
+        stack.callback(ceiling.close)
+        for base, model in ends.values():
+            _stream(base, model, "Hello", 4)  # warm-up
+        rounds: list[dict] = []
+        for r in range(args.rounds):
+            print(f"  {model_ref.name}: round {r + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
+            got: dict = {"ceiling": {}}
+            for n in _rotated(stage_counts, r):
+                base, model = ends[n]
+                one = _stream(base, model, STORY, args.tokens)
+                pre = _stream(base, model, LONG_PROMPT, 1)
+                got[n] = {"decode_tok_s": one["timings"].get("predicted_per_second", 0.0),
+                          "ttft_ms": 1e3 * (one["ttft_s"] or 0.0),
+                          "prefill_tok_s": pre["timings"].get("prompt_per_second", 0.0),
+                          "prefill_tokens": pre["timings"].get("prompt_n", 0), "aggregate_tok_s": {}}
+            for c in concurrency:
+                got["ceiling"][str(c)] = ceiling.tok_s(c)
+                for n in _rotated(stage_counts, r):
+                    got[n]["aggregate_tok_s"][str(c)] = _aggregate(*ends[n], args.tokens, c)
+            rounds.append(got)
+    return _summarize(rounds, stage_counts, concurrency)
+
+
+def _summarize(rounds: list[dict], stage_counts: list[int], concurrency: list[int]) -> dict:
+    med = statistics.median
+    base = stage_counts[0]
+    out: dict = {"rounds": len(rounds),
+                 "ceiling_tok_s": {str(c): med(g["ceiling"][str(c)] for g in rounds) for c in concurrency}}
+    for n in stage_counts:
+        res = {k: med(g[n][k] for g in rounds)
+               for k in ("decode_tok_s", "ttft_ms", "prefill_tok_s", "prefill_tokens")}
+        res["aggregate_tok_s"] = {str(c): med(g[n]["aggregate_tok_s"][str(c)] for g in rounds)
+                                  for c in concurrency}
+        base_tps = [g[base]["decode_tok_s"] for g in rounds]
+        res["decode_ratio"] = med(g[n]["decode_tok_s"] / b if b else 0.0 for g, b in zip(rounds, base_tps))
+        res["decode_ratio_range"] = [min(g[n]["decode_tok_s"] / b if b else 0.0 for g, b in zip(rounds, base_tps)),
+                                     max(g[n]["decode_tok_s"] / b if b else 0.0 for g, b in zip(rounds, base_tps))]
+        res["aggregate_over_ceiling"] = {
+            str(c): med(g[n]["aggregate_tok_s"][str(c)] / g["ceiling"][str(c)] for g in rounds)
+            for c in concurrency}
+        out[str(n)] = res
+    return out
 
 
 def _print(name: str, res: dict, stage_counts: list[int], concurrency: list[int]) -> None:
-    base = res["1"] if "1" in res else None
-    print(f"\n{name}")
-    print(f"{'stages':>6} {'decode tok/s':>13} {'ratio':>6} {'TTFT ms':>8} {'prefill tok/s':>14} "
-          + " ".join(f"{'agg@' + str(c):>8}" for c in concurrency))
+    base = stage_counts[0]
+    print(f"\n{name}  (medians of {res['rounds']} interleaved rounds; ratios paired within a round,"
+          f" against {base} stage(s))")
+    print(f"{'stages':>6} {'decode tok/s':>13} {'ratio':>6} {'(min-max)':>11} {'TTFT ms':>8} "
+          f"{'prefill tok/s':>14} " + " ".join(f"{'agg@' + str(c):>8}" for c in concurrency))
     for n in stage_counts:
         r = res[str(n)]
-        ratio = r["decode_tok_s"] / base["decode_tok_s"] if base and base["decode_tok_s"] else float("nan")
-        print(f"{n:>6} {r['decode_tok_s']:>13.1f} {ratio:>6.2f} {r['ttft_ms']:>8.0f} "
-              f"{r['prefill_tok_s']:>14.1f} " + " ".join(f"{r['aggregate_tok_s'][str(c)]:>8.1f}" for c in concurrency))
+        lo, hi = r["decode_ratio_range"]
+        print(f"{n:>6} {r['decode_tok_s']:>13.1f} {r['decode_ratio']:>6.2f} {f'{lo:.2f}-{hi:.2f}':>11} "
+              f"{r['ttft_ms']:>8.0f} {r['prefill_tok_s']:>14.1f} "
+              + " ".join(f"{r['aggregate_tok_s'][str(c)]:>8.1f}" for c in concurrency))
     ceil = res["ceiling_tok_s"]
     print("engine ceiling (one batch, in-process): " +
           ", ".join(f"B={c}: {ceil[str(c)]:.1f} tok/s" for c in concurrency))
     for n in stage_counts:
         r = res[str(n)]
         print(f"  {n} stage(s) aggregate / ceiling: " + ", ".join(
-            f"@{c}: {r['aggregate_tok_s'][str(c)] / ceil[str(c)]:.2f}" for c in concurrency))
+            f"@{c}: {r['aggregate_over_ceiling'][str(c)]:.2f}" for c in concurrency))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,8 +211,20 @@ def run(args: argparse.Namespace) -> int:
 
     if args.quick:
         args.tokens = min(args.tokens, 32)
-    stage_counts = [int(x) for x in args.stages.split(",")]
-    concurrency = [int(x) for x in args.concurrency.split(",")]
+        args.rounds = min(args.rounds, 2)
+    if args.rounds < 1 or args.tokens < 2:
+        print("meshnode bench serve: --rounds must be >= 1 and --tokens >= 2", file=sys.stderr)
+        return 2
+    try:
+        stage_counts = [int(x) for x in args.stages.split(",")]
+        concurrency = [int(x) for x in args.concurrency.split(",")]
+    except ValueError:
+        stage_counts = concurrency = []
+    if not stage_counts or not concurrency or min(stage_counts + concurrency) < 1:
+        print("meshnode bench serve: --stages and --concurrency take comma-separated positive "
+              "integers, e.g. --stages 1,2 --concurrency 1,4", file=sys.stderr)
+        return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
     paths = NodePaths.resolve(args.home).ensure()
     print(f"serve benchmark: loopback, {args.threads} thread(s) per stage, speculation off, "
           f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
