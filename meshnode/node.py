@@ -65,6 +65,7 @@ class Node:
         discovery: bool = True,
         service: Any = None,
         threads: int | None = None,
+        decode_threads: int | None = None,
         max_memory: int | None = None,
     ) -> None:
         from meshnode.mesh.fabric import MeshFabric
@@ -91,9 +92,9 @@ class Node:
         self.fabric.on_peer_change(self._on_peer_change)
         self.max_memory = max_memory
         self.stage_server = StageServerRuntime(self.fabric, self.paths, n_threads=threads,
-                                               publish=self.publish)
+                                               decode_threads=decode_threads, publish=self.publish)
         self.coordinator = CoordinatorRuntime(self.fabric, self.paths, n_threads=threads,
-                                              publish=self.publish)
+                                              decode_threads=decode_threads, publish=self.publish)
         self.service = ModelService(self, service) if service is not None else None
         self.fabric.on_message(self._dispatch)
 

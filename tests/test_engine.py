@@ -386,3 +386,33 @@ def test_slicer_refuses_bad_source_and_leaves_nothing(synthetic_gguf, tmp_path, 
     with pytest.raises(ModelFileError, match="src.gguf"):
         write_slice(src, 0, 2, dest, keep_embedding=True, keep_head=False)
     assert list(dest.parent.iterdir()) == []
+
+
+# -- threads and exactness ------------------------------------------------------------
+#
+# With more than one thread, llama.cpp's CPU flash attention computes a lone row through
+# a split-KV path once the KV view reaches 512 cells; rows of a multi-row batch take
+# another path and round differently. decode_threads=1 puts one-token batches on one
+# thread (where the two paths agree), so plain steps equal verify windows at any length.
+
+
+def _one_row_steps_vs_windows(model: Path, n_threads: int, decode_threads: int | None) -> float:
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, 30000, 600).astype(np.int32)   # past 512 KV cells
+    tail = rng.integers(100, 30000, 20).astype(np.int32)
+    outs = []
+    for window in (1, 5):
+        with StageEngine(EngineSpec(model, n_ctx=1024, n_batch=64, n_seq_max=1,
+                                    n_threads=n_threads, decode_threads=decode_threads)) as e:
+            for s in range(0, len(prompt), 64):
+                e.forward([Segment(0, s, tokens=prompt[s:s + 64], n_logits=0 if s + 64 < len(prompt) else 1)])
+            rows = []
+            for i in range(0, len(tail), window):
+                chunk = tail[i:i + window]
+                rows.extend(e.forward([Segment(0, len(prompt) + i, tokens=chunk, n_logits=len(chunk))])[0])
+            outs.append(np.asarray(rows))
+    return float(np.abs(outs[0] - outs[1]).max())
+
+
+def test_one_token_steps_on_one_thread_equal_verify_windows_at_long_context(smollm2):
+    assert _one_row_steps_vs_windows(smollm2.path, n_threads=2, decode_threads=1) == 0.0

@@ -153,6 +153,9 @@ MIXED_CHAT = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF or store name (default: the default model)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per stage (default 1)")
+    p.add_argument("--decode-threads", type=int, default=None, metavar="N",
+                   help="llama.cpp threads for one-token steps on every node (default: --threads; "
+                        "1 keeps speculation token-identical when --threads > 1)")
     p.add_argument("--delay-ms", type=float, default=5.0,
                    help="latency added by the relay, each way (default 5 ms)")
     p.add_argument("--tokens", type=int, default=None,
@@ -287,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     print(latency, file=sys.stderr, flush=True)
 
-    common = ("--threads", str(args.threads), "--ctx", "1024", "--batch", "64", "--parallel", "1")
+    common = ("--threads", str(args.threads), "--ctx", "1024", "--batch", "64", "--parallel", "1",
+              *(("--decode-threads", str(args.decode_threads)) if args.decode_threads else ()))
     rounds = args.rounds or (2 if args.quick else 3)
     # raw[workload][strategy][prompt index] = one run per round
     raw = {w: {s: [[] for _ in workloads[w]] for s in strategies} for w in WORKLOADS}

@@ -73,6 +73,11 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="hidden states on the wire: f32 (exact, default) or f16 (half the bytes)")
     m.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="llama.cpp threads per stage (default: all cores)")
+    m.add_argument("--decode-threads", type=_positive, default=None, metavar="N",
+                   help="llama.cpp threads for one-token steps (default: --threads). 1 makes "
+                        "greedy output bit-identical with and without speculation, and across "
+                        "nodes with different core counts, at long contexts; slower plain "
+                        "decoding (set it on every node of a split)")
     m.add_argument("--gpu-layers", type=int, default=0, metavar="N",
                    help="layers of each slice to offload to a GPU (needs a GPU build of llama.cpp)")
 
@@ -157,7 +162,8 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
         port=_first(args.quic_port, node_cfg.quic_port, 0),
         http_port=_first(args.port, node_cfg.http_port, 8642),
         http_host=args.host, interfaces=args.interface, name=args.name or node_cfg.name,
-        static_peers=args.peer, discovery=not args.no_discovery, service=service, threads=args.threads, max_memory=max_memory,
+        static_peers=args.peer, discovery=not args.no_discovery, service=service, threads=args.threads,
+        decode_threads=args.decode_threads, max_memory=max_memory,
     )
 
 

@@ -85,6 +85,13 @@ class EngineSpec:
     n_batch: int = 256         # rows per llama_decode (also n_ubatch)
     n_seq_max: int = 4         # concurrent sessions
     n_threads: int | None = None
+    # Threads for one-token batches (None: n_threads). With more than one, llama.cpp's CPU
+    # flash attention takes a split-KV path for a single row once the KV view reaches 512
+    # cells, which rounds differently from the same row inside a multi-row batch: plain
+    # steps and speculative verify windows then disagree at near ties. 1 keeps them (and
+    # splits over nodes with different core counts) bit-identical, at the price of slower
+    # plain decoding. See docs/speculative.md, "Exactness".
+    decode_threads: int | None = None
     gpu_layers: int = 0
     taps: tuple[int, ...] = ()  # extra layers to capture (certification)
 
@@ -135,7 +142,7 @@ class StageEngine:
         cparams.n_ubatch = spec.n_batch
         cparams.n_seq_max = spec.n_seq_max
         threads = spec.n_threads or default_threads()
-        cparams.n_threads = threads
+        cparams.n_threads = spec.decode_threads or threads   # llama.cpp: one-token batches
         cparams.n_threads_batch = threads
         cparams.kv_unified = True
         cparams.swa_full = True   # exact rollback inside sliding-window layers

@@ -233,7 +233,8 @@ class ServingModel:
             path = await self._slice_task
             spec = EngineSpec(path, takes_tokens=True, has_head=ev.layer_end == self.model.n_layers,
                               n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
-                              n_threads=self.runtime.n_threads)
+                              n_threads=self.runtime.n_threads,
+                              decode_threads=self.runtime.decode_threads)
             worker = await EngineWorker.load(spec, name="stage0")
         except asyncio.CancelledError:
             raise
@@ -265,10 +266,12 @@ class CoordinatorRuntime:
     """
 
     def __init__(self, fabric: Any, paths: NodePaths, *, n_threads: int | None = None,
+                 decode_threads: int | None = None,
                  publish: Publish | None = None) -> None:
         self.fabric = fabric
         self.paths = paths
         self.n_threads = n_threads
+        self.decode_threads = decode_threads
         self.publish = publish
         self.terms = TermStore(paths)
         self._serving: ServingModel | None = None

@@ -70,10 +70,12 @@ class StageServerRuntime:
     """
 
     def __init__(self, fabric: Any, paths: NodePaths, *, n_threads: int | None = None,
+                 decode_threads: int | None = None,
                  publish: Publish | None = None) -> None:
         self.fabric = fabric
         self.paths = paths
         self.n_threads = n_threads
+        self.decode_threads = decode_threads
         self.publish = publish
         self.control = StageServerControl(fabric.node_id, time.monotonic(), name=fabric.name)
         self._outbox = Outbox(fabric, "stage-server-send")
@@ -238,7 +240,7 @@ class StageServerRuntime:
             p = ev.params
             spec = EngineSpec(path, takes_tokens=ev.layer_start == 0, has_head=ev.layer_end == n_total,
                               n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
-                              n_threads=self.n_threads)
+                              n_threads=self.n_threads, decode_threads=self.decode_threads)
             worker = await EngineWorker.load(spec, name=f"stage{ev.stage_index}")
             host = StageHost(self.fabric, worker,
                              StageRoute(ev.coordinator, ev.downstream or None, p.wire_dtype))
