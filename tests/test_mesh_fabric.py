@@ -102,6 +102,15 @@ async def test_duplicate_dials_keep_one_link(tmp_path):
         await _until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 3.0)
         await asyncio.sleep(0.5)
         assert len(a.peers()) == 1 and len(b.peers()) == 1
+        # Both ends send unpaced (net/link.py: aioquic held the 2nd datagram of an activation
+        # behind a millisecond timer): a pacer that never names a later send time.
+        for fabric in (a, b):
+            [link] = fabric._links.values()  # noqa: SLF001
+            pacer = link._quic._loss._pacer  # noqa: SLF001 - aioquic internals, on purpose
+            pacer.update_rate(congestion_window=13500, smoothed_rtt=0.01)
+            for _ in range(4):  # a burst drains a real pacer's bucket (it then names a time)
+                pacer.update_after_send(now=1.0)
+            assert pacer.next_send_time(now=1.0) is None
         reply_seen = []
         b.on_message(lambda nid, m: reply_seen.append(m))
         await a.send(b.node_id, Status(ref=0, term=1, state="x", detail="", progress=0.0))

@@ -142,7 +142,12 @@ class PeerLink(QuicConnectionProtocol):
         self._notified_closed = False
         self._hb_started = False
         # aioquic has no switch for pacing; its recovery object (private) owns the pacer.
-        quic._loss._pacer = _Unpaced(max_datagram_size=quic._max_datagram_size)
+        # Should a later aioquic rename it, the link still works, only paced.
+        loss = getattr(quic, "_loss", None)
+        if isinstance(getattr(loss, "_pacer", None), QuicPacketPacer):
+            loss._pacer = _Unpaced(max_datagram_size=quic._max_datagram_size)
+        else:
+            log.debug("aioquic's pacer not found; this link stays paced")
         if not is_client:
             # aioquic only asks for a client certificate when this (private) flag of the
             # TLS context is set; the context is created lazily in _initialize().
