@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from meshnode.bench.cluster import free_udp_port, link_model
 from tests.nodeproc import meshnode_cmd, start_node, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.net]
@@ -35,14 +36,6 @@ MAX_TOKENS = 32
 NODE_FLAGS = ("--threads", "1", "--ctx", "1024", "--batch", "64", "--parallel", "1")
 
 
-def _free_udp_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Split:
     """Stage 1 (up for the module) and a coordinator restarted per configuration."""
 
@@ -50,18 +43,12 @@ class Split:
         self.homes = [root / "n0", root / "n1"]
         # The coordinator serves its own hard link of the model, so a model-package.json
         # written beside it concerns this module only.
-        self.model = self.homes[0] / "data" / "models" / model.stem / model.name
-        for home in self.homes:
-            dest = home / "data" / "models" / model.stem / model.name
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(model, dest)
-            except OSError:
-                shutil.copy2(model, dest)
+        self.model = link_model(self.homes[0], model)
+        link_model(self.homes[1], model)
         tok = meshnode_cmd("invite", "--home", str(self.homes[0])).stdout.strip().splitlines()[-1]
         r = meshnode_cmd("join", tok, "--home", str(self.homes[1]))
         assert r.returncode == 0, r.stderr
-        self.quic_port = _free_udp_port()
+        self.quic_port = free_udp_port()
         self.stage1 = start_node(self.homes[1], "n1", "--no-model", "--no-discovery",
                                  "--quic-port", str(self.quic_port), *NODE_FLAGS).wait_up(30)
         self.coord = None

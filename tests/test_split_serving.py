@@ -4,11 +4,11 @@ the official openai client, greedy output compared token for token with one node
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
+from meshnode.bench.cluster import link_model
 from tests.nodeproc import meshnode_cmd, start_node, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.net]
@@ -26,12 +26,7 @@ NODE_FLAGS = ("--threads", "1", "--ctx", "512", "--batch", "64", "--parallel", "
 def _home_with_model(root: Path, name: str, model: Path) -> Path:
     """A node home whose store holds ``model`` (hard link: no copy of the bytes)."""
     home = root / name
-    dest = home / "data" / "models" / model.stem / model.name
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(model, dest)
-    except OSError:
-        shutil.copy2(model, dest)
+    link_model(home, model)
     return home
 
 

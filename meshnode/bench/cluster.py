@@ -104,13 +104,7 @@ class LocalCluster:
         self.homes = [self.root / f"node{i}" for i in range(n_nodes)]
         self.nodes: list[LocalNode] = []
         for h in self.homes:
-            dest = h / "data" / "models" / self.model.stem / self.model.name
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if not dest.exists():
-                try:
-                    os.link(self.model, dest)
-                except OSError:
-                    shutil.copy2(self.model, dest)
+            link_model(h, self.model)
         token = cli("invite", "--home", str(self.homes[0])).stdout.strip().splitlines()[-1]
         for h in self.homes[1:]:
             r = cli("join", token, "--home", str(h))
@@ -142,6 +136,19 @@ class LocalCluster:
         self.stop_all()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def link_model(home: Path, model: Path) -> Path:
+    """Put ``model`` into the store of the node home ``home`` (hard link: no copy of the
+    bytes, a copy across file systems) and return its path there."""
+    dest = home / "data" / "models" / model.stem / model.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if not dest.exists():
+        try:
+            os.link(model, dest)
+        except OSError:
+            shutil.copy2(model, dest)
+    return dest
 
 
 def free_udp_port() -> int:

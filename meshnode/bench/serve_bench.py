@@ -16,6 +16,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from meshnode.cli import positive_int
+
 HELP = "serving benchmark: single node vs 2/3-stage splits (decode, TTFT, prefill, concurrency)"
 
 STORY = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -28,10 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--big", action="store_true",
                    help="also run a random-weight ~1B llama (written once into the cache; slow)")
     p.add_argument("--stages", default="1,2,3", help="stage counts to run (default 1,2,3)")
-    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per stage (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads per stage (default 1)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream (default 64)")
     p.add_argument("--concurrency", default="1,4,8", help="concurrent streams (default 1,4,8)")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="interleaved rounds over all configurations (default 3; medians reported)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and rounds")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -171,10 +173,10 @@ def _summarize(rounds: list[dict], stage_counts: list[int], concurrency: list[in
                for k in ("decode_tok_s", "ttft_ms", "prefill_tok_s", "prefill_tokens")}
         res["aggregate_tok_s"] = {str(c): med(g[n]["aggregate_tok_s"][str(c)] for g in rounds)
                                   for c in concurrency}
-        base_tps = [g[base]["decode_tok_s"] for g in rounds]
-        res["decode_ratio"] = med(g[n]["decode_tok_s"] / b if b else 0.0 for g, b in zip(rounds, base_tps))
-        res["decode_ratio_range"] = [min(g[n]["decode_tok_s"] / b if b else 0.0 for g, b in zip(rounds, base_tps)),
-                                     max(g[n]["decode_tok_s"] / b if b else 0.0 for g, b in zip(rounds, base_tps))]
+        ratios = [g[n]["decode_tok_s"] / g[base]["decode_tok_s"] if g[base]["decode_tok_s"] else 0.0
+                  for g in rounds]
+        res["decode_ratio"] = med(ratios)
+        res["decode_ratio_range"] = [min(ratios), max(ratios)]
         res["aggregate_over_ceiling"] = {
             str(c): med(g[n]["aggregate_tok_s"][str(c)] / g["ceiling"][str(c)] for g in rounds)
             for c in concurrency}
@@ -212,8 +214,8 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.tokens = min(args.tokens, 32)
         args.rounds = min(args.rounds, 2)
-    if args.rounds < 1 or args.tokens < 2:
-        print("meshnode bench serve: --rounds must be >= 1 and --tokens >= 2", file=sys.stderr)
+    if args.tokens < 2:
+        print("meshnode bench serve: --tokens must be >= 2", file=sys.stderr)
         return 2
     try:
         stage_counts = [int(x) for x in args.stages.split(",")]

@@ -29,6 +29,8 @@ import statistics
 import sys
 import time
 
+from meshnode.cli import positive_int
+
 HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model on a 2-stage split"
 
 STRATEGIES = ("baseline", "ngram_auto", "draft")
@@ -152,21 +154,22 @@ MIXED_CHAT = [
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF or store name (default: the default model)")
-    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per stage (default 1)")
-    p.add_argument("--decode-threads", type=int, default=None, metavar="N",
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="llama.cpp threads per stage (default 1)")
+    p.add_argument("--decode-threads", type=positive_int, default=None, metavar="N",
                    help="llama.cpp threads for one-token steps on every node (default: --threads; "
                         "1 keeps speculation token-identical when --threads > 1)")
     p.add_argument("--delay-ms", type=float, default=5.0,
                    help="latency added by the relay, each way (default 5 ms)")
-    p.add_argument("--tokens", type=int, default=None,
+    p.add_argument("--tokens", type=positive_int, default=None,
                    help="max tokens per completion (default 160, --quick 96)")
-    p.add_argument("--prompts", type=int, default=None,
+    p.add_argument("--prompts", type=positive_int, default=None,
                    help="prompts per workload (default all, --quick 2)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated subset of {','.join(STRATEGIES)}")
     p.add_argument("--draft-quant", default="Q4_0",
                    help="quantization of the derived draft model (default Q4_0)")
-    p.add_argument("--rounds", type=int, default=None,
+    p.add_argument("--rounds", type=positive_int, default=None,
                    help="rounds over all strategies; per prompt the fastest round counts "
                         "(default 3, --quick 2)")
     p.add_argument("--quick", action="store_true", help="fewer prompts, tokens and rounds (a few minutes)")

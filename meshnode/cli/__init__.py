@@ -34,6 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1, with a one-line error otherwise."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {v}")
+    return v
+
+
 def add_common_options(parser: argparse.ArgumentParser) -> None:
     """Options every command accepts (before or after the command name)."""
     parser.add_argument(

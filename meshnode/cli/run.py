@@ -8,19 +8,9 @@ import logging
 import signal
 import sys
 
-from meshnode.cli import add_common_options
+from meshnode.cli import add_common_options, positive_int
 
 log = logging.getLogger(__name__)
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {v}")
-    return v
 
 
 def _port(text: str) -> int:
@@ -57,23 +47,23 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="coordinate no model: only lend this node's memory to peers' models")
     m.add_argument("--alias", action="append", default=[], metavar="NAME",
                    help="another model name the endpoint accepts for this model (repeatable)")
-    m.add_argument("--split", type=_positive, default=None, metavar="N",
+    m.add_argument("--split", type=positive_int, default=None, metavar="N",
                    help="force N stages over the available peers")
     m.add_argument("--stages", default=None, metavar="NODE=A:B,...",
                    help="explicit plan: layer ranges per node name or id, e.g. me=0:15,laptop2=15:30")
     m.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="memory this node may use for models, e.g. 6GB (default: free RAM)")
-    m.add_argument("--ctx", type=_positive, default=2048, metavar="N",
+    m.add_argument("--ctx", type=positive_int, default=2048, metavar="N",
                    help="context size per request in tokens (default 2048)")
-    m.add_argument("--batch", type=_positive, default=64, metavar="N",
+    m.add_argument("--batch", type=positive_int, default=64, metavar="N",
                    help="prefill chunk in tokens, the same on every stage (default 64)")
-    m.add_argument("--parallel", type=_positive, default=4, metavar="N",
+    m.add_argument("--parallel", type=positive_int, default=4, metavar="N",
                    help="requests served at once (default 4)")
     m.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
                    help="hidden states on the wire: f32 (exact, default) or f16 (half the bytes)")
-    m.add_argument("--threads", type=_positive, default=None, metavar="N",
+    m.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="llama.cpp threads per stage (default: all cores)")
-    m.add_argument("--decode-threads", type=_positive, default=None, metavar="N",
+    m.add_argument("--decode-threads", type=positive_int, default=None, metavar="N",
                    help="llama.cpp threads for one-token steps (default: --threads). 1 makes "
                         "greedy output bit-identical with and without speculation, and across "
                         "nodes with different core counts, at long contexts; slower plain "
@@ -92,9 +82,9 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="ignore a draft model declared by the model package or config")
     s.add_argument("--draft-policy", choices=["adaptive", "fixed"], default=None,
                    help="window policy (default adaptive)")
-    s.add_argument("--draft-initial", type=_positive, default=None, metavar="N", help="initial window")
-    s.add_argument("--draft-min", type=_positive, default=None, metavar="N", help="smallest window")
-    s.add_argument("--draft-max", type=_positive, default=None, metavar="N", help="largest window (<= 32)")
+    s.add_argument("--draft-initial", type=positive_int, default=None, metavar="N", help="initial window")
+    s.add_argument("--draft-min", type=positive_int, default=None, metavar="N", help="smallest window")
+    s.add_argument("--draft-max", type=positive_int, default=None, metavar="N", help="largest window (<= 32)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
