@@ -160,11 +160,12 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
 def cmd_run(args: argparse.Namespace) -> int:
     try:
         from ui.app import run_tui  # type: ignore[import-not-found]
-    except ImportError:
+    except ImportError as exc:  # a broken install: say what is missing, still serve
         from meshnode.cli import setup_logging
 
         setup_logging(args.log_level)
-        print("meshnode: the TUI is not available; running headless (Ctrl-C stops)", file=sys.stderr)
+        print(f"meshnode: the TUI is not available ({exc}); running headless (Ctrl-C stops)",
+              file=sys.stderr)
         return cmd_serve(args)
     from meshnode.node import Node
     from meshnode.paths import NodePaths
