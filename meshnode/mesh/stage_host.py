@@ -106,7 +106,7 @@ class StageHost:
         return results
 
     async def _forward(self, msg: wire.Forward) -> None:
-        out = await self.worker.call(self._compute, msg)
+        out = await self.worker.step(len(msg.act), self._compute, msg)
         self.batches += 1
         if not self.is_last:
             await self._send(self.route.downstream, wire.Forward(

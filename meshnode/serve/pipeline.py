@@ -82,7 +82,7 @@ class LocalPipeline:
     async def run(self, steps: Sequence[Step]) -> list[Finalized | None]:
         if self.closed is not None:
             raise EngineUnavailableError(self.closed)
-        return await self.worker.call(self._run_sync, steps)
+        return await self.worker.step(sum(int(s.tokens.shape[0]) for s in steps), self._run_sync, steps)
 
     async def end_session(self, session: int) -> None:
         self.sampler.forget(session)

@@ -3,9 +3,14 @@
 Every active request submits one step at a time (a prefill chunk, a decode step or a
 verify window) and awaits its result. The scheduler coalesces the steps that are
 waiting into one :meth:`Pipeline.run` call, so all decoding sessions advance together
-through one engine call per stage. Several batches may be in flight at once (up to
-the number of stages): while stage 1 computes batch A, stage 0 already computes
-batch B of other sessions, which keeps a pipeline of stages busy.
+through one engine call per stage.
+
+On a split, the decoding sessions are dealt into *lanes*, one per stage: a batch takes
+at most ``ceil(decoding / n_stages)`` sessions and up to ``n_stages`` batches are in
+flight, so while stage 1 computes lane A, stage 0 already computes lane B. One batch
+of every session would leave each stage idle while the others work (a lone stream
+cannot be pipelined: its next token needs the last one). Lanes form by themselves:
+a returning batch's sessions submit together and leave together again.
 
 Batches stay small enough for batch invariance (DESIGN.md §3: identical logits up to
 32 rows); a prefill chunk larger than that travels alone, exactly as on a single node.
@@ -58,6 +63,12 @@ class BatchScheduler:
         self._wake.set()
         return await fut
 
+    def lane_size(self) -> int:
+        """Most sessions in one batch: all of them on one node, a lane's share on a split."""
+        lanes = max(1, self.pipeline.n_stages)
+        active = max(len(self._decoding), len({step.session for step, _ in self._pending}))
+        return max(1, -(-active // lanes))
+
     def _take(self) -> list[tuple[Step, asyncio.Future]]:
         first_step, _ = self._pending[0]
         n = int(first_step.tokens.shape[0])
@@ -66,10 +77,11 @@ class BatchScheduler:
             return batch  # a big prefill chunk runs alone (same schedule as one node)
         keep = []
         sessions = {first_step.session}
+        cap = self.lane_size()
         while self._pending:
             item = self._pending.pop(0)
             rows = int(item[0].tokens.shape[0])
-            if item[0].session in sessions or n + rows > self.max_rows:
+            if item[0].session in sessions or n + rows > self.max_rows or len(sessions) >= cap:
                 keep.append(item)
                 continue
             batch.append(item)
