@@ -271,3 +271,44 @@ def test_fixed_window_and_factory():
 def test_window_policy_validation(args):
     with pytest.raises(ValueError):
         WindowPolicy(*args)
+
+
+# ---- the measured cost gate -----------------------------------------------------------
+
+
+def _route(plain_s: float, per_draft_s: float) -> CostModel:
+    cost = CostModel()
+    cost.observe(0, plain_s)
+    for k in (1, 2, 4):
+        cost.observe(k, plain_s + per_draft_s * k)
+    return cost
+
+
+def _judged(cost: CostModel | None, accepted_of_two: list[int]) -> SpecState:
+    policy = AutoPolicy("auto", cost=cost)
+    policy.on_prompt(CODE_LIKE)                # affinity: enabled at once
+    for acc in accepted_of_two:
+        policy.record_verify(2, acc)
+    return policy.state
+
+
+# 0.5 per-token acceptance: windows of two drafts that keep one each
+ACC_0_5 = [1] * 10
+
+
+def test_costly_verify_rows_switch_drafting_off_at_middling_acceptance():
+    # every draft row costs 0.4 of a plain step (one CPU thread, small model): 0.6 does not pay
+    assert _judged(_route(0.040, 0.016), ACC_0_5) is SpecState.COOLING_DOWN
+
+
+def test_cheap_verify_rows_keep_drafting_at_the_same_acceptance():
+    # rows nearly free (memory-bound or latency-bound route): the same acceptance pays
+    assert _judged(_route(0.040, 0.002), ACC_0_5) is SpecState.ENABLED
+    # and with no measurements yet only the fixed floor judges
+    assert _judged(None, ACC_0_5) is SpecState.ENABLED
+    assert _judged(CostModel(), ACC_0_5) is SpecState.ENABLED
+
+
+def test_the_cost_gate_never_overrides_the_floor():
+    # free rows, but acceptance under 0.45 still backs off
+    assert _judged(_route(0.040, 0.0), [0, 1, 0, 0, 1, 0, 0, 1, 0, 0]) is SpecState.COOLING_DOWN

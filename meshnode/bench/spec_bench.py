@@ -169,6 +169,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated subset of {','.join(STRATEGIES)}")
     p.add_argument("--draft-quant", default="Q4_0",
                    help="quantization of the derived draft model (default Q4_0)")
+    p.add_argument("--target-quant", default=None, metavar="TYPE",
+                   help="serve a copy of the model requantized to TYPE (e.g. F16: verify rows "
+                        "cost less on CPUs without AVX2; made once, cached); default: as is")
     p.add_argument("--rounds", type=positive_int, default=None,
                    help="rounds over all strategies; per prompt the fastest round counts "
                         "(default 3, --quick 2)")
@@ -243,13 +246,14 @@ def _summary(runs_by_prompt: list[list[dict]]) -> dict:
 # ---- the run ------------------------------------------------------------------------
 
 
-def _derived_draft(ref, paths, quant: str):
+def _derived(ref, paths, quant: str, role: str):
+    """``ref``'s model requantized to ``quant`` (made once into the cache), vocab checked."""
     from meshnode.models.derive import requantize
     from meshnode.spec.draft import check_vocab
 
-    dest = paths.cache / "bench" / f"{ref.path.stem}-draft-{quant}.gguf"
+    dest = paths.cache / "bench" / f"{ref.path.stem}-{role}-{quant}.gguf"
     if not dest.exists():
-        print(f"deriving a draft: {ref.path.name} requantized to {quant} (once) ...",
+        print(f"deriving a {role}: {ref.path.name} requantized to {quant} (once) ...",
               file=sys.stderr, flush=True)
         requantize(ref.path, dest, quant)
     check_vocab(ref.path, dest)
@@ -284,10 +288,15 @@ def run(args: argparse.Namespace) -> int:
     workloads = {"code_edit": CODE_EDIT[:n_prompts], "mixed_chat": MIXED_CHAT[:n_prompts]}
     paths = NodePaths.resolve(getattr(args, "home", None)).ensure()
     ref = resolve_model(args.model, paths)
-    draft_path = _derived_draft(ref, paths, args.draft_quant) if "draft" in strategies else None
+    try:
+        draft_path = _derived(ref, paths, args.draft_quant, "draft") if "draft" in strategies else None
+        target = _derived(ref, paths, args.target_quant, "target") if args.target_quant else ref.path
+    except ValueError as exc:   # an unknown quantization type
+        print(f"meshnode bench spec: {exc}", file=sys.stderr)
+        return 2
     latency = (f"latency: emulated by a delaying UDP relay, {args.delay_ms:g} ms each way "
                f"(no netem in this kernel)")
-    print(f"spec benchmark: {ref.name}, 2 stages on loopback, {args.threads} thread(s) per stage, "
+    print(f"spec benchmark: {target.name}, 2 stages on loopback, {args.threads} thread(s) per stage, "
           f"greedy, max_tokens {max_tokens}, {len(workloads['code_edit'])} + "
           f"{len(workloads['mixed_chat'])} prompts, load average {os.getloadavg()[0]:.2f}",
           file=sys.stderr)
@@ -298,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.rounds or (2 if args.quick else 3)
     # raw[workload][strategy][prompt index] = one run per round
     raw = {w: {s: [[] for _ in workloads[w]] for s in strategies} for w in WORKLOADS}
-    with LocalCluster(ref.path, 2) as cluster:
+    with LocalCluster(target, 2) as cluster:
         quic_port = free_udp_port()
         cluster.start(1, "--no-model", "--no-discovery", "--quic-port", str(quic_port), *common)
         relay = _RelayThread(quic_port, args.delay_ms / 1000.0)
@@ -309,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
                 for strategy in order:
                     t0 = time.perf_counter()
                     coord = cluster.start(0, "--no-discovery", "--peer", f"127.0.0.1:{relay.port}",
-                                          "--split", "2", "--model", str(ref.path), *common,
+                                          "--split", "2", "--model", str(target), *common,
                                           *_strategy_flags(strategy, draft_path))
                     try:
                         coord.wait_model()

@@ -125,9 +125,9 @@ class ModelServer:
         mode = "off" if cfg is None or not cfg.enabled else cfg.mode
         if cfg is not None and cfg.type == "draft-model" and draft is None:
             strategy, mode = "none", "off"   # the caller already warned why
-        policy = AutoPolicy(mode, name=strategy,
-                            on_transition=lambda old, new, why: self._spec.telemetry.set_state(new))
         cost = CostModel(hop_s=0.0)
+        policy = AutoPolicy(mode, name=strategy, cost=cost,
+                            on_transition=lambda old, new, why: self._spec.telemetry.set_state(new))
         window = make_window(cfg.window if cfg is not None and cfg.enabled else WindowPolicy(), cost)
         self._spec = _Spec(cfg, policy, window, cost, SpecTelemetry(strategy, state=policy.state),
                            draft, ThreadPoolExecutor(1, thread_name_prefix="draft") if draft else None)

@@ -5,7 +5,7 @@ Theory of operation.
 *Auto policy* (n-gram ``auto`` mode), one state machine per model on stage 0::
 
     COLD --prompt affinity >= enable / repeated would-be hits--> ENABLED
-    ENABLED --per-token acceptance < disable_below after min_windows--> COOLING_DOWN
+    ENABLED --acceptance too low to pay, after min_windows--> COOLING_DOWN
     COOLING_DOWN --cooldown tokens generated--> COLD        (probe again)
     ENABLED --new prompt without affinity--> COLD
     OFF: mode "off" (never leaves); mode "on" pins ENABLED.
@@ -19,6 +19,14 @@ likely right, and would switch off exactly the windows that pay most. Each failu
 doubles the cooldown (up to a cap); a healthy stretch of ``judge_windows`` windows
 forgives past failures. Every transition goes through ``AutoPolicy._set_state``,
 which logs it.
+
+"Too low to pay" is ``acceptance < disable_below`` (0.45), and, once this route's
+:class:`CostModel` has measured both plain steps and verify windows, also "no window
+is expected to beat plain decoding by ``pay_margin``" at that acceptance: where a verify
+row costs almost nothing (a GPU, a memory-bound big model) drafting pays at acceptances
+far below 0.45 and the fixed floor decides; where it costs a third of a step (one CPU
+thread, a small model) drafting at 0.5 acceptance loses, and the measured costs decide.
+The measured gate never switches on drafting the floor would refuse.
 
 *Window*: with per-token acceptance ``a``, a window of ``k`` drafts yields
 ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens (accepted prefix + bonus) and costs one
@@ -124,6 +132,7 @@ class AutoPolicyParams:
     cold_hits_to_enable: int = 4        # ... of which this many would have hit
     cold_enable_rate: float = 0.5       # ... at this rate at least
     disable_below: float = 0.45         # per-token acceptance under which we back off
+    pay_margin: float = 0.10            # measured costs: best window must beat plain by this
     min_windows: int = 8                # verify windows before judging acceptance
     judge_windows: int = 16             # sliding window of verify outcomes judged
     cooldown_tokens: int = 64           # first cooldown, in generated tokens
@@ -147,12 +156,14 @@ class AutoPolicy:
         *,
         name: str = "ngram",
         on_transition: Callable[[SpecState, SpecState, str], None] | None = None,
+        cost: "CostModel | None" = None,
     ) -> None:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"mode must be auto, on or off, got {mode!r}")
         self.mode: Mode = mode
         self.params = params or AutoPolicyParams()
         self.name = name
+        self.cost = cost
         self._on_transition = on_transition
         self._state = {"auto": SpecState.COLD, "on": SpecState.ENABLED, "off": SpecState.OFF}[mode]
         self._cold: deque[bool] = deque(maxlen=self.params.cold_window)
@@ -243,7 +254,8 @@ class AutoPolicy:
         rate = self.acceptance
         if rate is None or len(self._verifies) < p.min_windows:
             return
-        if rate < p.disable_below:
+        why = self._too_low(rate)
+        if why:
             cooldown = min(
                 p.cooldown_max_tokens,
                 int(p.cooldown_tokens * p.cooldown_growth ** self._failures),
@@ -252,11 +264,23 @@ class AutoPolicy:
             self._cooldown_left = cooldown
             self._set_state(
                 SpecState.COOLING_DOWN,
-                f"acceptance {rate:.2f} < {p.disable_below} over {len(self._verifies)} windows; "
-                f"cooling down for {cooldown} tokens (failure {self._failures})",
+                f"{why} over {len(self._verifies)} windows; cooling down for {cooldown} tokens (failure {self._failures})",
             )
         elif len(self._verifies) >= p.judge_windows and self._failures:
             self._failures = 0  # a healthy stretch forgives earlier failures
+
+    def _too_low(self, rate: float) -> str:
+        """Why acceptance ``rate`` does not pay on this route ('' when it does)."""
+        p = self.params
+        if rate < p.disable_below:
+            return f"acceptance {rate:.2f} < {p.disable_below}"
+        cost = self.cost
+        if cost is not None and cost.measured:
+            gain = max(cost.speedup(k, rate) for k in range(1, MAX_WINDOW + 1))
+            if gain < 1.0 + p.pay_margin:
+                return (f"acceptance {rate:.2f} pays at most {gain:.2f}x here "
+                        f"(verify of 1 draft costs {cost.relative(1):.2f} plain steps)")
+        return ""
 
     def on_generated(self, n_tokens: int) -> None:
         """``n_tokens`` were emitted (any state); counts down a cooldown."""
@@ -336,6 +360,11 @@ class CostModel:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
         old = self._ewma.get(window)
         self._ewma[window] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    @property
+    def measured(self) -> bool:
+        """True once plain steps and at least one verify window were measured here."""
+        return 0 in self._ewma and len(self._ewma) >= 2
 
     @property
     def observed(self) -> dict[int, float]:
