@@ -167,16 +167,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts per workload (default all, --quick 2)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated subset of {','.join(STRATEGIES)}")
-    p.add_argument("--draft-quant", default="Q4_0",
+    p.add_argument("--draft-quant", default="Q4_0", type=_quant_type,
                    help="quantization of the derived draft model (default Q4_0)")
-    p.add_argument("--target-quant", default=None, metavar="TYPE",
-                   help="serve a copy of the model requantized to TYPE (e.g. F16: verify rows "
-                        "cost less on CPUs without AVX2; made once, cached); default: as is")
+    p.add_argument("--target-quant", default=None, metavar="TYPE", type=_quant_type,
+                   help="serve a copy of the model requantized to TYPE (made once, cached); "
+                        "default: as is. F16 makes verify rows cheap on CPUs without AVX2 but "
+                        "is not batch-invariant there (see docs/benchmarks.md)")
     p.add_argument("--rounds", type=positive_int, default=None,
                    help="rounds over all strategies; per prompt the fastest round counts "
                         "(default 3, --quick 2)")
     p.add_argument("--quick", action="store_true", help="fewer prompts, tokens and rounds (a few minutes)")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
+
+
+def _quant_type(name: str) -> str:
+    """argparse type: a llama.cpp quantization name (checked here, before any work)."""
+    from meshnode.engine.quantize import QUANT_TYPES
+
+    if name.upper() not in QUANT_TYPES:
+        raise argparse.ArgumentTypeError(f"unknown type {name!r}; choose one of {', '.join(QUANT_TYPES)}")
+    return name.upper()
 
 
 # ---- the relay, in a thread of its own (the benchmark itself blocks on HTTP) ----------
@@ -288,12 +298,8 @@ def run(args: argparse.Namespace) -> int:
     workloads = {"code_edit": CODE_EDIT[:n_prompts], "mixed_chat": MIXED_CHAT[:n_prompts]}
     paths = NodePaths.resolve(getattr(args, "home", None)).ensure()
     ref = resolve_model(args.model, paths)
-    try:
-        draft_path = _derived(ref, paths, args.draft_quant, "draft") if "draft" in strategies else None
-        target = _derived(ref, paths, args.target_quant, "target") if args.target_quant else ref.path
-    except ValueError as exc:   # an unknown quantization type
-        print(f"meshnode bench spec: {exc}", file=sys.stderr)
-        return 2
+    draft_path = _derived(ref, paths, args.draft_quant, "draft") if "draft" in strategies else None
+    target = _derived(ref, paths, args.target_quant, "target") if args.target_quant else ref.path
     latency = (f"latency: emulated by a delaying UDP relay, {args.delay_ms:g} ms each way "
                f"(no netem in this kernel)")
     print(f"spec benchmark: {target.name}, 2 stages on loopback, {args.threads} thread(s) per stage, "

@@ -1,0 +1,21 @@
+"""Benchmark options are checked before any work starts (one-line errors, exit 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "spec", "--target-quant", "Q9"],
+    ["bench", "spec", "--draft-quant", "half"],
+    ["bench", "serve", "--rounds", "0"],
+])
+def test_bad_benchmark_options_are_refused_up_front(tmp_path, args):
+    r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "error: argument" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "data").exists()   # nothing was fetched or derived
