@@ -21,38 +21,30 @@ class _Engine:
     def close(self) -> None: ...
 
 
-def _run(coro):
-    return asyncio.run(coro)
+def _steps(inline_max_s: float, rows: int, seconds: float, n: int = 3):
+    """``n`` steps of ``rows`` rows that take ``seconds`` each: (thread of each call, the
+    loop's thread, how many ran inline)."""
+    async def go():
+        eng = _Engine()
+        w = EngineWorker(eng, "t", inline_max_s=inline_max_s)
+        for i in range(n):
+            assert await w.step(rows, eng.work, f"s{i}", seconds) == f"s{i}"
+        await w.close()
+        return [t for _, t in eng.calls], threading.current_thread().name, w.inline_steps
+
+    return asyncio.run(go())
 
 
 def test_a_short_step_runs_on_the_loop_once_measured():
-    async def go():
-        eng = _Engine()
-        w = EngineWorker(eng, "t", inline_max_s=0.05)
-        loop_thread = threading.current_thread().name
-        for i in range(3):
-            assert await w.step(1, eng.work, f"s{i}") == f"s{i}"
-        await w.close()
-        return eng.calls, loop_thread, w.inline_steps
-
-    calls, loop_thread, inline = _run(go())
-    assert calls[0][1] != loop_thread          # unmeasured: on the thread (and measured there)
-    assert [t for _, t in calls[1:]] == [loop_thread] * 2
+    threads, loop_thread, inline = _steps(0.05, rows=1, seconds=0.0)
+    assert threads[0] != loop_thread          # unmeasured: on the thread (and measured there)
+    assert threads[1:] == [loop_thread] * 2
     assert inline == 2
 
 
 def test_a_slow_step_stays_off_the_loop():
-    async def go():
-        eng = _Engine()
-        w = EngineWorker(eng, "t", inline_max_s=0.005)
-        loop_thread = threading.current_thread().name
-        for _ in range(3):
-            await w.step(64, eng.work, "slow", 0.02)
-        await w.close()
-        return eng.calls, loop_thread, w.inline_steps
-
-    calls, loop_thread, inline = _run(go())
-    assert all(t != loop_thread for _, t in calls) and inline == 0
+    threads, loop_thread, inline = _steps(0.005, rows=64, seconds=0.02)
+    assert all(t != loop_thread for t in threads) and inline == 0
 
 
 def test_a_step_never_overtakes_a_queued_thread_job():
@@ -67,4 +59,4 @@ def test_a_step_never_overtakes_a_queued_thread_job():
         await w.close()
         return [what for what, _ in eng.calls]
 
-    assert _run(go()) == ["warm", "rollback", "step"]
+    assert asyncio.run(go()) == ["warm", "rollback", "step"]

@@ -264,7 +264,8 @@ class AutoPolicy:
             self._cooldown_left = cooldown
             self._set_state(
                 SpecState.COOLING_DOWN,
-                f"{why} over {len(self._verifies)} windows; cooling down for {cooldown} tokens (failure {self._failures})",
+                f"{why} over {len(self._verifies)} windows; "
+                f"cooling down for {cooldown} tokens (failure {self._failures})",
             )
         elif len(self._verifies) >= p.judge_windows and self._failures:
             self._failures = 0  # a healthy stretch forgives earlier failures
@@ -276,7 +277,7 @@ class AutoPolicy:
             return f"acceptance {rate:.2f} < {p.disable_below}"
         cost = self.cost
         if cost is not None and cost.measured:
-            gain = max(cost.speedup(k, rate) for k in range(1, MAX_WINDOW + 1))
+            gain = cost.speedup(cost.best_window(rate), rate)
             if gain < 1.0 + p.pay_margin:
                 return (f"acceptance {rate:.2f} pays at most {gain:.2f}x here "
                         f"(verify of 1 draft costs {cost.relative(1):.2f} plain steps)")
