@@ -117,8 +117,14 @@ def test_timings_json() -> None:
     j = t.to_json()
     assert j["prompt_per_second"] == 500.0 and j["prompt_per_token_ms"] == 2.0
     assert j["predicted_per_second"] == 50.0 and j["predicted_per_token_ms"] == 20.0
-    assert (j["draft_n"], j["draft_n_accepted"]) == (40, 30)
+    assert (j["draft_n"], j["draft_n_accepted"], j["draft_n_rejected"]) == (40, 30, 10)
+    assert j["draft_acceptance"] == 0.75 and "spec_state" not in j
     assert Timings().to_json()["predicted_per_second"] == 0.0
+    assert Timings().to_json()["draft_verify_ms_per_window"] == 0.0
+    s = Timings(draft_windows=4, draft_verify_ms=100.0, plain_steps=3, spec_strategy="ngram",
+                spec_state="enabled", spec_window=6).to_json()
+    assert s["draft_verify_ms_per_window"] == 25.0 and s["plain_steps"] == 3
+    assert (s["spec_strategy"], s["spec_state"], s["spec_window"]) == ("ngram", "enabled", 6)
 
 
 def test_generation_request_needs_exactly_one_prompt() -> None:

@@ -70,3 +70,24 @@ def test_a_split_deals_sessions_into_one_lane_per_stage(n_sessions, n_stages, la
 def test_a_lone_stream_is_never_split():
     pipe = asyncio.run(_decode(1, n_stages=3))
     assert [len(b) for b, _, _ in pipe.batches] == [1] * 6
+
+
+def test_a_withdrawn_step_never_runs():
+    async def main() -> list:
+        pipe = _RecordingPipeline(2, delay=0.02)
+        sched = BatchScheduler(pipe)
+        sched.enter(1)
+        first = sched.enqueue(Step(1, 0, np.asarray([1], dtype=np.int32)))
+        ahead = sched.enqueue(Step(1, 1, np.asarray([2], dtype=np.int32)))
+        late = sched.enqueue(Step(1, 2, np.asarray([3], dtype=np.int32)))
+        late.cancel()               # withdrawn before the scheduler took it
+        assert (await first).tokens == (7,)
+        assert (await ahead).tokens == (7,)
+        sched.leave(1)
+        await sched.close()
+        return pipe.batches
+
+    batches = asyncio.run(main())
+    # one session's steps travel in separate batches, in order; the withdrawn one not at all
+    assert [sorted(b) for b, _, _ in batches] == [[1], [1]]
+    assert batches[0][1] <= batches[1][1]

@@ -99,3 +99,40 @@ def test_matches_brute_force(toks, k, max_n):
         i = j
     expect = reference_propose(toks, k, max_n, 1) if k > 0 else []
     assert p.propose(k) == expect
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    toks=st.lists(st.integers(0, 4), max_size=40),
+    after=st.lists(st.integers(0, 4), max_size=6),
+    k=st.integers(1, 6),
+)
+def test_propose_after_is_a_lookup_that_indexes_nothing(toks, after, k):
+    # ``after`` continues the context for one lookup: drafts in flight. The match may
+    # only point into the indexed context, so compare against the brute force over
+    # toks + after restricted to occurrences that end before ``after`` starts.
+    p = NGramProposer(toks, max_n=3)
+    before = (p.propose(k), len(p))
+    got = p.propose(k, after=after)
+    assert (p.propose(k), len(p)) == before  # nothing was indexed
+    ext = toks + after
+    expect: list[int] = []
+    for n in range(min(3, len(ext)), 0, -1):
+        suffix = ext[len(ext) - n:]
+        starts = [s for s in range(len(toks) - n, -1, -1) if toks[s:s + n] == suffix and s + n < len(toks)]
+        if starts:
+            start = starts[0] + n
+            out = list(ext)
+            for j in range(k):
+                out.append(out[start + j])
+            expect = out[len(ext):]
+            break
+    assert got == expect
+
+
+def test_propose_after_guesses_past_the_drafts_in_flight():
+    p = NGramProposer([1, 2, 3, 4, 5, 6, 7, 9, 1, 2], max_n=3)
+    assert p.propose(2) == [3, 4]
+    # drafts 3 4 in flight: what follows them is 5 6 ...
+    assert p.propose(3, after=[3, 4]) == [5, 6, 7]
+    assert p.propose(2, after=[8, 8]) == []

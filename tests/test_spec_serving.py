@@ -148,6 +148,19 @@ def test_ngram_on_equals_plain_greedy(split, reference):
     code_timings = out[0][1]
     assert _drafted(code_timings), code_timings
     assert code_timings["draft_n_accepted"] <= code_timings["draft_n"]
+    # Per-request speculation telemetry rides in the response's timings.
+    assert code_timings["spec_strategy"] == "ngram" and code_timings["spec_state"] == "enabled"
+    assert 1 <= code_timings["draft_windows"] <= code_timings["draft_n"]
+    assert code_timings["draft_verify_ms"] > 0 and code_timings["spec_window"] >= 1
+    # every emitted token came from the prefill, a plain step or a window (a stop may
+    # cut a window short, so the steps can account for more)
+    stepped = code_timings["draft_windows"] + code_timings["plain_steps"] + code_timings["draft_n_accepted"]
+    assert code_timings["predicted_n"] <= 1 + stepped
+    # a lone greedy stream on a split sends lookahead windows in copy runs, and the text
+    # above is unchanged whether their guesses held or not
+    sent = sum(t["draft_lookahead"] for _, t in out)
+    used = sum(t["draft_lookahead_used"] for _, t in out)
+    assert sent >= 1 and 0 <= used <= sent, (sent, used)
 
 
 def test_draft_model_equals_plain_greedy(split, reference):

@@ -1,10 +1,10 @@
-"""SpecTelemetry counters, SpecStats snapshots and llama.cpp-style timings."""
+"""SpecTelemetry counters and SpecStats snapshots."""
 
 from __future__ import annotations
 
 import pytest
 
-from meshnode.spec.stats import DraftRecord, SpecTelemetry
+from meshnode.spec.stats import DraftRecord, SpecCounters, SpecTelemetry
 from meshnode.state import SpecState, SpecStats
 
 
@@ -30,27 +30,25 @@ def test_counters_per_request_and_overall():
     c = t.counters("a")
     assert c.rejected == 3 and c.plain_steps == 1 and c.predicted_n == 4 + 1 + 1
 
-    tm = t.timings("a")
-    assert tm["prompt_n"] == 100 and tm["prompt_ms"] == pytest.approx(50.0)
-    assert tm["predicted_n"] == 6 and tm["predicted_ms"] == pytest.approx(38.0)
-    assert tm["predicted_per_second"] == pytest.approx(6 / 0.038)
-    assert tm["draft_n"] == 6 and tm["draft_n_accepted"] == 3
-    assert t.timings()["draft_n"] == 7
+    assert (c.prompt_n, c.prompt_s) == (100, pytest.approx(0.05))
+    assert c.predicted_n == 6 and c.predicted_s == pytest.approx(0.038)
+    assert (c.proposed, c.accepted, c.windows) == (6, 3, 2)
+    assert t.counters().proposed == 7
 
     final = t.end_request("a")
-    assert final == tm
+    assert final == c
     assert t.request_stats("a").proposed == 0
     assert t.snapshot().proposed == 7  # overall survives the request
 
 
-def test_timings_without_drafts_omit_draft_fields():
+def test_plain_steps_only():
     t = SpecTelemetry("none", state=SpecState.OFF)
     t.record_prompt("r", 5, 0.0)
     t.record_plain("r", 0.01)
-    tm = t.timings("r")
-    assert "draft_n" not in tm and tm["prompt_per_second"] == 0.0
-    assert tm["predicted_per_second"] == pytest.approx(100.0)
-    assert t.end_request("unknown")["predicted_n"] == 0
+    c = t.counters("r")
+    assert (c.plain_steps, c.predicted_n, c.proposed, c.windows) == (1, 1, 0, 0)
+    assert c.acceptance == 0.0 and c.verify_ms_mean == 0.0
+    assert t.end_request("unknown") == SpecCounters()
 
 
 def test_bad_window_rejected():

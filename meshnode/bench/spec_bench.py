@@ -16,8 +16,10 @@ cached). Workloads: ``code_edit`` (code given in the prompt, asked to be renamed
 refactored: the answer copies most of it) and ``mixed_chat`` (open questions, stories,
 explanations). Decode tokens/s is the response's ``timings.predicted_per_second``
 averaged over prompts; acceptance is ``sum(draft_n_accepted) / sum(draft_n)``; speedup
-is against that workload's baseline in the same invocation. Greedy decoding throughout,
-so every strategy must produce the same text (checked and reported).
+is against that workload's baseline in the same invocation. Where the time went, from
+the responses' ``timings`` summed over every round: verify windows and their mean
+time, plain (one-token) steps and theirs, lookahead windows used / sent. Greedy
+decoding throughout, so every strategy must produce the same text (checked and reported).
 """
 
 from __future__ import annotations
@@ -240,17 +242,51 @@ def _summary(runs_by_prompt: list[list[dict]]) -> dict:
     """
     best = [max(rs, key=lambda r: r["timings"].get("predicted_per_second", 0.0)) for rs in runs_by_prompt]
     every = [r for rs in runs_by_prompt for r in rs]
-    draft_n = sum(r["timings"].get("draft_n", 0) for r in every)
-    accepted = sum(r["timings"].get("draft_n_accepted", 0) for r in every)
+    def total(key: str) -> float:
+        return sum(r["timings"].get(key, 0) for r in every)
+
+    draft_n, accepted, windows, plain, ahead, ahead_used = (total(k) for k in (
+        "draft_n", "draft_n_accepted", "draft_windows", "plain_steps", "draft_lookahead",
+        "draft_lookahead_used"))
+    verify_ms = total("draft_verify_ms")
+    # decode time not spent verifying is plain steps (plus the per-token bookkeeping)
+    plain_ms = total("predicted_ms") - verify_ms
     return {
         "tok_s": statistics.mean(r["timings"].get("predicted_per_second", 0.0) for r in best),
         "acceptance": accepted / draft_n if draft_n else 0.0,
-        "draft_n": draft_n,
-        "draft_n_accepted": accepted,
+        "draft_n": int(draft_n),
+        "draft_n_accepted": int(accepted),
+        "windows": int(windows),
+        "ms_per_window": verify_ms / windows if windows else 0.0,
+        "plain_steps": int(plain),
+        "ms_per_plain_step": plain_ms / plain if plain else 0.0,
+        "lookahead": int(ahead),
+        "lookahead_used": int(ahead_used),
         "tokens": sum(r["tokens"] for r in best),
         "texts": [r["text"] for r in best],
         "stable": all(len({r["text"] for r in rs}) == 1 for rs in runs_by_prompt),
     }
+
+
+def _differences(raw: dict, strategies: list[str]) -> list[str]:
+    """Where a run's text left the first baseline run's (greedy output must not move):
+    one line per differing run, with the first differing character and its context."""
+    lines = []
+    for w, by_strategy in raw.items():
+        ref_runs = by_strategy.get("baseline") or by_strategy[strategies[0]]
+        for s in strategies:
+            for i, runs in enumerate(by_strategy[s]):
+                ref = ref_runs[i][0]["text"]
+                for rnd, r in enumerate(runs):
+                    text = r["text"]
+                    if text == ref:
+                        continue
+                    at = next((j for j, (a, b) in enumerate(zip(ref, text)) if a != b),
+                              min(len(ref), len(text)))
+                    lines.append(f"  text differs: {w} prompt {i + 1}, {s} round {rnd + 1}, "
+                                 f"char {at}: {ref[max(0, at - 30):at + 30]!r} -> "
+                                 f"{text[max(0, at - 30):at + 30]!r}")
+    return lines
 
 
 # ---- the run ------------------------------------------------------------------------
@@ -348,11 +384,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"relay forwarded {counters.datagrams_up} datagrams up, {counters.datagrams_down} down",
           file=sys.stderr)
     results = {w: {s: _summary(raw[w][s]) for s in strategies} for w in WORKLOADS}
+    for line in _differences(raw, strategies):
+        print(line, file=sys.stderr)
 
     out: dict[str, dict[str, dict]] = {}
     print(latency)
     print(f"{'workload':<11} {'strategy':<11} {'tok/s':>7} {'accept':>7} {'drafts':>7} "
-          f"{'speedup':>8} {'same text':>10}")
+          f"{'windows':>8} {'ms/win':>7} {'plain':>6} {'ms/plain':>9} {'ahead':>9} {'speedup':>8} "
+          f"{'same text':>10}")
     for w in WORKLOADS:
         base = results[w].get("baseline")
         out[w] = {}
@@ -361,11 +400,17 @@ def run(args: argparse.Namespace) -> int:
             speedup = r["tok_s"] / base["tok_s"] if base and base["tok_s"] else float("nan")
             same = "-" if base is None else ("yes" if r["texts"] == base["texts"] and r["stable"] else "NO")
             print(f"{w:<11} {s:<11} {r['tok_s']:>7.1f} {r['acceptance']:>7.2f} {r['draft_n']:>7d} "
+                  f"{r['windows']:>8d} {r['ms_per_window']:>7.1f} {r['plain_steps']:>6d} "
+                  f"{r['ms_per_plain_step']:>9.1f} {r['lookahead_used']:>4d}/{r['lookahead']:<4d} "
                   f"{speedup:>7.2f}x {same:>10}")
             out[w][s] = {"tok_s": round(r["tok_s"], 2), "acceptance": round(r["acceptance"], 3),
                          "speedup": round(speedup, 3), "draft_n": r["draft_n"],
-                         "draft_n_accepted": r["draft_n_accepted"], "tokens": r["tokens"],
-                         "same_text_as_baseline": same != "NO"}
+                         "draft_n_accepted": r["draft_n_accepted"], "windows": r["windows"],
+                         "ms_per_window": round(r["ms_per_window"], 2),
+                         "plain_steps": r["plain_steps"],
+                         "ms_per_plain_step": round(r["ms_per_plain_step"], 2),
+                         "lookahead": r["lookahead"], "lookahead_used": r["lookahead_used"],
+                         "tokens": r["tokens"], "same_text_as_baseline": same != "NO"}
     if args.json:
         print(json.dumps(out))
     return 0

@@ -105,7 +105,11 @@ class Timings:
     """Per-request timings in llama.cpp server's vocabulary (its ``timings`` object).
 
     ``draft_n`` counts drafted tokens sent for verification, ``draft_n_accepted`` those
-    accepted (acceptance rate = accepted / drafted), both 0 without speculation.
+    accepted (acceptance rate = accepted / drafted), both 0 without speculation. The
+    rest is ours (llama.cpp has no such fields): ``draft_windows`` verify steps taking
+    ``draft_verify_ms`` in all, ``plain_steps`` one-token steps, lookahead windows sent
+    and used (:mod:`meshnode.spec.lookahead`), and the strategy, its auto-policy state
+    and window size when the request ended.
     """
 
     prompt_n: int = 0
@@ -114,10 +118,19 @@ class Timings:
     predicted_ms: float = 0.0
     draft_n: int = 0
     draft_n_accepted: int = 0
+    draft_windows: int = 0
+    draft_verify_ms: float = 0.0
+    plain_steps: int = 0
+    draft_lookahead: int = 0
+    draft_lookahead_used: int = 0
+    spec_strategy: str = ""
+    spec_state: str = ""
+    spec_window: int = 0
 
-    def to_json(self) -> dict[str, float | int]:
-        """The llama.cpp-shaped dict, with the derived per-token and per-second rates."""
-        return {
+    def to_json(self) -> dict[str, float | int | str]:
+        """The llama.cpp-shaped dict, with the derived per-token and per-second rates,
+        then the speculation fields (``spec_*`` only when a strategy is known)."""
+        out: dict[str, float | int | str] = {
             "prompt_n": self.prompt_n,
             "prompt_ms": self.prompt_ms,
             "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
@@ -130,7 +143,21 @@ class Timings:
             ),
             "draft_n": self.draft_n,
             "draft_n_accepted": self.draft_n_accepted,
+            "draft_n_rejected": self.draft_n - self.draft_n_accepted,
+            "draft_acceptance": self.draft_n_accepted / self.draft_n if self.draft_n else 0.0,
+            "draft_windows": self.draft_windows,
+            "draft_verify_ms": self.draft_verify_ms,
+            "draft_verify_ms_per_window": (
+                self.draft_verify_ms / self.draft_windows if self.draft_windows else 0.0
+            ),
+            "plain_steps": self.plain_steps,
+            "draft_lookahead": self.draft_lookahead,
+            "draft_lookahead_used": self.draft_lookahead_used,
         }
+        if self.spec_strategy:
+            out |= {"spec_strategy": self.spec_strategy, "spec_state": self.spec_state,
+                    "spec_window": self.spec_window}
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,9 @@ Theory of operation
    an earlier position.
 3. **Speculation** is decided per step by the model's :class:`~meshnode.spec.policy.AutoPolicy`
    (cold observation, enabled, cooling down) and sized by its window controller,
-   which learns the route's verify cost.
+   which learns the route's verify cost. On a split, a lone greedy n-gram stream may
+   send the next window before this one returns (a *lookahead*,
+   :mod:`meshnode.spec.lookahead`): taken when its guess held, dropped otherwise.
 4. Text is produced incrementally (UTF-8 safe), stop strings are honoured by
    :class:`~meshnode.serve.client.StopMatcher`, end-of-generation tokens and
    ``max_tokens`` end the request. The session is freed on every stage in ``finally``,
@@ -51,6 +53,7 @@ from meshnode.serve.errors import ContextOverflowError, EngineFailedError, Serve
 from meshnode.serve.final import Sampling
 from meshnode.serve.pipeline import Pipeline, Step
 from meshnode.serve.scheduler import BatchScheduler
+from meshnode.spec.lookahead import LookaheadGate
 from meshnode.spec.ngram import NGramProposer
 from meshnode.spec.policy import AutoPolicy, CostModel, WindowPolicy, make_window
 from meshnode.spec.stats import SpecTelemetry
@@ -97,6 +100,26 @@ class _Spec:
     draft: Proposer | None = None
     draft_pool: ThreadPoolExecutor | None = None
     draft_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    gate: LookaheadGate = field(default_factory=LookaheadGate)
+
+
+@dataclass
+class _Sent:
+    """A decode step handed to the scheduler, its result not yet taken."""
+
+    pos: int
+    last: int
+    drafts: list[int]
+    result: asyncio.Future
+    lookahead: bool = False
+
+    def withdraw(self) -> None:
+        """Give the step up: not run if it has not left the scheduler, its result (or
+        failure) ignored if it has."""
+        if not self.result.done():
+            self.result.cancel()
+        elif not self.result.cancelled():
+            self.result.exception()   # retrieved: asyncio does not log it as lost
 
 
 class ModelServer:
@@ -204,6 +227,7 @@ class ModelServer:
         stops = StopMatcher(tuple(req.stop) + tuple(template_stops))
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         spec = self._spec
+        ahead: _Sent | None = None   # a lookahead window in flight
         try:
             # ---- prefill -----------------------------------------------------------------
             t_prefill = time.perf_counter()
@@ -221,6 +245,7 @@ class ModelServer:
                 await self._draft_call(spec.draft.accept, [first])
             pos = len(prompt)
             pending = [first]
+            spec.gate.window_done(0, 0)   # a new text: no run to continue yet
             t_decode = time.perf_counter()
             self.scheduler.enter(session)
             while True:
@@ -244,19 +269,23 @@ class ModelServer:
                 if done:
                     break
                 last = pending[-1]
-                pending = await self._decode_step(rid, session, pos, last, proposer, sampling,
-                                                  max_tokens - len(generated), n_ctx)
+                pending, ahead = await self._decode_step(rid, session, pos, last, proposer, sampling,
+                                                         max_tokens - len(generated), n_ctx, ahead)
                 pos += len(pending)  # last + accepted drafts entered the KV
             tail = stops.flush() + utf8.decode(b"", final=True)
             if tail and not stops.stopped:
                 events.put_nowait(TextDelta(tail, ()))
             decode_s = time.perf_counter() - t_decode
-            counters = spec.telemetry.counters(rid)
+            counters, now = spec.telemetry.counters(rid), spec.telemetry.snapshot()
             self._finish(st, "done")
             events.put_nowait(Finished(finish, Usage(len(prompt), len(generated)), Timings(
                 prompt_n=len(prompt), prompt_ms=1e3 * prefill_s, predicted_n=len(generated),
                 predicted_ms=1e3 * decode_s, draft_n=counters.proposed,
-                draft_n_accepted=counters.accepted)))
+                draft_n_accepted=counters.accepted, draft_windows=counters.windows,
+                draft_verify_ms=1e3 * counters.verify_s, plain_steps=counters.plain_steps,
+                draft_lookahead=counters.lookahead, draft_lookahead_used=counters.lookahead_used,
+                spec_strategy=now.strategy, spec_state=now.state.value,
+                spec_window=now.current_window)))
         except asyncio.CancelledError:
             self._finish(st, "cancelled")
             raise
@@ -267,6 +296,8 @@ class ModelServer:
                 exc = EngineFailedError(f"generation failed: {exc}")
             events.put_nowait(exc)
         finally:
+            if ahead is not None:
+                ahead.withdraw()
             self.scheduler.leave(session)
             spec.telemetry.end_request(rid)
             try:
@@ -290,38 +321,61 @@ class ModelServer:
 
     async def _decode_step(self, rid: str, session: int, pos: int, last: int,
                            ngram: NGramProposer, sampling: Sampling, remaining: int,
-                           n_ctx: int) -> list[int]:
+                           n_ctx: int, ahead: _Sent | None) -> tuple[list[int], _Sent | None]:
+        """One decode step of ``last`` at ``pos``: its tokens, and the lookahead window
+        sent behind it (if any). ``ahead`` is the lookahead sent during the previous
+        step: taken as this step when its guess held, dropped otherwise."""
         spec = self._spec
-        room = min(remaining - 1, n_ctx - pos - 2, MAX_DRAFT)
-        drafts: list[int] = []
         t0 = time.perf_counter()
-        if spec.policy.should_draft and room > 0:
-            k = min(spec.window.next_window(), room)
-            if spec.draft is not None:
-                drafts = await self._draft_call(spec.draft.propose, [], k)
+        step = None
+        if ahead is not None:
+            used = ahead.pos == pos and ahead.last == last   # full acceptance, bonus guessed
+            spec.gate.outcome(used)
+            spec.telemetry.record_lookahead(rid, used)
+            if used:
+                step = ahead
             else:
-                drafts = ngram.propose(k, min_match=MIN_NGRAM_MATCH)
-            drafts = [int(t) for t in drafts[:k]]
-            spec.telemetry.set_window(k)
-        res = await self.scheduler.submit(Step(session, pos, np.asarray([last, *drafts], dtype=np.int32),
-                                               len(drafts) + 1, tuple(drafts), sampling))
+                ahead.withdraw()
+        if step is None:
+            drafts: list[int] = []
+            room = min(remaining - 1, n_ctx - pos - 2, MAX_DRAFT)
+            if spec.policy.should_draft and room > 0:
+                k = min(spec.window.next_window(), room)
+                if spec.draft is not None:
+                    drafts = await self._draft_call(spec.draft.propose, [], k)
+                else:
+                    drafts = ngram.propose(k, min_match=MIN_NGRAM_MATCH)
+                drafts = [int(t) for t in drafts[:k]]
+                spec.telemetry.set_window(k)
+            step = self._send(session, pos, last, drafts, sampling)
+        nxt = self._look_ahead(session, step, ngram, sampling, remaining, n_ctx)
+        try:
+            res = await step.result
+        except BaseException:
+            if nxt is not None:
+                nxt.withdraw()   # the caller never sees it
+            raise
         dt = time.perf_counter() - t0  # drafting included: it is part of what a step costs
         assert res is not None
-        tokens = list(res.tokens)
-        spec.cost.observe(len(drafts), dt)
+        tokens, drafts = list(res.tokens), step.drafts
+        if not step.lookahead:
+            # a lookahead's wait overlapped the step before it: not what a window costs
+            spec.cost.observe(len(drafts), dt)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %s: %d draft(s), %d accepted, %.1f ms (state %s, window %s)", rid,
+            log.debug("step %s: %d draft(s), %d accepted, %.1f ms (state %s, window %s%s)", rid,
                       len(drafts), res.n_accepted, 1e3 * dt, spec.policy.state.value,
-                      getattr(spec.window, "size", "-"))
+                      getattr(spec.window, "size", "-"), ", lookahead" if step.lookahead else "")
         if drafts:
             spec.policy.record_verify(len(drafts), res.n_accepted)
             spec.window.update(len(drafts), res.n_accepted)
+            spec.gate.window_done(len(drafts), res.n_accepted)
             spec.telemetry.record_window(rid, drafts, res.n_accepted, tokens[-1], dt)
             self._publish(DraftVerified(
                 rid, spec.telemetry.strategy,
                 tuple(self.tokenizer.decode([t]) for t in drafts), res.n_accepted,
                 self.tokenizer.decode([tokens[-1]]), time.time()))
         else:
+            spec.gate.window_done(0, 0)
             if spec.policy.should_observe:
                 spec.policy.record_cold(ngram.would_hit(tokens[0], min_match=MIN_NGRAM_MATCH))
             spec.telemetry.record_plain(rid, dt, len(tokens))
@@ -329,7 +383,34 @@ class ModelServer:
         if spec.draft is not None:
             await self._draft_call(spec.draft.accept, tokens)
         spec.policy.on_generated(len(tokens))
-        return tokens
+        return tokens, nxt
+
+    def _send(self, session: int, pos: int, last: int, drafts: list[int], sampling: Sampling,
+              *, lookahead: bool = False) -> _Sent:
+        step = Step(session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
+                    tuple(drafts), sampling)
+        return _Sent(pos, last, drafts, self.scheduler.enqueue(step), lookahead)
+
+    def _look_ahead(self, session: int, step: _Sent, ngram: NGramProposer, sampling: Sampling,
+                    remaining: int, n_ctx: int) -> _Sent | None:
+        """Send the window that follows ``step`` if it is fully accepted and its bonus is
+        the proposer's next token (see :mod:`meshnode.spec.lookahead` for when)."""
+        spec = self._spec
+        if (not step.drafts or self.pipeline.n_stages < 2 or not sampling.greedy
+                or spec.draft is not None or not spec.policy.should_draft
+                or self.scheduler.decoding != 1 or not spec.gate.allow()):
+            return None
+        k = len(step.drafts)
+        pos2, remaining2 = step.pos + k + 1, remaining - (k + 1)
+        room = min(remaining2 - 1, n_ctx - pos2 - 2, MAX_DRAFT)
+        if room < 1:
+            return None
+        k2 = min(spec.window.next_window(), room)
+        # the proposer's context ends at step.last: guess what follows the drafts in flight
+        cont = ngram.propose(1 + k2, min_match=MIN_NGRAM_MATCH, after=step.drafts)
+        if not cont:
+            return None
+        return self._send(session, pos2, cont[0], cont[1:], sampling, lookahead=True)
 
     async def _draft_call(self, fn, *args):
         spec = self._spec

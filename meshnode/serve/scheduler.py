@@ -1,7 +1,9 @@
 """Continuous batching at stage 0.
 
 Every active request submits one step at a time (a prefill chunk, a decode step or a
-verify window) and awaits its result. The scheduler coalesces the steps that are
+verify window) and awaits its result; a lone stream on a split may have a second one
+queued behind it (a lookahead window, :mod:`meshnode.spec.lookahead`), and a session's
+steps always travel in separate batches, in order. The scheduler coalesces the steps that are
 waiting into one :meth:`Pipeline.run` call, so all decoding sessions advance together
 through one engine call per stage.
 
@@ -53,15 +55,25 @@ class BatchScheduler:
         self._decoding.discard(session)
         self._wake.set()
 
+    @property
+    def decoding(self) -> int:
+        """Sessions in their decode loop now."""
+        return len(self._decoding)
+
     def _all_ready(self) -> bool:
         waiting = {step.session for step, _ in self._pending}
         return self._decoding - self._in_flight <= waiting
 
-    async def submit(self, step: Step) -> Finalized | None:
+    def enqueue(self, step: Step) -> asyncio.Future:
+        """Queue ``step``; the future gets its result. Cancel it to withdraw the step
+        (it is skipped if it has not been sent yet)."""
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((step, fut))
         self._wake.set()
-        return await fut
+        return fut
+
+    async def submit(self, step: Step) -> Finalized | None:
+        return await self.enqueue(step)
 
     def lane_size(self) -> int:
         """Most sessions in one batch: all of them on one node, a lane's share on a split."""
@@ -70,6 +82,11 @@ class BatchScheduler:
         return max(1, -(-active // lanes))
 
     def _take(self) -> list[tuple[Step, asyncio.Future]]:
+        # a step whose submitter gave up before it ran (a dropped lookahead, a cancelled
+        # request) is not run at all
+        self._pending = [item for item in self._pending if not item[1].done()]
+        if not self._pending:
+            return []
         first_step, _ = self._pending[0]
         n = int(first_step.tokens.shape[0])
         batch = [self._pending.pop(0)]
@@ -105,11 +122,20 @@ class BatchScheduler:
                     self._inflight.release()
                     break
                 batch = self._take()
+                if not batch:
+                    self._inflight.release()
+                    break
                 task = asyncio.get_running_loop().create_task(self._run(batch))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
 
     async def _run(self, batch: Sequence[tuple[Step, asyncio.Future]]) -> None:
+        # withdrawn between _take and now: must not reach the engine (its session may be
+        # gone already, and its KV would never be freed)
+        batch = [item for item in batch if not item[1].done()]
+        if not batch:
+            self._inflight.release()
+            return
         steps = [s for s, _ in batch]
         self._in_flight.update(s.session for s in steps)
         try:

@@ -80,13 +80,14 @@ class NGramProposer:
 
     # ---- lookup ---------------------------------------------------------------
 
-    def match(self) -> tuple[int, int] | None:
+    def match(self, after: Sequence[int] = ()) -> tuple[int, int] | None:
         """``(n, start)`` of the longest suffix n-gram seen before, or None.
 
         ``start`` is the position following that earlier occurrence: the first
-        proposed token is ``tokens[start]``.
+        proposed token is ``tokens[start]``. ``after``: tokens taken as appended to the
+        context for this lookup only (the index is not changed).
         """
-        toks = self._tokens
+        toks = self._tokens if not after else [*self._tokens, *after]
         size = len(toks)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
             start = self._index[n - self.min_n].get(tuple(toks[size - n :]))
@@ -94,26 +95,27 @@ class NGramProposer:
                 return n, start
         return None
 
-    def propose(self, k: int, *, min_match: int = 1) -> list[int]:
+    def propose(self, k: int, *, min_match: int = 1, after: Sequence[int] = ()) -> list[int]:
         """Up to ``k`` draft tokens continuing the latest earlier occurrence of the suffix.
 
         Returns ``[]`` when no suffix n-gram of at least ``min_match`` tokens occurred
         before (or ``k <= 0``). The result always has exactly ``k`` tokens otherwise
-        (periodic extension, see module doc).
+        (periodic extension, see module doc). ``after``: continue the context as if
+        these tokens followed it (drafts in flight), without indexing them.
         """
         if k <= 0:
             return []
-        m = self.match()
+        m = self.match(after)
         if m is None or m[0] < min_match:
             return []
         _, start = m
-        toks = self._tokens
-        size = len(toks)
+        ext = self._tokens if not after else [*self._tokens, *after]
+        size = len(ext)
         out: list[int] = []
         for j in range(k):
             p = start + j
             # p < size + j always holds (start < size), so ext[p] is already defined
-            out.append(toks[p] if p < size else out[p - size])
+            out.append(ext[p] if p < size else out[p - size])
         return out
 
     def would_hit(self, actual_next: int, *, min_match: int = 1) -> bool | None:

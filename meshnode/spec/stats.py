@@ -6,7 +6,8 @@ token, the step's seconds). :class:`SpecTelemetry` folds them into counters for 
 request and for the model, keeps the last few windows in a bounded deque for the TUI
 (``DraftVerified`` events are built from them by the node, which owns the
 detokenizer), and produces :class:`meshnode.state.SpecStats` snapshots and the
-``timings`` object llama.cpp's server adds to OpenAI responses.
+per-request counters that the node puts in each response's ``timings``
+(:class:`meshnode.serve.client.Timings`).
 
 Durations are passed in (seconds, measured by the caller's clock); nothing here
 reads a clock. A lock makes snapshots safe to take from another thread.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshnode.state import SpecState, SpecStats
 
@@ -48,6 +49,8 @@ class SpecCounters:
     windows: int = 0            # verify steps
     verify_s: float = 0.0       # total time of verify steps
     plain_steps: int = 0
+    lookahead: int = 0          # lookahead windows sent (meshnode.spec.lookahead)
+    lookahead_used: int = 0     # ... whose guess held
 
     @property
     def rejected(self) -> int:
@@ -61,27 +64,6 @@ class SpecCounters:
     @property
     def verify_ms_mean(self) -> float:
         return 1000.0 * self.verify_s / self.windows if self.windows else 0.0
-
-    def timings(self) -> dict[str, float | int]:
-        """llama.cpp server-style ``timings`` (draft fields only once drafting happened)."""
-        prompt_ms = 1000.0 * self.prompt_s
-        predicted_ms = 1000.0 * self.predicted_s
-        out: dict[str, float | int] = {
-            "prompt_n": self.prompt_n,
-            "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / self.prompt_n if self.prompt_n else 0.0,
-            "prompt_per_second": 1000.0 * self.prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
-            "predicted_n": self.predicted_n,
-            "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / self.predicted_n if self.predicted_n else 0.0,
-            "predicted_per_second": (
-                1000.0 * self.predicted_n / predicted_ms if predicted_ms > 0 else 0.0
-            ),
-        }
-        if self.proposed:
-            out["draft_n"] = self.proposed
-            out["draft_n_accepted"] = self.accepted
-        return out
 
 
 class SpecTelemetry:
@@ -158,11 +140,17 @@ class SpecTelemetry:
             self._recent.append(rec)
         return rec
 
-    def end_request(self, request_id: str) -> dict[str, float | int]:
-        """Forget ``request_id``; returns its final ``timings`` (zeros if unknown)."""
+    def record_lookahead(self, request_id: str, used: bool) -> None:
+        """A lookahead window was sent; ``used``: its guess held (it became the next window)."""
         with self._lock:
-            c = self._requests.pop(request_id, None) or SpecCounters()
-            return c.timings()
+            for c in (self._req(request_id), self._total):
+                c.lookahead += 1
+                c.lookahead_used += int(used)
+
+    def end_request(self, request_id: str) -> SpecCounters:
+        """Forget ``request_id``; returns its final counters (zeros if unknown)."""
+        with self._lock:
+            return self._requests.pop(request_id, None) or SpecCounters()
 
     # ---- reading ------------------------------------------------------------
 
@@ -186,21 +174,13 @@ class SpecTelemetry:
         with self._lock:
             return self._stats(self._requests.get(request_id) or SpecCounters())
 
-    def timings(self, request_id: str | None = None) -> dict[str, float | int]:
-        """``timings`` for one request (or overall when ``request_id`` is None)."""
-        with self._lock:
-            if request_id is None:
-                return self._total.timings()
-            return (self._requests.get(request_id) or SpecCounters()).timings()
-
     def counters(self, request_id: str | None = None) -> SpecCounters:
         """A copy of the raw counters (overall when ``request_id`` is None)."""
         with self._lock:
             c = self._total if request_id is None else self._requests.get(request_id)
             if c is None:
                 return SpecCounters()
-            return SpecCounters(c.prompt_n, c.prompt_s, c.predicted_n, c.predicted_s,
-                                c.proposed, c.accepted, c.windows, c.verify_s, c.plain_steps)
+            return replace(c)
 
     def recent(self) -> tuple[DraftRecord, ...]:
         """The most recent verify windows, oldest first."""

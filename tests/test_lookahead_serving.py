@@ -1,0 +1,209 @@
+"""Stage 0's lookahead windows (meshnode.spec.lookahead) through the real ModelServer loop.
+
+Pure logic: a fake 2-stage pipeline whose "model" knows the one right continuation
+(an oracle text), verifies windows exactly as the final stage does (accepted prefix +
+bonus) and enforces the engine's position rule (a step may start at or before the
+session's next position, rewinding it, never after: a gap). The n-gram proposer, auto
+policy, window controller, lookahead gate and scheduler are the real ones. Real llama.cpp
+and QUIC coverage of the same path: tests/test_spec_serving.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from meshnode.serve.client import ChatMessage, Finished, GenerationRequest, TextDelta
+from meshnode.serve.final import Finalized
+from meshnode.serve.model_server import ModelServer, ServeSettings
+from meshnode.spec.policy import WindowPolicy
+from meshnode.spec.strategy import SpecConfig
+
+# The answer copies the prompt's code with a few edits, so the n-gram proposer runs
+# long, and its guesses fail at every edit.
+CODE = "def total(items):\n    s = 0\n    for x in items:\n        s += x.price\n    return s\n" * 2
+GARBAGE = ord("~")   # what the fake model says after a context it was not trained on
+ANSWER = CODE.replace("total", "sum_all", 1).replace("price", "cost", 2) + "# done\n"
+
+
+class CharTokenizer:
+    """One token per character; no end-of-generation token."""
+
+    eog_ids: frozenset[int] = frozenset()
+
+    def encode(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode_bytes(self, tokens: list[int]) -> bytes:
+        return "".join(chr(t) for t in tokens).encode()
+
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(chr(t) for t in tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> tuple[list[int], list[str]]:
+        return self.encode("".join(m["content"] for m in messages)), []
+
+
+class OraclePipeline:
+    """Two stages' worth of delay. The "model" continues the true text (``truth``) only
+    from a KV that holds exactly the true text so far; anything else gets GARBAGE."""
+
+    n_stages = 2
+
+    def __init__(self, truth: list[int], delay: float = 0.005) -> None:
+        self.truth = truth
+        self.delay = delay
+        self.kv: dict[int, list[int]] = {}          # session -> token at each position
+        self.steps: list[tuple[int, int, int]] = []   # (pos, rows, drafts)
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def run(self, steps):
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            out = []
+            for s in steps:
+                rows, k = len(s.tokens), len(s.drafts)
+                kv = self.kv.setdefault(s.session, [])
+                assert s.pos <= len(kv), f"gap: step at {s.pos}, session is at {len(kv)}"
+                del kv[s.pos:]                              # rewinds past rejected rows
+                kv.extend(int(t) for t in s.tokens)
+                self.steps.append((s.pos, rows, k))
+
+                def predict(q: int) -> int:
+                    # like a model: right only when everything up to q is the true text
+                    return self.truth[q + 1] if kv[:q + 1] == self.truth[:q + 1] else GARBAGE
+
+                base = s.pos + rows - k - 1                # position of `last`
+                n = 0
+                while n < k and s.drafts[n] == predict(base + n):
+                    n += 1
+                out.append(Finalized((*s.drafts[:n], predict(base + n)), n, k) if s.n_logits else None)
+            await asyncio.sleep(self.delay)
+            return out
+        finally:
+            self.in_flight -= 1
+
+    async def end_session(self, session: int) -> None:
+        self.kv.pop(session, None)
+
+    async def close(self) -> None: ...
+
+
+def _spec(mode: str = "on") -> SpecConfig:
+    return SpecConfig("ngram", "ngram", mode, None, WindowPolicy(), "test")
+
+
+async def _generate(server: ModelServer, max_tokens: int, temperature: float = 0.0):
+    req = GenerationRequest("r1", "m", messages=(ChatMessage("user", CODE),),
+                            max_tokens=max_tokens, temperature=temperature, seed=1)
+    text, finished = "", None
+    async for ev in server.generate(req):
+        if isinstance(ev, TextDelta):
+            text += ev.text
+        elif isinstance(ev, Finished):
+            finished = ev
+    return text, finished
+
+
+def _server(pipe: OraclePipeline, spec: SpecConfig | None) -> ModelServer:
+    return ModelServer(ServeSettings("m", n_ctx=1024, spec=spec), CharTokenizer(), pipe)
+
+
+def _edited(seed: int) -> str:
+    """CODE with a few characters changed at random places: edits anywhere in a window,
+    including right where a window's bonus token falls."""
+    rng = random.Random(seed)
+    chars = list(CODE)
+    for i in rng.sample(range(len(chars)), 4):
+        chars[i] = rng.choice("XYZ")
+    return "".join(chars)
+
+
+async def _run_answer(answer: str, max_tokens: int):
+    pipe = OraclePipeline(CharTokenizer().encode(CODE) + CharTokenizer().encode(answer))
+    server = _server(pipe, _spec())
+    text, fin = await _generate(server, max_tokens)
+    await server.scheduler.close()
+    return pipe, text, fin
+
+
+@pytest.mark.parametrize("max_tokens", [len(ANSWER), 40])
+def test_lookahead_keeps_the_exact_text_and_overlaps_steps(max_tokens):
+    pipe, text, fin = asyncio.run(_run_answer(ANSWER, max_tokens))
+    assert text == ANSWER[:max_tokens]
+    t = fin.timings
+    assert t.draft_lookahead >= 1 and t.draft_lookahead_used >= 1
+    assert pipe.max_in_flight == 2            # a lookahead rode behind a window
+    if max_tokens == len(ANSWER):
+        # the edits make some guesses fail; the text above is still exact
+        assert t.draft_lookahead_used < t.draft_lookahead
+    # decode steps are [last, *drafts]; none started past its session (checked in run)
+    assert all(rows == k + 1 for pos, rows, k in pipe.steps if pos >= len(CODE))
+
+
+def test_exact_under_random_edits():
+    sent = used = 0
+    for seed in range(12):
+        answer = _edited(seed)
+        _, text, fin = asyncio.run(_run_answer(answer, len(answer)))
+        assert text == answer, seed
+        sent, used = sent + fin.timings.draft_lookahead, used + fin.timings.draft_lookahead_used
+    assert 0 < used < sent
+
+
+def test_no_lookahead_when_sampling_or_on_one_node():
+    truth = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
+
+    async def run(n_stages: int, temperature: float):
+        pipe = OraclePipeline(truth)
+        pipe.n_stages = n_stages
+        server = _server(pipe, _spec())
+        _, fin = await _generate(server, 60, temperature)
+        await server.scheduler.close()
+        return pipe, fin
+
+    for n_stages, temperature in ((1, 0.0), (2, 0.7)):
+        pipe, fin = asyncio.run(run(n_stages, temperature))
+        assert fin.timings.draft_lookahead == 0 and pipe.max_in_flight == 1
+
+
+class _JitterPipeline(OraclePipeline):
+    """Steps take random times, so results, lookaheads and withdrawals interleave in
+    every order the scheduler allows."""
+
+    def __init__(self, truth: list[int], rng: random.Random) -> None:
+        super().__init__(truth)
+        self.rng = rng
+
+    async def run(self, steps):
+        self.delay = self.rng.choice([0.0, 0.0005, 0.002, 0.006])
+        return await super().run(steps)
+
+
+def test_exact_under_random_timing_and_request_ends():
+    async def main(seed: int) -> list[tuple[str, str]]:
+        rng = random.Random(seed)
+        answer = _edited(seed)
+        pipe = _JitterPipeline(CharTokenizer().encode(CODE) + CharTokenizer().encode(answer), rng)
+        server = _server(pipe, _spec("on" if seed % 2 else "auto"))
+        got = []
+        for r in range(2):   # the second request starts right after a lookahead was dropped
+            n = rng.choice([17, 30, len(answer)])
+            req = GenerationRequest(f"r{r}", "m", messages=(ChatMessage("user", CODE),),
+                                    max_tokens=n, temperature=0.0)
+            text = ""
+            async for ev in server.generate(req):
+                if isinstance(ev, TextDelta):
+                    text += ev.text
+            got.append((text, answer[:n]))
+        await server.scheduler.close()
+        assert not pipe.kv, "every session was freed"
+        return got
+
+    for seed in range(40):
+        for text, want in asyncio.run(main(seed)):
+            assert text == want, seed
