@@ -335,6 +335,7 @@ class ModelServer:
             if used:
                 step = ahead
             else:
+                log.debug("step %s: lookahead at %d dropped", rid, ahead.pos)
                 ahead.withdraw()
         if step is None:
             drafts: list[int] = []
