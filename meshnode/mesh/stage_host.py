@@ -43,7 +43,12 @@ class StageHost:
         self._task = asyncio.get_running_loop().create_task(self._serve(), name="stage-host")
         self._out_dtype = np.float16 if route.wire_dtype == "f16" else np.float32
         self.batches = 0
+        self.skipped = 0                  # stale lookahead windows not computed
         self.sessions: set[int] = set()   # sessions holding KV here (loop thread only)
+        # Final stage: per session, the first position whose token is not verified yet
+        # (the bonus of the last window goes there). A window starting past it builds
+        # on rejected rows: a lookahead the coordinator will drop (meshnode.spec.lookahead).
+        self._verified: dict[int, int] = {}
 
     def accept(self, peer: str, msg: object) -> bool:
         """Queue a data-plane message; False if it is not one."""
@@ -72,6 +77,7 @@ class StageHost:
                         await self.worker.rollback(session, pos)
                     case wire.SessionEnd(session=session):
                         self.sessions.discard(session)
+                        self._verified.pop(session, None)
                         self.sampler.forget(session)
                         await self.worker.drop(session)
             except asyncio.CancelledError:
@@ -98,14 +104,38 @@ class StageHost:
             return out if out.dtype == self._out_dtype else out.astype(self._out_dtype)
         results = []
         for s, logits in zip(msg.segments, outs):
+            self._verified[s.session] = s.pos + s.n_rows
             if s.n_logits:
                 fin = self.sampler.finalize(s.session, logits, tuple(s.drafts),
                                             Sampling(s.temperature, s.top_k, s.top_p, s.seed))
                 results.append(wire.SegmentResult(session=s.session, tokens=fin.tokens,
                                                   n_accepted=fin.n_accepted, n_drafted=fin.n_drafted))
+                # rows after the last accepted draft hold rejected tokens
+                self._verified[s.session] -= fin.n_drafted - fin.n_accepted
         return results
 
+    def _stale(self, msg: wire.Forward) -> bool:
+        """A lone window that starts past its session's verified positions (final stage):
+        a lookahead whose guess already failed here. Every legitimate step starts at or
+        before that position, so skipping it never changes an output."""
+        if not self.is_last or len(msg.segments) != 1:
+            return False
+        seg = msg.segments[0]
+        verified = self._verified.get(seg.session)
+        return verified is not None and seg.pos > verified
+
     async def _forward(self, msg: wire.Forward) -> None:
+        if self._stale(msg):
+            # Answer at once, so the coordinator's step ends (it drops the result anyway)
+            # and the real next window does not wait behind a useless computation.
+            self.skipped += 1
+            seg = msg.segments[0]
+            log.debug("batch %d: session %d window at %d starts past verified %d: skipped",
+                      msg.batch_id, seg.session, seg.pos, self._verified[seg.session])
+            await self._send(self.route.coordinator, wire.DataError(
+                ref=0, batch_id=msg.batch_id, session=seg.session, code=wire.ErrorCode.BAD_FIELD,
+                message="stale lookahead window (starts past the verified positions): not computed"))
+            return
         out = await self.worker.step(len(msg.act), self._compute, msg)
         self.batches += 1
         if not self.is_last:

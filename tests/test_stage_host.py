@@ -1,0 +1,97 @@
+"""StageHost's data plane on a final stage (pure logic: fake engine, fake fabric).
+
+The final stage skips a lone window that starts past its session's verified positions
+(a lookahead whose guess it has already seen fail) and answers DataError at once;
+every legitimate step starts at or before that position and is computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from meshnode import wire
+from meshnode.mesh.stage_host import StageHost, StageRoute
+
+N_EMBD, N_VOCAB = 4, 256
+
+
+class _Engine:
+    """Final-stage stand-in: the greedy choice for the row at position p is ``truth[p]``."""
+
+    def __init__(self, truth: dict[int, int]) -> None:
+        self.truth = truth
+        self.calls: list[tuple[int, int]] = []   # (pos, rows)
+
+    def forward(self, segs, rewind=False):
+        out = []
+        for s in segs:
+            self.calls.append((s.pos, s.n_rows))
+            logits = np.zeros((s.n_logits, N_VOCAB), dtype=np.float32)
+            first = s.pos + s.n_rows - s.n_logits
+            for j in range(s.n_logits):
+                logits[j, self.truth.get(first + j, 0)] = 1.0
+            out.append(logits)
+        return out
+
+
+class _Worker:
+    def __init__(self, engine: _Engine) -> None:
+        self.engine = engine
+
+    async def step(self, rows, fn, *args):
+        return fn(*args)
+
+    async def drop(self, session): ...
+
+    async def rollback(self, session, pos): ...
+
+    async def close(self): ...
+
+
+class _Fabric:
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    async def send_data(self, node, msg, key) -> None:
+        self.sent.append(msg)
+
+
+def _window(batch_id: int, pos: int, drafts: tuple[int, ...], session: int = 1) -> wire.Forward:
+    rows = len(drafts) + 1
+    seg = wire.Segment(session=session, pos=pos, n_rows=rows, n_logits=rows, drafts=drafts,
+                       temperature=0.0, top_k=0, top_p=1.0, seed=0, flags=0)
+    return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=(seg,),
+                        act=np.zeros((rows, N_EMBD), dtype=np.float32))
+
+
+def test_final_stage_skips_only_windows_past_the_verified_positions():
+    # the true token at position p is 100 + p
+    engine = _Engine({p: 101 + p for p in range(64)})
+
+    async def main():
+        fabric = _Fabric()
+        host = StageHost(fabric, _Worker(engine), StageRoute(coordinator="c", downstream=None))
+        # W at 10 = [last, d1..d3]: d1 right (111), d2 wrong -> 1 accepted, bonus 112
+        await host._forward(_window(1, 10, (111, 5, 6)))
+        # its lookahead at 14 builds on rejected rows: skipped, answered at once
+        await host._forward(_window(2, 14, (7, 8)))
+        # the real next window starts at 12: computed
+        await host._forward(_window(3, 12, (113, 114)))
+        # fully accepted (next free position 15): a lookahead exactly there is computed
+        await host._forward(_window(4, 15, (116,)))
+        # a session the stage has not verified anything of yet is never skipped
+        await host._forward(_window(5, 30, (131,), session=2))
+        await host.close()
+        return fabric.sent, host.skipped
+
+    sent, skipped = asyncio.run(main())
+    assert engine.calls == [(10, 4), (12, 3), (15, 2), (30, 2)]
+    assert skipped == 1
+    kinds = [(type(m).__name__, m.batch_id) for m in sent]
+    assert kinds == [("TokenReturn", 1), ("DataError", 2), ("TokenReturn", 3),
+                     ("TokenReturn", 4), ("TokenReturn", 5)]
+    first = sent[0].results[0]
+    assert (first.tokens, first.n_accepted) == ((111, 112), 1)
+    assert sent[2].results[0].tokens == (113, 114, 115)
