@@ -104,14 +104,14 @@ class StageHost:
             return out if out.dtype == self._out_dtype else out.astype(self._out_dtype)
         results = []
         for s, logits in zip(msg.segments, outs):
-            self._verified[s.session] = s.pos + s.n_rows
+            verified = s.pos + s.n_rows
             if s.n_logits:
                 fin = self.sampler.finalize(s.session, logits, tuple(s.drafts),
                                             Sampling(s.temperature, s.top_k, s.top_p, s.seed))
                 results.append(wire.SegmentResult(session=s.session, tokens=fin.tokens,
                                                   n_accepted=fin.n_accepted, n_drafted=fin.n_drafted))
-                # rows after the last accepted draft hold rejected tokens
-                self._verified[s.session] -= fin.n_drafted - fin.n_accepted
+                verified -= fin.n_drafted - fin.n_accepted   # rows holding rejected drafts
+            self._verified[s.session] = verified
         return results
 
     def _stale(self, msg: wire.Forward) -> bool:

@@ -107,11 +107,21 @@ class _Spec:
 class _Sent:
     """A decode step handed to the scheduler, its result not yet taken."""
 
-    pos: int
-    last: int
-    drafts: list[int]
+    step: Step
     result: asyncio.Future
     lookahead: bool = False
+
+    @property
+    def pos(self) -> int:
+        return self.step.pos
+
+    @property
+    def last(self) -> int:
+        return int(self.step.tokens[0])
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return self.step.drafts
 
     def withdraw(self) -> None:
         """Give the step up: not run if it has not left the scheduler, its result (or
@@ -362,6 +372,7 @@ class ModelServer:
         if not step.lookahead:
             # a lookahead's wait overlapped the step before it: not what a window costs
             spec.cost.observe(len(drafts), dt)
+        spec.gate.window_done(len(drafts), res.n_accepted)   # a plain step ends any run
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %s: %d draft(s), %d accepted, %.1f ms (state %s, window %s%s)", rid,
                       len(drafts), res.n_accepted, 1e3 * dt, spec.policy.state.value,
@@ -369,14 +380,12 @@ class ModelServer:
         if drafts:
             spec.policy.record_verify(len(drafts), res.n_accepted)
             spec.window.update(len(drafts), res.n_accepted)
-            spec.gate.window_done(len(drafts), res.n_accepted)
             spec.telemetry.record_window(rid, drafts, res.n_accepted, tokens[-1], dt)
             self._publish(DraftVerified(
                 rid, spec.telemetry.strategy,
                 tuple(self.tokenizer.decode([t]) for t in drafts), res.n_accepted,
                 self.tokenizer.decode([tokens[-1]]), time.time()))
         else:
-            spec.gate.window_done(0, 0)
             if spec.policy.should_observe:
                 spec.policy.record_cold(ngram.would_hit(tokens[0], min_match=MIN_NGRAM_MATCH))
             spec.telemetry.record_plain(rid, dt, len(tokens))
@@ -390,7 +399,7 @@ class ModelServer:
               *, lookahead: bool = False) -> _Sent:
         step = Step(session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
                     tuple(drafts), sampling)
-        return _Sent(pos, last, drafts, self.scheduler.enqueue(step), lookahead)
+        return _Sent(step, self.scheduler.enqueue(step), lookahead)
 
     def _look_ahead(self, session: int, step: _Sent, ngram: NGramProposer, sampling: Sampling,
                     remaining: int, n_ctx: int) -> _Sent | None:

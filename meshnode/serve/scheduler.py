@@ -118,10 +118,7 @@ class BatchScheduler:
                 await asyncio.sleep(0)
             while self._pending:
                 await self._inflight.acquire()
-                if not self._pending:
-                    self._inflight.release()
-                    break
-                batch = self._take()
+                batch = self._take()   # [] when every waiting step was withdrawn meanwhile
                 if not batch:
                     self._inflight.release()
                     break

@@ -87,10 +87,12 @@ class NGramProposer:
         proposed token is ``tokens[start]``. ``after``: tokens taken as appended to the
         context for this lookup only (the index is not changed).
         """
-        toks = self._tokens if not after else [*self._tokens, *after]
-        size = len(toks)
-        for n in range(min(self.max_n, size), self.min_n - 1, -1):
-            start = self._index[n - self.min_n].get(tuple(toks[size - n :]))
+        # only the last max_n tokens of context + after can form the suffix
+        tail = self._tokens[-self.max_n :]
+        if after:
+            tail = [*tail, *after][-self.max_n :]
+        for n in range(len(tail), self.min_n - 1, -1):
+            start = self._index[n - self.min_n].get(tuple(tail[len(tail) - n :]))
             if start is not None:
                 return n, start
         return None
@@ -109,13 +111,19 @@ class NGramProposer:
         if m is None or m[0] < min_match:
             return []
         _, start = m
-        ext = self._tokens if not after else [*self._tokens, *after]
-        size = len(ext)
+        toks = self._tokens
+        n_toks = len(toks)
+        size = n_toks + len(after)   # the context as extended by ``after``
         out: list[int] = []
         for j in range(k):
             p = start + j
-            # p < size + j always holds (start < size), so ext[p] is already defined
-            out.append(ext[p] if p < size else out[p - size])
+            # p < size + j always holds (start < n_toks), so position p is already defined
+            if p < n_toks:
+                out.append(toks[p])
+            elif p < size:
+                out.append(after[p - n_toks])
+            else:
+                out.append(out[p - size])
         return out
 
     def would_hit(self, actual_next: int, *, min_match: int = 1) -> bool | None:
