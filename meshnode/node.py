@@ -228,8 +228,12 @@ class Node:
         except Exception:  # noqa: BLE001 - stale capabilities are better than a dead node
             log.debug("capability refresh failed", exc_info=True)
 
-    async def _dispatch(self, node_id: str, msg: Any) -> None:
-        """Route a fabric message to whichever part of the node owns it."""
+    def _dispatch(self, node_id: str, msg: Any) -> None:
+        """Route a fabric message to whichever part of the node owns it.
+
+        Synchronous: the fabric calls it inside the datagram's callback, so an
+        activation or a returned token reaches its stage without a task and a loop
+        iteration in between (both handlers only queue or resolve a future)."""
         if self.coordinator.handle(node_id, msg):
             return
         if self.stage_server.handle(node_id, msg):

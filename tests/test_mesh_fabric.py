@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -119,3 +120,48 @@ async def test_duplicate_dials_keep_one_link(tmp_path):
         await a.stop()
         await b.stop()
         a2_task.cancel()
+
+
+async def test_decode_exchange_sends_one_datagram_each_way(tmp_path):
+    """A decode-step exchange on loopback: the activation (576 x f32, like SmolLM2) is
+    one datagram (loopback datagrams are 16 KB), and the ACK of each message rides on
+    the reply instead of a datagram of its own (meshnode/net/acks.py)."""
+    s = new_secret()
+    a = _fabric(tmp_path, "a", s, discovery=False)
+    await a.start()
+    b = _fabric(tmp_path, "b", s, discovery=False, static_peers=[f"127.0.0.1:{a.port}"])
+    got_a: asyncio.Queue = asyncio.Queue()
+
+    async def on_b(node_id, msg):
+        if isinstance(msg, Forward):
+            await b.send_data(node_id, Status(ref=0, term=msg.step, state="tok", detail="", progress=0.0),
+                              stream_key="data")
+
+    b.on_message(on_b)
+    a.on_message(lambda nid, m: got_a.put_nowait(m))
+    await b.start()
+    try:
+        await _until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 3.0)
+        sizes: dict[str, list[int]] = {"a": [], "b": []}
+        for name, fabric in (("a", a), ("b", b)):
+            [link] = fabric._links.values()  # noqa: SLF001
+            transport, orig = link._transport, link._transport.sendto  # noqa: SLF001
+
+            def counting(data, addr=None, _orig=orig, _log=sizes[name]):
+                _log.append(len(data))
+                return _orig(data, addr)
+
+            transport.sendto = counting
+        n = 40
+        for i in range(n):
+            await a.send_data(b.node_id, _forward(i, width=576), stream_key="data")
+            reply = await asyncio.wait_for(got_a.get(), 2.0)
+            assert reply.term == i
+            time.sleep(0.003)   # the next step's compute, inline on the loop as a stage runs it
+        big = [x for x in sizes["a"] if x > 2304]
+        assert len(big) == n, sizes["a"]                         # one datagram per activation
+        # heartbeats (every 0.3 s) and their echoes may add a few; ACK datagrams would add ~n
+        assert len(sizes["a"]) <= n + 6 and len(sizes["b"]) <= n + 6, sizes
+    finally:
+        await a.stop()
+        await b.stop()

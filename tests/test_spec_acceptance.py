@@ -226,3 +226,23 @@ def test_verify_logits_sampled_matches_probs():
         r = verify_logits(logits, [1], temperature=0.7, top_k=3, top_p=0.9, rng=rng)
         counts[r.tokens[0]] += 1
     assert_distribution(counts, p0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=-1e4, max_value=1e4, width=32), min_size=1, max_size=64),
+       st.sampled_from([np.float32, np.float16, np.float64]))
+def test_greedy_token_is_the_argmax_of_the_float64_row(values, dtype):
+    from meshnode.spec.acceptance import _as_row, greedy_token
+
+    row = np.asarray(values, dtype=dtype)
+    assert greedy_token(row) == int(np.argmax(_as_row(row)))   # ties: the first index too
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([1.0, float("nan"), 2.0], "NaN"), ([float("inf"), 1.0], "+inf"),
+    ([-float("inf")] * 3, "-inf"), ([], "non-empty")])
+def test_greedy_token_rejects_what_as_row_rejects(bad, message):
+    from meshnode.spec.acceptance import greedy_token
+
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        greedy_token(np.asarray(bad, dtype=np.float32))

@@ -11,6 +11,11 @@ llama_decode per stage instead of one in all.
   whole model, fed to both paths); the two paths alternate token by token, and which goes
   first alternates too, so machine load drifts hit both alike. Median ms/token after
   ``--warmup`` steps.
+- idle gap: the whole model again, alternating a step right after the previous one with
+  a step after ``--gap-ms`` of sleep. A pipeline stage waits for the other stages between
+  its steps; on a machine whose cores lose their warm state while idle (the VM of
+  DESIGN.md) that wait makes the stage's own compute slower, which no network
+  optimisation can win back.
 - prefill: a ``--prefill``-token prompt fed in chunks of ``--batch`` rows, ``--reps``
   times per path (chunk by chunk, alternating which path goes first), median tokens/s.
 
@@ -42,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows per llama_decode, the prefill chunk (default 64)")
     parser.add_argument("--reps", type=int, default=5, help="prefill repetitions per path (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
+    parser.add_argument("--gap-ms", type=float, default=12.0, metavar="MS",
+                        help="idle gap before every other step of the idle-gap measurement "
+                             "(default 12: a 2-stage SmolLM2 split's wait; 0 skips it)")
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
 
 
@@ -63,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokens < 1 or args.prefill < 1 or args.batch < 1 or args.reps < 1 or args.warmup < 0:
         raise MeshnodeError("--tokens, --prefill, --batch and --reps must be positive")
+    if args.gap_ms < 0:
+        raise MeshnodeError("--gap-ms must be 0 or more")
     paths = NodePaths.resolve(args.home).ensure()
     ref = resolve_model(args.model, paths)
     splits = parse_splits(args.splits, ref.n_layers)
@@ -80,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     prefill_ids = np.asarray(text_ids[: args.prefill], dtype=np.int32)
     prompt_ids = np.asarray(text_ids[:32], dtype=np.int32)
 
-    n_ctx = max(args.prefill, 32 + args.warmup + args.tokens) + 8
+    n_ctx = max(args.prefill, 32 + args.warmup + 2 * args.tokens) + 8
     common = dict(n_ctx=n_ctx, n_batch=args.batch, n_seq_max=1, n_threads=threads)
     whole = StageEngine(EngineSpec(ref.path, **common))
     stages = [
@@ -127,6 +137,18 @@ def run(args: argparse.Namespace) -> int:
             pos += 1
         decode_stage_ms = [1000 * float(np.median(t)) for t in stage_times]
 
+        # ---- idle gap ----------------------------------------------------------------
+        gap: dict[str, list[float]] = {"back_to_back": [], "after_gap": []}
+        for step in range(args.tokens if args.gap_ms > 0 else 0):
+            kind = "after_gap" if step % 2 else "back_to_back"
+            if kind == "after_gap":
+                time.sleep(args.gap_ms / 1000)
+            t0 = time.perf_counter()
+            out = whole_forward(pos, np.asarray([nxt], dtype=np.int32), 1, False)
+            gap[kind].append(time.perf_counter() - t0)
+            nxt = int(out[-1].argmax())
+            pos += 1
+
         # ---- prefill -----------------------------------------------------------------
         for t in stage_times:
             t.clear()
@@ -154,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
     dec = {k: 1000 * float(np.median(v)) for k, v in decode.items()}
     pre = {k: args.prefill / float(np.median(v)) for k, v in prefill.items()}
+    idle = ({k: 1000 * float(np.median(v)) for k, v in gap.items()} if gap["after_gap"] else None)
     result = {
         "model": ref.name,
         "n_layers": ref.n_layers,
@@ -169,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         "prefill_stage_ms_per_chunk": [
             1000 * s / -(-args.prefill // args.batch) for s in prefill_stage_s],
         "chain_logits_identical": exact,
+        "idle_gap": None if idle is None else {
+            "gap_ms": args.gap_ms, **idle, "ratio": idle["after_gap"] / idle["back_to_back"]},
     }
 
     names = [f"[{a},{b})" for a, b in ranges]
@@ -183,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
         f"{n} {t:.2f}" for n, t in zip(names, decode_stage_ms)))
     print("             prefill ms/chunk " + ", ".join(
         f"{n} {t:.1f}" for n, t in zip(names, result["prefill_stage_ms_per_chunk"])))
+    if idle is not None:
+        print(f"  whole model, one step after {args.gap_ms:g} ms idle: {idle['after_gap']:.2f} ms against "
+              f"{idle['back_to_back']:.2f} right after the previous one "
+              f"({result['idle_gap']['ratio']:.2f}x)")
     print(f"  decode logits identical on both paths: {'yes' if exact else 'NO'}; "
           f"load average {' '.join(f'{x:.2f}' for x in result['loadavg'])}")
     if args.json:

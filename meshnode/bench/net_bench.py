@@ -76,7 +76,8 @@ async def _run_one(args: argparse.Namespace, datagram: int) -> dict:
 
     secret = new_secret()
     # Generous keep-alive: the benchmark saturates the loop; only the transport is measured.
-    settings = LinkSettings(max_datagram_size=datagram, idle_timeout_s=10.0, dead_after_s=10.0)
+    settings = LinkSettings(max_datagram_size=datagram, loopback_datagram_size=datagram,
+                            idle_timeout_s=10.0, dead_after_s=10.0)
     with tempfile.TemporaryDirectory() as tmp:
         def mk(name: str, **kw) -> MeshFabric:
             p = NodePaths.resolve(Path(tmp) / name).ensure()

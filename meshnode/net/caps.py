@@ -60,25 +60,39 @@ def local_capabilities(models: tuple[HeldModel, ...] = ()) -> Capabilities:
     )
 
 
+SPEED_TRIALS = 7          # best of: a trial that shared its core is thrown away
+SPEED_TRIAL_S = 0.015
+
+
 @functools.cache
 def measured_speed() -> float:
-    """GFLOP/s of a float32 matmul on this machine, measured once per process (~0.1 s).
+    """This machine's decode speed as the planner weighs it: single-core GFLOP/s of a
+    small float32 matmul times the core count, measured once per process (~0.1 s).
 
-    The planner weighs layers by it: a relative figure is all it needs, and a matmul
-    tracks what a CPU decode step costs far better than a core count does.
+    A relative figure is all the planner needs, but it must not depend on what else the
+    machine is doing at start-up: nodes start next to a loading model, another node or
+    a benchmark. A matmul big enough for BLAS to use every core collapses when one core
+    is busy (its threads wait on each other): on the 2-core VM of DESIGN.md a 384 x 384
+    matmul measured 60-84 quiet and 5-25 next to one busy process, and the planner gave
+    one node 1 layer of 30. A 64 x 64 matmul stays on one thread, and the best of several
+    short trials skips the ones that shared their core (38-60 busy against 59-63 quiet).
     """
     import time
 
     import numpy as np
 
-    a = np.random.default_rng(0).standard_normal((384, 384), dtype=np.float32)
-    b = a.T.copy()
-    a @ b  # warm-up (BLAS threads, caches)
-    n, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < 0.1:
-        a @ b
-        n += 1
-    return 2 * 384**3 * n / elapsed / 1e9
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 64), dtype=np.float32)
+    b = rng.standard_normal((64, 64), dtype=np.float32)
+    a @ b  # warm-up
+    best = 0.0
+    for _ in range(SPEED_TRIALS):
+        n, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < SPEED_TRIAL_S:
+            a @ b
+            n += 1
+        best = max(best, n / elapsed)
+    return 2 * 64**3 * best / 1e9 * (os.cpu_count() or 1)
 
 
 def _free_ram() -> int:

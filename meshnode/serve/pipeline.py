@@ -95,6 +95,11 @@ class LocalPipeline:
             await self.worker.close()
 
 
+def _time_out(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(EngineUnavailableError("the final stage did not answer in time"))
+
+
 class MeshPipeline:
     """Stage 0 here; stages 1..n-1 on peers (``route``), reached through the fabric."""
 
@@ -166,11 +171,14 @@ class MeshPipeline:
             raise EngineUnavailableError(f"cannot reach stage 1 ({exc})") from exc
         if fut is None:
             return [None] * len(steps)
+        # A timer on the future itself rather than asyncio.wait_for: wait_for wakes this
+        # task through an extra waiter, a loop iteration more on every decode step.
+        timer = asyncio.get_running_loop().call_later(self.reply_timeout, _time_out, fut)
         try:
-            reply: wire.TokenReturn = await asyncio.wait_for(fut, self.reply_timeout)
-        except asyncio.TimeoutError:
+            reply: wire.TokenReturn = await fut
+        finally:
+            timer.cancel()
             self._pending.pop(batch_id, None)
-            raise EngineUnavailableError("the final stage did not answer in time") from None
         by_session = {r.session: r for r in reply.results}
         out: list[Finalized | None] = []
         for s in steps:

@@ -71,6 +71,24 @@ def _as_row(logits_row: np.ndarray | Sequence[float]) -> np.ndarray:
     return row
 
 
+def greedy_token(logits_row: np.ndarray) -> int:
+    """The argmax of one row of logits, with :func:`_as_row`'s checks.
+
+    The hot path of greedy decoding (one call per emitted token at the final stage), so
+    it stays in the row's own dtype: a float64 copy plus NaN/inf passes over a 49k-token
+    vocabulary cost more than the argmax itself. NumPy's argmax returns the first NaN if
+    there is one, so checking the picked value alone rejects NaN, +inf and all -inf
+    rows, as :func:`_as_row` does; the index is the same as on a float64 copy (the
+    conversion is exact, and ties go to the first index either way)."""
+    row = np.asarray(logits_row)
+    if row.ndim != 1 or row.size == 0:
+        raise ValueError(f"expected a non-empty 1-D logits row, got shape {row.shape}")
+    i = int(row.argmax())
+    if not np.isfinite(row[i]):
+        _as_row(row)   # raises the precise error
+    return i
+
+
 def probs(
     logits_row: np.ndarray | Sequence[float],
     temperature: float,
@@ -220,7 +238,7 @@ def verify_logits(
     if rows.ndim != 2 or rows.shape[0] < k + 1:
         raise ValueError(f"need logits of shape ({k + 1}, V), got {rows.shape}")
     if temperature <= 0:
-        am = [int(np.argmax(_as_row(rows[i]))) for i in range(k + 1)]
+        am = [greedy_token(rows[i]) for i in range(k + 1)]
         n = verify_greedy(am, drafts)
         return VerifyResult(tuple(int(d) for d in drafts[:n]), am[n])
     if rng is None:
