@@ -12,6 +12,8 @@ import pytest
     ["bench", "spec", "--target-quant", "Q9"],
     ["bench", "spec", "--draft-quant", "half"],
     ["bench", "serve", "--rounds", "0"],
+    ["bench", "engine", "--gap-ms", "-1"],
+    ["bench", "engine", "--gap-ms", "soon"],
 ])
 def test_bad_benchmark_options_are_refused_up_front(tmp_path, args):
     r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), *args],

@@ -36,6 +36,8 @@ TEXT = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from meshnode.cli import non_negative_float
+
     parser.add_argument("model", nargs="?", default=None,
                         help="a GGUF path or a model name in the store (default: the default model)")
     parser.add_argument("--splits", default="10,20", metavar="L1,L2,...",
@@ -47,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows per llama_decode, the prefill chunk (default 64)")
     parser.add_argument("--reps", type=int, default=5, help="prefill repetitions per path (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
-    parser.add_argument("--gap-ms", type=float, default=12.0, metavar="MS",
+    parser.add_argument("--gap-ms", type=non_negative_float, default=12.0, metavar="MS",
                         help="idle gap before every other step of the idle-gap measurement "
                              "(default 12: a 2-stage SmolLM2 split's wait; 0 skips it)")
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
@@ -71,8 +73,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokens < 1 or args.prefill < 1 or args.batch < 1 or args.reps < 1 or args.warmup < 0:
         raise MeshnodeError("--tokens, --prefill, --batch and --reps must be positive")
-    if args.gap_ms < 0:
-        raise MeshnodeError("--gap-ms must be 0 or more")
     paths = NodePaths.resolve(args.home).ensure()
     ref = resolve_model(args.model, paths)
     splits = parse_splits(args.splits, ref.n_layers)

@@ -45,6 +45,17 @@ def positive_int(text: str) -> int:
     return v
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0, with a one-line error otherwise."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v >= 0:   # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return v
+
+
 def add_common_options(parser: argparse.ArgumentParser) -> None:
     """Options every command accepts (before or after the command name)."""
     parser.add_argument(
