@@ -13,9 +13,9 @@ llama_decode per stage instead of one in all.
   ``--warmup`` steps.
 - idle gap: the whole model again, alternating a step right after the previous one with
   a step after ``--gap-ms`` of sleep. A pipeline stage waits for the other stages between
-  its steps; on a machine whose cores lose their warm state while idle (the VM of
-  DESIGN.md) that wait makes the stage's own compute slower, which no network
-  optimisation can win back.
+  its steps; on a machine whose cores lose their warm state while idle that wait would
+  make the stage's own compute slower, which no network optimisation can win back (on
+  the VM of DESIGN.md it measured 1.02x: docs/benchmarks.md).
 - prefill: a ``--prefill``-token prompt fed in chunks of ``--batch`` rows, ``--reps``
   times per path (chunk by chunk, alternating which path goes first), median tokens/s.
 

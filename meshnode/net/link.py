@@ -32,12 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from aioquic import tls
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.recovery import QuicPacketPacer
-from aioquic import tls
 
 from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
@@ -135,10 +135,9 @@ def _is_loopback(host: str) -> bool:
 class PeerLink(QuicConnectionProtocol):
     """A QUIC connection to one peer (client or server side)."""
 
-    _deferred_tx: asyncio.TimerHandle | None = None   # set before __init__ runs, if ever
-
     def __init__(self, quic: QuicConnection, *, owner: LinkOwner, is_client: bool,
                  dial_address: tuple[str, int] | None = None, **kwargs: Any) -> None:
+        self._deferred_tx: asyncio.TimerHandle | None = None   # see datagram_received
         super().__init__(quic, **kwargs)
         self.owner = owner
         self.is_client = is_client
@@ -158,7 +157,9 @@ class PeerLink(QuicConnectionProtocol):
         self._tasks: list[asyncio.Task] = []
         self._notified_closed = False
         self._hb_started = False
-        self._ack_space: Any = None   # aioquic's 1-RTT packet space, once the handshake completed
+        # aioquic's 1-RTT packet space, once the handshake completed: set, it also turns on
+        # the deferred transmit after a received datagram (both tune the same exchange)
+        self._ack_space: Any = None
         # aioquic has no switch for pacing; its recovery object (private) owns the pacer.
         # Should a later aioquic rename it, the link still works, only paced.
         loss = getattr(quic, "_loss", None)

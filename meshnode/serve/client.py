@@ -100,6 +100,9 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+TimingsJSON = dict[str, float | int | str]   # Timings.to_json(): the responses' ``timings``
+
+
 @dataclass(frozen=True, slots=True)
 class Timings:
     """Per-request timings in llama.cpp server's vocabulary (its ``timings`` object).
@@ -127,10 +130,10 @@ class Timings:
     spec_state: str = ""
     spec_window: int = 0
 
-    def to_json(self) -> dict[str, float | int | str]:
+    def to_json(self) -> TimingsJSON:
         """The llama.cpp-shaped dict, with the derived per-token and per-second rates,
         then the speculation fields (``spec_*`` only when a strategy is known)."""
-        out: dict[str, float | int | str] = {
+        out: TimingsJSON = {
             "prompt_n": self.prompt_n,
             "prompt_ms": self.prompt_ms,
             "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,

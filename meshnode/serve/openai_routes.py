@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
-from meshnode.serve.client import Admitted, EngineClient, Finished, GenerationEvent, TextDelta, Timings, Usage
+from meshnode.serve.client import Admitted, EngineClient, Finished, GenerationEvent, TextDelta, Timings, TimingsJSON, Usage
 from meshnode.serve.errors import (
     ContextOverflowError,
     EngineFailedError,
@@ -309,7 +309,7 @@ def _usage(u: Usage) -> UsageInfo:
     return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
 
 
-def _timings(t: Timings) -> dict[str, float | int | str]:
+def _timings(t: Timings) -> TimingsJSON:
     return t.to_json()
 
 
@@ -330,10 +330,10 @@ class _Chunks:
     def delta(self, text: str) -> dict[str, Any]:
         raise NotImplementedError
 
-    def finish(self, reason: str, timings: dict[str, float | int | str] | None) -> dict[str, Any]:
+    def finish(self, reason: str, timings: TimingsJSON | None) -> dict[str, Any]:
         raise NotImplementedError
 
-    def usage_chunk(self, usage: UsageInfo, timings: dict[str, float | int | str]) -> dict[str, Any]:
+    def usage_chunk(self, usage: UsageInfo, timings: TimingsJSON) -> dict[str, Any]:
         raise NotImplementedError
 
     def full_response(self, text: str, finished: Finished) -> Any:
@@ -360,10 +360,10 @@ class _ChatChunks(_Chunks):
     def delta(self, text: str) -> dict[str, Any]:
         return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
 
-    def finish(self, reason: str, timings: dict[str, float | int | str] | None) -> dict[str, Any]:
+    def finish(self, reason: str, timings: TimingsJSON | None) -> dict[str, Any]:
         return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)], timings=timings)
 
-    def usage_chunk(self, usage: UsageInfo, timings: dict[str, float | int | str]) -> dict[str, Any]:
+    def usage_chunk(self, usage: UsageInfo, timings: TimingsJSON) -> dict[str, Any]:
         return self._chunk([], usage=usage, timings=timings)
 
     def full_response(self, text: str, finished: Finished) -> ChatCompletionResponse:
@@ -387,10 +387,10 @@ class _TextChunks(_Chunks):
     def delta(self, text: str) -> dict[str, Any]:
         return self._chunk([CompletionChoice(text=text)])
 
-    def finish(self, reason: str, timings: dict[str, float | int | str] | None) -> dict[str, Any]:
+    def finish(self, reason: str, timings: TimingsJSON | None) -> dict[str, Any]:
         return self._chunk([CompletionChoice(text="", finish_reason=reason)], timings=timings)
 
-    def usage_chunk(self, usage: UsageInfo, timings: dict[str, float | int | str]) -> dict[str, Any]:
+    def usage_chunk(self, usage: UsageInfo, timings: TimingsJSON) -> dict[str, Any]:
         return self._chunk([], usage=usage, timings=timings)
 
     def full_response(self, text: str, finished: Finished) -> CompletionResponse:

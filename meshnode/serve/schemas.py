@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from meshnode.serve.client import ChatMessage, GenerationRequest
+from meshnode.serve.client import ChatMessage, GenerationRequest, TimingsJSON
 from meshnode.serve.errors import InvalidRequestError, MalformedRequestError, UnsupportedValueError
 
 log = logging.getLogger("meshnode.serve.openai")
@@ -263,7 +263,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    timings: dict[str, float | int | str] | None = Field(default=None, exclude_if=_omit_none)
+    timings: TimingsJSON | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatDelta(BaseModel):
@@ -285,7 +285,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
-    timings: dict[str, float | int | str] | None = Field(default=None, exclude_if=_omit_none)
+    timings: TimingsJSON | None = Field(default=None, exclude_if=_omit_none)
 
 
 class CompletionChoice(BaseModel):
@@ -302,7 +302,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
-    timings: dict[str, float | int | str] | None = Field(default=None, exclude_if=_omit_none)
+    timings: TimingsJSON | None = Field(default=None, exclude_if=_omit_none)
 
 
 class CompletionChunk(BaseModel):
@@ -312,7 +312,7 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = Field(default=None, exclude_if=_omit_none)
-    timings: dict[str, float | int | str] | None = Field(default=None, exclude_if=_omit_none)
+    timings: TimingsJSON | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ModelObject(BaseModel):
