@@ -14,6 +14,9 @@ import pytest
     ["bench", "serve", "--rounds", "0"],
     ["bench", "engine", "--gap-ms", "-1"],
     ["bench", "engine", "--gap-ms", "soon"],
+    ["bench", "replay", "--max-n", "0,4"],
+    ["bench", "replay", "--max-n", "four"],
+    ["bench", "replay", "--hop-ms", "-3"],
 ])
 def test_bad_benchmark_options_are_refused_up_front(tmp_path, args):
     r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), *args],

@@ -37,6 +37,26 @@ def test_prefers_longer_ngrams():
     assert p.propose(2) == [4, 5]
 
 
+def test_a_longer_context_picks_the_passage_being_copied():
+    # "1 2 3 4" occurs twice; the context before the current one ("6") only agrees with
+    # the first occurrence, so up to max_n 12 that one is continued, not the latest
+    toks = [5, 6, 1, 2, 3, 4, 30, 31, 9, 8, 1, 2, 3, 4, 40, 41, 7, 6, 1, 2, 3, 4]
+    assert NGramProposer(toks, max_n=4).propose(2) == [40, 41]
+    assert NGramProposer(toks, max_n=12).propose(2) == [30, 31]
+    assert NGramProposer(toks, max_n=12).match() == (5, 6)
+
+
+def test_only_the_latest_candidates_are_compared():
+    # a 4-gram seen more than MAX_CANDIDATES times: the lookup stays bounded and still
+    # answers from the latest occurrences
+    from meshnode.spec.ngram import MAX_CANDIDATES
+
+    toks = [1, 2, 3, 4, 9] * (3 * MAX_CANDIDATES) + [1, 2, 3, 4]
+    p = NGramProposer(toks, max_n=12)
+    n, start = p.match()
+    assert n == 12 and toks[start] == 9
+
+
 def test_no_match_and_k_zero():
     p = NGramProposer([1, 2, 3, 4], max_n=3)
     assert p.propose(4) == []
@@ -87,7 +107,7 @@ def test_min_n_above_one():
 @given(
     toks=st.lists(st.integers(0, 4), max_size=60),
     k=st.integers(0, 8),
-    max_n=st.integers(1, 4),
+    max_n=st.integers(1, 14),
 )
 def test_matches_brute_force(toks, k, max_n):
     p = NGramProposer(max_n=max_n)

@@ -13,6 +13,7 @@ from meshnode.cli import add_common_options
 BENCHMARKS = {
     "engine": "engine_bench",
     "net": "net_bench",
+    "replay": "replay_bench",
     "serve": "serve_bench",
     "spec": "spec_bench",
 }

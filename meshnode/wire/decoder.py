@@ -6,7 +6,9 @@ header is there). Once the header checks out, it allocates a payload buffer of e
 the announced length and copies incoming bytes into it at a fill offset: each byte is
 copied once, large payloads are never re-concatenated, and a ``Forward`` activation is
 then decoded as a view of that buffer (each frame gets its own buffer, so views stay
-valid after later feeds).
+valid after later feeds). Frames that arrive whole at the start of a feed (QUIC
+delivers a decode step's frame in one piece) skip the byte-wise phases: each is copied
+into its own buffer in one go and decoded.
 
 Errors never escape :meth:`FrameDecoder.feed`; they come out as :class:`WireError`
 events. Two families (docs/protocol.md, "Errors"):
@@ -71,6 +73,8 @@ class FrameDecoder:
             mv = mv.cast("B")
         events: list[Message | WireError] = []
         i, n = 0, len(mv)
+        if self._payload is None and not self._hdr:
+            i = self._whole_frames(mv, events)   # the common case, a partial rest goes on below
         while i < n:
             if self._payload is None:
                 if not self._hdr and n - i >= HEADER_SIZE:
@@ -101,6 +105,25 @@ class FrameDecoder:
             if self._filled == len(payload):
                 events.append(self._finish(payload))
         return events
+
+    def _whole_frames(self, mv: memoryview, events: list[Message | WireError]) -> int:
+        """Decode the complete frames at the start of ``mv`` (no frame is in progress);
+        returns the offset of the first byte not consumed. Each payload gets its own
+        buffer, as on the byte-wise path: an activation view is aligned and outlives
+        the caller's buffer."""
+        i, n = 0, len(mv)
+        while n - i >= HEADER_SIZE:
+            try:
+                kind, length = parse_header(mv[i : i + HEADER_SIZE], self._max_frame)
+            except RemoteProtocolError:
+                break   # the copying path reports it, with the same event
+            if n - i - HEADER_SIZE < length:
+                break
+            self._kind = kind
+            i += HEADER_SIZE
+            events.append(self._finish(bytearray(mv[i : i + length])))
+            i += length
+        return i
 
     def feed_eof(self) -> list[WireError]:
         """The transport closed. Returns ``[WireError(TRUNCATED, fatal=True)]`` if it closed

@@ -58,7 +58,10 @@ def need(mv: memoryview, off: int, n: int, what: str) -> None:
 
 
 class Scalar:
-    """A fixed-size field packed with one struct format character."""
+    """A fixed-size field packed with one struct format character.
+
+    ``to_wire`` / ``from_wire`` take the field's name as ``prefix`` + ``name``, joined
+    only for an error message: they run once per field of every frame."""
 
     __slots__ = ("fmt", "lo", "hi", "is_float")
 
@@ -68,22 +71,29 @@ class Scalar:
         self.hi = hi
         self.is_float = fmt in "fd"
 
-    def to_wire(self, v: Any, name: str) -> Any:
+    def to_wire(self, v: Any, prefix: str, name: str) -> Any:
+        tv = type(v)
+        if tv is int and not self.is_float:   # the common case, checked without ABCs
+            if self.lo <= v <= self.hi:  # type: ignore[operator]
+                return v
+        elif tv is float and self.is_float:
+            return v
         # numpy scalars are welcome (engines hand out np.int32 token ids); bools are not
         if isinstance(v, (bool, np.bool_)):
-            raise Invalid(ErrorCode.BAD_FIELD, f"{name}: expected a number, got bool")
+            raise Invalid(ErrorCode.BAD_FIELD, f"{prefix}{name}: expected a number, got bool")
         if self.is_float:
             if not isinstance(v, numbers.Real):
-                raise Invalid(ErrorCode.BAD_FIELD, f"{name}: expected float, got {type(v).__name__}")
+                raise Invalid(ErrorCode.BAD_FIELD, f"{prefix}{name}: expected float, got {type(v).__name__}")
             return float(v)
         if not isinstance(v, numbers.Integral):
-            raise Invalid(ErrorCode.BAD_FIELD, f"{name}: expected int, got {type(v).__name__}")
+            raise Invalid(ErrorCode.BAD_FIELD, f"{prefix}{name}: expected int, got {type(v).__name__}")
         v = int(v)
         if not self.lo <= v <= self.hi:  # type: ignore[operator]
-            raise Invalid(ErrorCode.BAD_FIELD, f"{name}: {v} outside [{self.lo}, {self.hi}]")
+            raise Invalid(ErrorCode.BAD_FIELD, f"{prefix}{name}: {v} outside [{self.lo}, {self.hi}]")
         return v
 
-    def from_wire(self, raw: Any, name: str) -> Any:
+    # Scalars whose class keeps this identity from_wire are decoded without a call.
+    def from_wire(self, raw: Any, prefix: str, name: str) -> Any:
         return raw
 
 
@@ -93,14 +103,14 @@ class BoolField(Scalar):
     def __init__(self) -> None:
         super().__init__("B", 0, 1)
 
-    def to_wire(self, v: Any, name: str) -> Any:
+    def to_wire(self, v: Any, prefix: str, name: str) -> Any:
         if not isinstance(v, (bool, np.bool_)):
-            raise Invalid(ErrorCode.BAD_FIELD, f"{name}: expected bool, got {type(v).__name__}")
+            raise Invalid(ErrorCode.BAD_FIELD, f"{prefix}{name}: expected bool, got {type(v).__name__}")
         return int(v)
 
-    def from_wire(self, raw: Any, name: str) -> Any:
+    def from_wire(self, raw: Any, prefix: str, name: str) -> Any:
         if raw > 1:
-            raise Invalid(ErrorCode.BAD_FIELD, f"{name}: bool byte {raw}")
+            raise Invalid(ErrorCode.BAD_FIELD, f"{prefix}{name}: bool byte {raw}")
         return bool(raw)
 
 
@@ -110,17 +120,17 @@ class CodeField(Scalar):
     def __init__(self) -> None:
         super().__init__("H", 0, 0xFFFF)
 
-    def to_wire(self, v: Any, name: str) -> Any:
+    def to_wire(self, v: Any, prefix: str, name: str) -> Any:
         try:
             return int(ErrorCode(v))
         except ValueError:
-            raise Invalid(ErrorCode.BAD_FIELD, f"{name}: unknown error code {v!r}") from None
+            raise Invalid(ErrorCode.BAD_FIELD, f"{prefix}{name}: unknown error code {v!r}") from None
 
-    def from_wire(self, raw: Any, name: str) -> Any:
+    def from_wire(self, raw: Any, prefix: str, name: str) -> Any:
         try:
             return ErrorCode(raw)
         except ValueError:
-            raise Invalid(ErrorCode.BAD_FIELD, f"{name}: unknown error code {raw}") from None
+            raise Invalid(ErrorCode.BAD_FIELD, f"{prefix}{name}: unknown error code {raw}") from None
 
 
 U8 = Scalar("B", 0, 0xFF)
@@ -240,15 +250,24 @@ class IntList(Var):
         self.count = struct.Struct("<" + count_fmt)
         self.item = item
         self.max_count = max_count
+        self._items: dict[int, struct.Struct] = {}   # n -> Struct of n items (small n only)
+
+    def _struct(self, n: int) -> struct.Struct:
+        s = self._items.get(n)
+        if s is None:
+            s = struct.Struct(f"<{n}{self.item.fmt}")
+            if n <= 64:
+                self._items[n] = s
+        return s
 
     def pack(self, v: Any, w: Writer, name: str) -> None:
         if not isinstance(v, (tuple, list)):
             raise Invalid(ErrorCode.BAD_FIELD, f"{name}: expected tuple, got {type(v).__name__}")
         if len(v) > self.max_count:
             raise Invalid(ErrorCode.BAD_FIELD, f"{name}: {len(v)} items, max {self.max_count}")
-        items = [self.item.to_wire(x, name) for x in v]
+        items = [self.item.to_wire(x, name, "") for x in v]
         w.add(self.count.pack(len(items)))
-        w.add(struct.pack(f"<{len(items)}{self.item.fmt}", *items))
+        w.add(self._struct(len(items)).pack(*items))
 
     def unpack(self, mv: memoryview, off: int, name: str) -> tuple[Any, int]:
         need(mv, off, self.count.size, name)
@@ -256,7 +275,7 @@ class IntList(Var):
         off += self.count.size
         if n > self.max_count:
             raise Invalid(ErrorCode.BAD_FIELD, f"{name}: {n} items, max {self.max_count}")
-        s = struct.Struct(f"<{n}{self.item.fmt}")
+        s = self._struct(n)
         need(mv, off, s.size, name)
         return s.unpack_from(mv, off), off + s.size
 
@@ -369,13 +388,19 @@ def wf(ftype: FieldType, **kw: Any) -> Any:
 
 
 class _Run:
-    """Consecutive scalars packed with one struct."""
+    """Consecutive scalars packed with one struct.
 
-    __slots__ = ("names", "types", "st")
+    ``fields``: (name, type) pairs in order; ``convert``: (index, name, type) of those
+    whose decoded value is not the raw struct value (bools, error codes), so decoding
+    the others is one ``unpack_from``."""
+
+    __slots__ = ("names", "fields", "convert", "st")
 
     def __init__(self, names: list[str], types: list[Scalar]) -> None:
         self.names = names
-        self.types = types
+        self.fields = tuple(zip(names, types))
+        self.convert = tuple((i, n, t) for i, (n, t) in enumerate(self.fields)
+                             if type(t).from_wire is not Scalar.from_wire)
         self.st = struct.Struct("<" + "".join(t.fmt for t in types))
 
 
@@ -403,7 +428,7 @@ class Schema:
     def pack(self, obj: Any, w: Writer, prefix: str = "") -> None:
         for step in self.steps:
             if isinstance(step, _Run):
-                vals = [t.to_wire(getattr(obj, n), prefix + n) for n, t in zip(step.names, step.types)]
+                vals = [t.to_wire(getattr(obj, n), prefix, n) for n, t in step.fields]
                 try:
                     w.add(step.st.pack(*vals))
                 except (struct.error, OverflowError) as e:  # e.g. a float beyond f32 range
@@ -416,10 +441,18 @@ class Schema:
         out: list[Any] = []
         for step in self.steps:
             if isinstance(step, _Run):
-                need(mv, off, step.st.size, prefix + step.names[0])
+                size = step.st.size
+                if off + size > len(mv):
+                    need(mv, off, size, prefix + step.names[0])
                 raw = step.st.unpack_from(mv, off)
-                off += step.st.size
-                out.extend(t.from_wire(r, prefix + n) for r, n, t in zip(raw, step.names, step.types))
+                off += size
+                if step.convert:
+                    vals = list(raw)
+                    for i, n, t in step.convert:
+                        vals[i] = t.from_wire(vals[i], prefix, n)
+                    out.extend(vals)
+                else:
+                    out.extend(raw)
             else:
                 n, t = step
                 v, off = t.unpack(mv, off, prefix + n)

@@ -1,0 +1,54 @@
+"""`meshnode bench replay`: the offline replay of n-gram drafting (logic and one real run)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from meshnode.bench.replay_bench import replay
+from meshnode.spec.policy import CostModel
+
+CODE = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22] * 2
+
+
+def _cost(plain_ms: float = 40.0, per_draft_ms: float = 15.0) -> CostModel:
+    cost = CostModel(step_s=plain_ms / 1000)
+    for k in (0, 1, 2, 4, 8, 16):
+        cost.observe(k, (plain_ms + per_draft_ms * k) / 1000)
+    return cost
+
+
+def test_an_answer_that_copies_the_prompt_needs_few_steps():
+    r = replay([CODE], [CODE[:24]], 12, _cost(), 3)
+    assert r["tokens"] == 24
+    assert r["steps"] < 24 and r["accepted"] > 0
+    assert r["acceptance"] > 0.5 and r["predicted_speedup"] > 1.0
+    # every answer token is an accepted draft or the token a step yields (the last step
+    # of an answer may end on accepted drafts: its own token falls past the end)
+    assert r["tokens"] <= r["accepted"] + r["steps"] <= r["tokens"] + 1
+
+
+def test_an_unrelated_answer_is_decoded_plainly_at_no_cost():
+    prompt, answer = list(range(7, 40)), list(range(100, 130))   # nothing repeats
+    r = replay([prompt], [answer], 12, _cost(), 3)
+    assert (r["steps"], r["plain_steps"], r["drafts"]) == (30, 30, 0)
+    assert r["predicted_speedup"] == 1.0
+
+
+def test_bench_replay_runs_on_the_default_model(smollm2, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "meshnode", "--home", str(tmp_path), "bench", "replay",
+         "--model", str(smollm2.path), "--prompts", "1", "--tokens", "12", "--max-n", "4,12", "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out) == {"step_ms", "code_edit", "mixed_chat"}
+    for workload in ("code_edit", "mixed_chat"):
+        for max_n in ("4", "12"):
+            row = out[workload][max_n]
+            assert 1 <= row["tokens"] <= 12
+            assert row["tokens"] <= row["accepted"] + row["steps"] <= row["tokens"] + 1
+            assert row["predicted_speedup"] > 0
+    assert float(out["step_ms"]["16"]) > float(out["step_ms"]["0"]) > 0
