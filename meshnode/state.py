@@ -118,6 +118,8 @@ class SpecStats:
     windows: int
     current_window: int
     verify_ms: float        # mean time of a verify pass
+    lookahead: int = 0      # lookahead windows sent behind a verify (meshnode.spec.lookahead)
+    lookahead_used: int = 0  # ... whose guess held (they became the next window)
 
     @property
     def acceptance(self) -> float:

@@ -91,7 +91,7 @@ def make_snapshot() -> NodeSnapshot:
         RequestInfo("req-0003", MODEL, "cancelled", 33, 12, 44.1, 150.2, T0 + 20.0, T0 + 21.0, "draft"),
     )
     spec = (
-        SpecStats("ngram", SpecState.ENABLED, 1840, 1214, 310, 6, 31.4),
+        SpecStats("ngram", SpecState.ENABLED, 1840, 1214, 310, 6, 31.4, 96, 71),
         SpecStats("draft", SpecState.COLD, 96, 40, 24, 4, 22.9),
     )
     models = (

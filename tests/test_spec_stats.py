@@ -16,6 +16,9 @@ def test_counters_per_request_and_overall():
     t.record_plain("a", 0.008)
     t.record_prompt("b", 10, 0.010)
     rec = t.record_window("b", [8], 1, 2, 0.012)
+    t.record_lookahead("a", True)
+    t.record_lookahead("a", False)
+    t.record_lookahead("b", True)
     t.set_state(SpecState.ENABLED)
     t.set_window(6)
 
@@ -23,10 +26,11 @@ def test_counters_per_request_and_overall():
     assert [r.request_id for r in t.recent()] == ["a", "b"]  # bounded to 2
 
     a = t.request_stats("a")
-    assert a == SpecStats("ngram", SpecState.ENABLED, 6, 3, 2, 6, pytest.approx(15.0))
+    assert a == SpecStats("ngram", SpecState.ENABLED, 6, 3, 2, 6, pytest.approx(15.0), 2, 1)
     assert a.acceptance == pytest.approx(0.5)
     total = t.snapshot()
     assert (total.proposed, total.accepted, total.windows) == (7, 4, 3)
+    assert (total.lookahead, total.lookahead_used) == (3, 2)
     c = t.counters("a")
     assert c.rejected == 3 and c.plain_steps == 1 and c.predicted_n == 4 + 1 + 1
 

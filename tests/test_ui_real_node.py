@@ -30,7 +30,7 @@ from meshnode.serve.service import ServiceOptions
 from meshnode.spec.strategy import CliSpecOptions
 from meshnode.state import SpecState
 from ui.app import SCREENS, MeshnodeApp
-from ui.format import fmt_ms, short_id
+from ui.format import fmt_ahead, fmt_ms, short_id
 from ui.screens.chat import ChatMessage, ChatScreen
 from ui.screens.mesh import MeshScreen
 from ui.screens.requests import RequestsScreen
@@ -180,6 +180,7 @@ async def test_real_node_screens_show_what_the_node_reports(tmp_path: Path, mode
             str(spec.current_window) if spec.state is SpecState.ENABLED else "-",
             f"{100 * spec.acceptance:.0f}%", str(spec.proposed), str(spec.accepted), str(spec.windows),
             fmt_ms(spec.verify_ms) if spec.windows else "-",
+            fmt_ahead(spec.lookahead_used, spec.lookahead),
         ]
         # every verified window arrived as a DraftVerified event and is drawn
         assert app.feed.drafts.total == spec.windows

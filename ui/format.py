@@ -83,6 +83,11 @@ def fmt_ms(ms: float | None) -> str:
     return f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
 
 
+def fmt_ahead(used: int, sent: int) -> str:
+    """Lookahead windows as 'used/sent' ('-' when none was sent)."""
+    return f"{used}/{sent}" if sent else "-"
+
+
 def short_id(request_id: str, keep: int = 8) -> str:
     """Long generated ids ('chatcmpl-<32 hex>') as '…' + their last ``keep`` characters."""
     return request_id if len(request_id) <= keep + 4 else "…" + request_id[-keep:]

@@ -163,6 +163,8 @@ class SpecTelemetry:
             windows=c.windows,
             current_window=self._window,
             verify_ms=c.verify_ms_mean,
+            lookahead=c.lookahead,
+            lookahead_used=c.lookahead_used,
         )
 
     def snapshot(self) -> SpecStats:

@@ -11,7 +11,7 @@ from textual.widgets import DataTable, Label, RichLog
 
 from meshnode.state import NodeSnapshot, SpecState
 from ui.feed import EventFeed
-from ui.format import fmt_ms, render_draft
+from ui.format import fmt_ahead, fmt_ms, render_draft
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
 from ui.widgets import MetricRow
@@ -41,7 +41,7 @@ class SpeculationScreen(NodeScreen):
 
     def on_mount(self) -> None:
         self.query_one("#spec-stats", DataTable).add_columns(
-            "Strategy", "State", "Win", "Accept", "Proposed", "Accepted", "Windows", "Verify"
+            "Strategy", "State", "Win", "Accept", "Proposed", "Accepted", "Windows", "Verify", "Ahead"
         )
         super().on_mount()
 
@@ -59,6 +59,7 @@ class SpeculationScreen(NodeScreen):
                     str(s.accepted),
                     str(s.windows),
                     fmt_ms(s.verify_ms) if s.windows else "-",
+                    fmt_ahead(s.lookahead_used, s.lookahead),
                 ],
             )
             for s in snap.spec
