@@ -94,6 +94,23 @@ class LocalNode:
                 self.proc.wait()
 
 
+def cpu_flags(index: int, n_nodes: int, threads: int, *, pin: bool) -> tuple[str, ...]:
+    """``--cpus`` for node ``index`` of ``n_nodes`` on this machine: its own ``threads``
+    CPUs, when the machine has enough for every node (else none: leave it to the OS).
+
+    Nodes of one split on one machine compute faster on cores of their own (the final
+    stage's step 8.4 ms against 11.0 on the 2-core VM), but so does a pinned single
+    node, and `bench serve`'s ratios did not move (docs/benchmarks.md, "Pinned
+    stages"), so the benchmarks pin only when asked (``--pin``)."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not pin or n_nodes * threads > len(cpus):
+        return ()
+    mine = cpus[index * threads:(index + 1) * threads]
+    return ("--cpus", ",".join(map(str, mine)))
+
+
 class LocalCluster:
     """``with LocalCluster(model, n_nodes) as c: c.start(...)``; everything stops on exit."""
 

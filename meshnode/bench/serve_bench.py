@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run a random-weight ~1B llama (written once into the cache; slow)")
     p.add_argument("--stages", default="1,2,3", help="stage counts to run (default 1,2,3)")
     p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads per stage (default 1)")
+    p.add_argument("--pin", action="store_true",
+                   help="give each node of a configuration CPUs of its own (--cpus), when the "
+                        "machine has enough (default: the OS places them)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream (default 64)")
     p.add_argument("--concurrency", default="1,4,8", help="concurrent streams (default 1,4,8)")
     p.add_argument("--rounds", type=positive_int, default=3,
@@ -125,7 +128,7 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
     are paired: computed within a round, then the median over rounds."""
     import contextlib
 
-    from meshnode.bench.cluster import LocalCluster
+    from meshnode.bench.cluster import LocalCluster, cpu_flags
 
     flags = ("--threads", str(args.threads), "--parallel", str(max(concurrency)), "--ctx", "1024",
              "--batch", "64", "--spec-mode", "off", "--model", str(model_ref.path))
@@ -134,10 +137,13 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
         for n in stage_counts:
             print(f"  {model_ref.name}: starting {n} stage(s) ...", file=sys.stderr, flush=True)
             cluster = stack.enter_context(LocalCluster(model_ref.path, n))
+            def pin(i: int, n: int = n) -> tuple[str, ...]:
+                return cpu_flags(i, n, args.threads, pin=args.pin)
+
             for i in range(1, n):
                 cluster.start(i, "--no-model", "--threads", str(args.threads), "--parallel",
-                              str(max(concurrency)))
-            coord = cluster.start(0, *flags, "--split", str(n)).wait_model()
+                              str(max(concurrency)), *pin(i))
+            coord = cluster.start(0, *flags, "--split", str(n), *pin(0)).wait_model()
             ends[n] = (coord.base_url, coord.get("/v1/models")["data"][0]["id"])
         ceiling = _Ceiling(model_ref.path, args.threads, max(concurrency))
         stack.callback(ceiling.close)

@@ -161,6 +161,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-threads", type=positive_int, default=None, metavar="N",
                    help="llama.cpp threads for one-token steps on every node (default: --threads; "
                         "1 keeps speculation token-identical when --threads > 1)")
+    p.add_argument("--pin", action="store_true",
+                   help="give each node CPUs of its own (--cpus), when the machine has enough "
+                        "(default: the OS places them)")
     p.add_argument("--delay-ms", type=float, default=5.0,
                    help="latency added by the relay, each way (default 5 ms)")
     p.add_argument("--tokens", type=positive_int, default=None,
@@ -317,7 +320,7 @@ def _strategy_flags(name: str, draft_path) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshnode.bench.cluster import LocalCluster, free_udp_port
+    from meshnode.bench.cluster import LocalCluster, cpu_flags, free_udp_port
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
 
@@ -351,7 +354,8 @@ def run(args: argparse.Namespace) -> int:
     raw = {w: {s: [[] for _ in workloads[w]] for s in strategies} for w in WORKLOADS}
     with LocalCluster(target, 2) as cluster:
         quic_port = free_udp_port()
-        cluster.start(1, "--no-model", "--no-discovery", "--quic-port", str(quic_port), *common)
+        cluster.start(1, "--no-model", "--no-discovery", "--quic-port", str(quic_port), *common,
+                      *cpu_flags(1, 2, args.threads, pin=args.pin))
         relay = _RelayThread(quic_port, args.delay_ms / 1000.0)
         try:
             for rnd in range(rounds):
@@ -361,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
                     t0 = time.perf_counter()
                     coord = cluster.start(0, "--no-discovery", "--peer", f"127.0.0.1:{relay.port}",
                                           "--split", "2", "--model", str(target), *common,
-                                          *_strategy_flags(strategy, draft_path))
+                                          *_strategy_flags(strategy, draft_path),
+                                          *cpu_flags(0, 2, args.threads, pin=args.pin))
                     try:
                         coord.wait_model()
                         if strategy == "draft" and "serving without it" in coord.log_tail(100_000):

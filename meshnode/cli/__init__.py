@@ -56,6 +56,22 @@ def non_negative_float(text: str) -> float:
     return v
 
 
+def cpu_list(text: str) -> frozenset[int]:
+    """argparse type: CPU numbers like ``0``, ``0,2`` or ``0-3`` (``taskset -c`` syntax)."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if first < 0 or last < first:
+                raise ValueError
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected CPU numbers like 0, 0,2 or 0-3, got {text!r}") from None
+    return frozenset(cpus)
+
+
 def add_common_options(parser: argparse.ArgumentParser) -> None:
     """Options every command accepts (before or after the command name)."""
     parser.add_argument(
