@@ -111,21 +111,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _greedy(engine, prompt: list[int], max_tokens: int, eog: set[int]) -> list[int]:
-    """The whole model's greedy answer (prefill in 64-row chunks, then one row per step)."""
+    """The whole model's greedy answer (prefill in n_batch chunks, then one row per step)."""
     import numpy as np
 
     from meshnode.engine import Segment
     from meshnode.spec.acceptance import greedy_token
 
-    pos = 0
-    logits = None
-    for i in range(0, len(prompt), 64):
-        chunk = np.asarray(prompt[i:i + 64], dtype=np.int32)
-        last = i + 64 >= len(prompt)
-        logits = engine.forward([Segment(0, pos, tokens=chunk, n_logits=1 if last else 0)])[0]
-        pos += len(chunk)
+    logits = engine.run_session(0, 0, np.asarray(prompt, dtype=np.int32), n_logits=1)
+    pos = len(prompt)
     out: list[int] = []
-    while logits is not None and len(out) < max_tokens:
+    while len(out) < max_tokens:
         t = greedy_token(logits[-1])
         if t in eog:
             break
@@ -146,8 +141,7 @@ def _step_costs(engine, prompt: list[int], drafts: tuple[int, ...]) -> dict[int,
     from meshnode.engine import Segment
 
     ids = np.asarray(prompt, dtype=np.int32)
-    for i in range(0, len(ids), 64):
-        engine.forward([Segment(0, i, tokens=ids[i:i + 64], n_logits=0)])
+    engine.run_session(0, 0, ids, n_logits=0)
     rows = np.resize(ids, max(drafts) + 1).astype(np.int32)
     times: dict[int, list[float]] = {k: [] for k in drafts}
     for _ in range(5):   # sizes interleaved: a slow moment of the machine hits them all

@@ -137,13 +137,11 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
         for n in stage_counts:
             print(f"  {model_ref.name}: starting {n} stage(s) ...", file=sys.stderr, flush=True)
             cluster = stack.enter_context(LocalCluster(model_ref.path, n))
-            def pin(i: int, n: int = n) -> tuple[str, ...]:
-                return cpu_flags(i, n, args.threads, pin=args.pin)
-
             for i in range(1, n):
                 cluster.start(i, "--no-model", "--threads", str(args.threads), "--parallel",
-                              str(max(concurrency)), *pin(i))
-            coord = cluster.start(0, *flags, "--split", str(n), *pin(0)).wait_model()
+                              str(max(concurrency)), *cpu_flags(i, n, args.threads, pin=args.pin))
+            coord = cluster.start(0, *flags, "--split", str(n),
+                                  *cpu_flags(0, n, args.threads, pin=args.pin)).wait_model()
             ends[n] = (coord.base_url, coord.get("/v1/models")["data"][0]["id"])
         ceiling = _Ceiling(model_ref.path, args.threads, max(concurrency))
         stack.callback(ceiling.close)

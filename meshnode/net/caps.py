@@ -54,10 +54,19 @@ def local_capabilities(models: tuple[HeldModel, ...] = ()) -> Capabilities:
         free_ram_bytes=_free_ram() // (64 << 20) * (64 << 20),
         free_vram_bytes=0,
         backend="cpu",
-        cores=os.cpu_count() or 1,
+        cores=usable_cores(),
         models=models,
         speed=measured_speed(),
     )
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (``meshnode serve --cpus`` narrows them): what the
+    node advertises and what its speed figure scales by. The engine counts its default
+    threads the same way (``engine.stage.default_threads``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 SPEED_TRIALS = 7          # best of: a trial that shared its core is thrown away
@@ -92,7 +101,7 @@ def measured_speed() -> float:
             a @ b
             n += 1
         best = max(best, n / elapsed)
-    return 2 * 64**3 * best / 1e9 * (os.cpu_count() or 1)
+    return 2 * 64**3 * best / 1e9 * usable_cores()
 
 
 def _free_ram() -> int:

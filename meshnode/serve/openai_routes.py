@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
-from meshnode.serve.client import Admitted, EngineClient, Finished, GenerationEvent, TextDelta, Timings, TimingsJSON, Usage
+from meshnode.serve.client import Admitted, EngineClient, Finished, GenerationEvent, TextDelta, TimingsJSON, Usage
 from meshnode.serve.errors import (
     ContextOverflowError,
     EngineFailedError,
@@ -309,10 +309,6 @@ def _usage(u: Usage) -> UsageInfo:
     return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
 
 
-def _timings(t: Timings) -> TimingsJSON:
-    return t.to_json()
-
-
 class _Chunks:
     """Builds one endpoint's response objects; ``id`` doubles as the engine request id."""
 
@@ -341,7 +337,7 @@ class _Chunks:
 
     def tail(self, finished: Finished) -> list[dict[str, Any]]:
         """Finish chunk, then the usage chunk if asked for; timings ride on the last one."""
-        timings = _timings(finished.timings)
+        timings = finished.timings.to_json()
         if not self.include_usage:
             return [self.finish(finished.finish_reason, timings)]
         return [self.finish(finished.finish_reason, None), self.usage_chunk(_usage(finished.usage), timings)]
@@ -373,7 +369,7 @@ class _ChatChunks(_Chunks):
             model=self.model,
             choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finished.finish_reason)],
             usage=_usage(finished.usage),
-            timings=_timings(finished.timings),
+            timings=finished.timings.to_json(),
         )
 
 
@@ -400,5 +396,5 @@ class _TextChunks(_Chunks):
             model=self.model,
             choices=[CompletionChoice(text=text, finish_reason=finished.finish_reason)],
             usage=_usage(finished.usage),
-            timings=_timings(finished.timings),
+            timings=finished.timings.to_json(),
         )

@@ -89,9 +89,10 @@ class NGramProposer:
             i = len(toks)
             # the n-grams ending at i-1 are now followed by position i
             for n in range(min_n, min(base, i) + 1):
-                index[n - min_n][tuple(toks[i - n : i])] = i
+                key = tuple(toks[i - n : i])
+                index[n - min_n][key] = i
             if starts is not None and i >= base:
-                starts.setdefault(tuple(toks[i - base : i]), []).append(i)
+                starts.setdefault(key, []).append(i)   # the loop ended on the base-gram
             toks.append(int(t))
 
     def __len__(self) -> int:
@@ -115,12 +116,13 @@ class NGramProposer:
         tail = self._tokens[-self.max_n :]
         if after:
             tail = [*tail, *after][-self.max_n :]
-        base = self._base
-        if self._starts is not None and len(tail) > base:
+        top = min(len(tail), self._base)
+        if self._starts is not None and len(tail) >= self._base:
             found = self._longest(tail)
             if found is not None:
                 return found
-        for n in range(min(len(tail), base), self.min_n - 1, -1):
+            top -= 1   # the base-gram never occurred: its dictionary would say the same
+        for n in range(top, self.min_n - 1, -1):
             start = self._index[n - self.min_n].get(tuple(tail[len(tail) - n :]))
             if start is not None:
                 return n, start
