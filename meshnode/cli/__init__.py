@@ -56,6 +56,15 @@ def non_negative_float(text: str) -> float:
     return v
 
 
+def size(text: str) -> int:
+    """argparse type: a byte size such as ``6GB`` or ``512MiB`` (:func:`meshnode.config.parse_size`)."""
+    from meshnode.config import ConfigError, parse_size
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cpu_list(text: str) -> frozenset[int]:
     """argparse type: CPU numbers like ``0``, ``0,2`` or ``0-3`` (``taskset -c`` syntax)."""
     cpus: set[int] = set()

@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 
-from meshnode.cli import add_common_options, cpu_list, positive_int
+from meshnode.cli import add_common_options, cpu_list, positive_int, size
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="force N stages over the available peers")
     m.add_argument("--stages", default=None, metavar="NODE=A:B,...",
                    help="explicit plan: layer ranges per node name or id, e.g. me=0:15,laptop2=15:30")
-    m.add_argument("--max-memory", default=None, metavar="SIZE",
+    m.add_argument("--max-memory", type=size, default=None, metavar="SIZE",
                    help="memory this node may use for models, e.g. 6GB (default: free RAM)")
     m.add_argument("--ctx", type=positive_int, default=2048, metavar="N",
                    help="context size per request in tokens (default 2048)")
@@ -128,7 +128,7 @@ def _check_model_options(args: argparse.Namespace) -> None:
 
 def _node_kwargs(args: argparse.Namespace, paths) -> dict:
     """Node arguments from CLI flags over config.toml over defaults. Raises MeshnodeError."""
-    from meshnode.config import load_config, parse_size
+    from meshnode.config import load_config
     from meshnode.serve.service import ServiceOptions
     from meshnode.spec.strategy import CliSpecOptions
 
@@ -136,7 +136,7 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
     for w in config.warnings:
         log.warning("%s", w)
     node_cfg = config.node
-    max_memory = parse_size(args.max_memory) if args.max_memory else node_cfg.max_memory
+    max_memory = args.max_memory if args.max_memory is not None else node_cfg.max_memory
     service = None
     _check_model_options(args)
     if not args.no_model:
