@@ -9,12 +9,14 @@ B runs with ``--no-discovery --quic-port P``; the relay listens on R and forward
 packet between the stages crosses the relay. The kernel here has no netem (DESIGN.md
 section 6), so the relay is the latency emulation; the output says so.
 
-Strategies, each a fresh coordinator (B stays up): ``baseline`` (``--spec-mode off``),
+Strategies, each on a split of its own (all up for the whole run): ``baseline`` (``--spec-mode off``),
 ``ngram_auto`` (``--spec ngram --spec-mode auto``) and ``draft`` (``--draft-model D``,
 where D is the target requantized to Q4_0 with llama.cpp's quantizer, made once and
 cached). Workloads: ``code_edit`` (code given in the prompt, asked to be renamed or
 refactored: the answer copies most of it) and ``mixed_chat`` (open questions, stories,
-explanations). Decode tokens/s is the response's ``timings.predicted_per_second``
+explanations). Every prompt is answered by every strategy back to back, in an order
+rotated per prompt and round, so the machine's drift hits the strategies alike (on this
+shared VM a plain step's speed moves by 5-10% over minutes). Decode tokens/s is the response's ``timings.predicted_per_second``
 averaged over prompts; acceptance is ``sum(draft_n_accepted) / sum(draft_n)``; speedup
 is against that workload's baseline in the same invocation. Where the time went, from
 the responses' ``timings`` summed over every round: verify windows and their mean
@@ -25,6 +27,7 @@ decoding throughout, so every strategy must produce the same text (checked and r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -319,8 +322,30 @@ def _strategy_flags(name: str, draft_path) -> tuple[str, ...]:
     raise ValueError(f"unknown strategy {name!r}")
 
 
-def run(args: argparse.Namespace) -> int:
+def _start_split(stack: contextlib.ExitStack, strategy: str, target, draft_path, common: tuple,
+                 args: argparse.Namespace) -> tuple[str, str, _RelayThread]:
+    """One 2-stage split serving ``strategy``: stage 1, the relay in front of it, and a
+    warmed-up coordinator; all torn down by ``stack``. Returns (base URL, model, relay)."""
     from meshnode.bench.cluster import LocalCluster, cpu_flags, free_udp_port
+
+    print(f"  starting the {strategy} split ...", file=sys.stderr, flush=True)
+    cluster = stack.enter_context(LocalCluster(target, 2))
+    quic_port = free_udp_port()
+    cluster.start(1, "--no-model", "--no-discovery", "--quic-port", str(quic_port), *common,
+                  *cpu_flags(1, 2, args.threads, pin=args.pin))
+    relay = _RelayThread(quic_port, args.delay_ms / 1000.0)
+    stack.callback(relay.stop)
+    coord = cluster.start(0, "--no-discovery", "--peer", f"127.0.0.1:{relay.port}", "--split", "2",
+                          "--model", str(target), *common, *_strategy_flags(strategy, draft_path),
+                          *cpu_flags(0, 2, args.threads, pin=args.pin)).wait_model()
+    if strategy == "draft" and "serving without it" in coord.log_tail(100_000):
+        print("  warning: the draft model was disabled (see the node log)", file=sys.stderr)
+    model = coord.get("/v1/models")["data"][0]["id"]
+    _complete(coord.base_url, model, "Hello", 4)  # warm-up
+    return coord.base_url, model, relay
+
+
+def run(args: argparse.Namespace) -> int:
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
 
@@ -352,42 +377,22 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.rounds or (2 if args.quick else 3)
     # raw[workload][strategy][prompt index] = one run per round
     raw = {w: {s: [[] for _ in workloads[w]] for s in strategies} for w in WORKLOADS}
-    with LocalCluster(target, 2) as cluster:
-        quic_port = free_udp_port()
-        cluster.start(1, "--no-model", "--no-discovery", "--quic-port", str(quic_port), *common,
-                      *cpu_flags(1, 2, args.threads, pin=args.pin))
-        relay = _RelayThread(quic_port, args.delay_ms / 1000.0)
-        try:
-            for rnd in range(rounds):
-                # rotate the order so slow drifts of the machine's load hit every strategy
-                order = strategies[rnd % len(strategies):] + strategies[:rnd % len(strategies)]
-                for strategy in order:
-                    t0 = time.perf_counter()
-                    coord = cluster.start(0, "--no-discovery", "--peer", f"127.0.0.1:{relay.port}",
-                                          "--split", "2", "--model", str(target), *common,
-                                          *_strategy_flags(strategy, draft_path),
-                                          *cpu_flags(0, 2, args.threads, pin=args.pin))
-                    try:
-                        coord.wait_model()
-                        if strategy == "draft" and "serving without it" in coord.log_tail(100_000):
-                            print("  warning: the draft model was disabled (see the node log)",
-                                  file=sys.stderr)
-                        model = coord.get("/v1/models")["data"][0]["id"]
-                        _complete(coord.base_url, model, "Hello", 4)  # warm-up
-                        for w in WORKLOADS:
-                            for i, prompt in enumerate(workloads[w]):
-                                raw[w][strategy][i].append(
-                                    _complete(coord.base_url, model, prompt, max_tokens))
-                    finally:
-                        coord.stop()
-                        cluster.nodes.remove(coord)
-                    print(f"  round {rnd + 1}/{rounds} {strategy}: {time.perf_counter() - t0:.0f} s",
-                          file=sys.stderr, flush=True)
-            counters = relay.relay.counters
-        finally:
-            relay.stop()
-    print(f"relay forwarded {counters.datagrams_up} datagrams up, {counters.datagrams_down} down",
-          file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        splits = {s: _start_split(stack, s, target, draft_path, common, args) for s in strategies}
+        for rnd in range(rounds):
+            t0 = time.perf_counter()
+            for w in WORKLOADS:
+                for i, prompt in enumerate(workloads[w]):
+                    # every strategy answers this prompt back to back, in an order rotated per
+                    # prompt and round, so a slow spell of the machine hits them alike
+                    k = (rnd + i) % len(strategies)
+                    for strategy in strategies[k:] + strategies[:k]:
+                        base, model, _ = splits[strategy]
+                        raw[w][strategy][i].append(_complete(base, model, prompt, max_tokens))
+            print(f"  round {rnd + 1}/{rounds}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        up = sum(relay.relay.counters.datagrams_up for _, _, relay in splits.values())
+        down = sum(relay.relay.counters.datagrams_down for _, _, relay in splits.values())
+    print(f"relays forwarded {up} datagrams up, {down} down", file=sys.stderr)
     results = {w: {s: _summary(raw[w][s]) for s in strategies} for w in WORKLOADS}
     for line in _differences(raw, strategies):
         print(line, file=sys.stderr)
