@@ -16,8 +16,8 @@ cached). Workloads: ``code_edit`` (code given in the prompt, asked to be renamed
 refactored: the answer copies most of it) and ``mixed_chat`` (open questions, stories,
 explanations). Every prompt is answered by every strategy back to back, in an order
 rotated per prompt and round, so the machine's drift hits the strategies alike (on this
-shared VM a plain step's speed moves by 5-10% over minutes). Decode tokens/s is the response's ``timings.predicted_per_second``
-averaged over prompts; acceptance is ``sum(draft_n_accepted) / sum(draft_n)``; speedup
+shared VM a plain step's speed moves by 5-10% over minutes). Decode tokens/s is the
+response's ``timings.predicted_per_second`` averaged over prompts; acceptance is ``sum(draft_n_accepted) / sum(draft_n)``; speedup
 is against that workload's baseline in the same invocation. Where the time went, from
 the responses' ``timings`` summed over every round: verify windows and their mean
 time, plain (one-token) steps and theirs, lookahead windows used / sent. Greedy
@@ -346,6 +346,7 @@ def _start_split(stack: contextlib.ExitStack, strategy: str, target, draft_path,
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshnode.bench.serve_bench import _rotated
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
 
@@ -385,8 +386,7 @@ def run(args: argparse.Namespace) -> int:
                 for i, prompt in enumerate(workloads[w]):
                     # every strategy answers this prompt back to back, in an order rotated per
                     # prompt and round, so a slow spell of the machine hits them alike
-                    k = (rnd + i) % len(strategies)
-                    for strategy in strategies[k:] + strategies[:k]:
+                    for strategy in _rotated(strategies, rnd + i):
                         base, model, _ = splits[strategy]
                         raw[w][strategy][i].append(_complete(base, model, prompt, max_tokens))
             print(f"  round {rnd + 1}/{rounds}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
