@@ -312,3 +312,49 @@ def test_cheap_verify_rows_keep_drafting_at_the_same_acceptance():
 def test_the_cost_gate_never_overrides_the_floor():
     # free rows, but acceptance under 0.45 still backs off
     assert _judged(_route(0.040, 0.0), [0, 1, 0, 0, 1, 0, 0, 1, 0, 0]) is SpecState.COOLING_DOWN
+
+
+# ---- the realized gate: what drafting did, not what the model expects ------------------
+
+
+def _judged_timed(cost: CostModel, windows: list[tuple[int, int, float]]) -> AutoPolicy:
+    policy = AutoPolicy("auto", cost=cost)
+    policy.on_prompt(CODE_LIKE)                # affinity: enabled at once
+    for proposed, accepted, seconds in windows:
+        policy.record_verify(proposed, accepted, seconds)
+    return policy
+
+
+def test_realized_gain_keeps_windows_the_model_would_refuse():
+    # Each draft row costs 0.65 of a plain step (Q4_1 on one CPU thread): at acceptance
+    # 0.8 the geometric model expects < 1.1x from any window. But half of these windows
+    # were lookaheads that overlapped the window before them (a copy run), so drafting
+    # yielded 24 tokens in the time of 14 plain steps.
+    cost = _route(0.040, 0.026)
+    windows = [(3, 3, 0.045), (3, 1, 0.095)] * 4
+    policy = _judged_timed(cost, windows)
+    assert policy.acceptance == pytest.approx(0.8)
+    assert cost.speedup(cost.best_window(0.8), 0.8) < 1.10       # what the model expects
+    assert policy.realized_gain == pytest.approx(24 * 0.040 / (4 * 0.045 + 4 * 0.095))
+    assert policy.state is SpecState.ENABLED
+
+
+def test_realized_gain_switches_off_windows_that_did_not_pay():
+    # Acceptance above the floor, rows nearly free by the model, but the windows took
+    # as long as the tokens they yielded would have taken plainly.
+    cost = _route(0.040, 0.002)
+    policy = _judged_timed(cost, [(2, 1, 0.080)] * 8)   # 2 tokens per 2 plain steps' time
+    assert policy.realized_gain == pytest.approx(1.0)
+    assert policy.state is SpecState.COOLING_DOWN
+
+
+def test_realized_gain_needs_measured_plain_steps_and_every_window_timed():
+    assert _judged_timed(CostModel(), [(2, 2, 0.05)] * 3).realized_gain is None
+    cost = _route(0.040, 0.010)
+    pol = AutoPolicy("auto", cost=cost)
+    pol.on_prompt(CODE_LIKE)
+    pol.record_verify(2, 2, 0.05)
+    pol.record_verify(2, 2)             # untimed: the model-based gate judges instead
+    assert pol.realized_gain is None
+    with pytest.raises(ValueError):
+        pol.record_verify(2, 1, -1.0)

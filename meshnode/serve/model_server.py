@@ -378,7 +378,7 @@ class ModelServer:
                       len(drafts), res.n_accepted, 1e3 * dt, spec.policy.state.value,
                       getattr(spec.window, "size", "-"), ", lookahead" if step.lookahead else "")
         if drafts:
-            spec.policy.record_verify(len(drafts), res.n_accepted)
+            spec.policy.record_verify(len(drafts), res.n_accepted, dt)
             spec.window.update(len(drafts), res.n_accepted)
             spec.telemetry.record_window(rid, drafts, res.n_accepted, tokens[-1], dt)
             self._publish(DraftVerified(

@@ -20,13 +20,19 @@ doubles the cooldown (up to a cap); a healthy stretch of ``judge_windows`` windo
 forgives past failures. Every transition goes through ``AutoPolicy._set_state``,
 which logs it.
 
-"Too low to pay" is ``acceptance < disable_below`` (0.45), and, once this route's
-:class:`CostModel` has measured both plain steps and verify windows, also "no window
-is expected to beat plain decoding by ``pay_margin``" at that acceptance: where a verify
-row costs almost nothing (a GPU, a memory-bound big model) drafting pays at acceptances
-far below 0.45 and the fixed floor decides; where it costs a third of a step (one CPU
-thread, a small model) drafting at 0.5 acceptance loses, and the measured costs decide.
-The measured gate never switches on drafting the floor would refuse.
+"Too low to pay" is ``acceptance < disable_below`` (0.45), and, once plain steps have
+been measured on this route, also "drafting did not beat plain decoding by
+``pay_margin``": where a verify row costs almost nothing (a GPU, a memory-bound big
+model) drafting pays at acceptances far below 0.45 and the fixed floor decides; where it
+costs half a step (one CPU thread, a small model) drafting at 0.5 acceptance loses, and
+the measured times decide. The gate judges what drafting *did*: the tokens the judged
+windows yielded over the seconds they took (each window's wall time as the caller
+measured it), against a plain step's measured seconds. A model of it (the geometric
+``E(k)`` over :class:`CostModel` costs) undercounts what copy-heavy answers get (long
+accepted runs, lookahead windows that overlap the window before them): on code edits it
+said "pays at most 1.02x" of windows that were yielding 1.3-2x, and switched them off.
+The model is only the fallback for windows reported without their time. The gate never
+switches on drafting the floor would refuse.
 
 *Window*: with per-token acceptance ``a``, a window of ``k`` drafts yields
 ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens (accepted prefix + bonus) and costs one
@@ -132,7 +138,7 @@ class AutoPolicyParams:
     cold_hits_to_enable: int = 4        # ... of which this many would have hit
     cold_enable_rate: float = 0.5       # ... at this rate at least
     disable_below: float = 0.45         # per-token acceptance under which we back off
-    pay_margin: float = 0.10            # measured costs: best window must beat plain by this
+    pay_margin: float = 0.10            # drafting must beat plain decoding by this (measured)
     min_windows: int = 8                # verify windows before judging acceptance
     judge_windows: int = 16             # sliding window of verify outcomes judged
     cooldown_tokens: int = 64           # first cooldown, in generated tokens
@@ -167,7 +173,8 @@ class AutoPolicy:
         self._on_transition = on_transition
         self._state = {"auto": SpecState.COLD, "on": SpecState.ENABLED, "off": SpecState.OFF}[mode]
         self._cold: deque[bool] = deque(maxlen=self.params.cold_window)
-        self._verifies: deque[tuple[int, int]] = deque(maxlen=self.params.judge_windows)
+        # (proposed, accepted, seconds or None) of the latest verify windows
+        self._verifies: deque[tuple[int, int, float | None]] = deque(maxlen=self.params.judge_windows)
         self._failures = 0
         self._cooldown_left = 0
         self.last_affinity: float | None = None
@@ -199,7 +206,7 @@ class AutoPolicy:
     def acceptance(self) -> float | None:
         """Per-token acceptance over the judged verify windows (None before any)."""
         hits = trials = 0
-        for proposed, accepted in self._verifies:
+        for proposed, accepted, _ in self._verifies:
             hits += accepted
             trials += accepted + (1 if accepted < proposed else 0)
         return hits / trials if trials else None
@@ -241,13 +248,33 @@ class AutoPolicy:
         if hits >= p.cold_hits_to_enable and hits / len(self._cold) >= p.cold_enable_rate:
             self._set_state(SpecState.ENABLED, f"{hits}/{len(self._cold)} would-be hits")
 
-    def record_verify(self, proposed: int, accepted: int) -> None:
-        """One verify window came back: ``accepted`` of ``proposed`` drafts kept."""
+    @property
+    def realized_gain(self) -> float | None:
+        """Tokens per second of the judged verify windows over plain decoding's: what
+        drafting actually did here (> 1: it paid). None unless every judged window came
+        with its seconds and the cost model has measured plain steps."""
+        plain_s = self.cost.observed.get(0) if self.cost is not None else None
+        if not plain_s or not self._verifies:
+            return None
+        tokens = seconds = 0.0
+        for _, accepted, s in self._verifies:
+            if s is None:
+                return None
+            tokens += accepted + 1
+            seconds += s
+        return tokens * plain_s / seconds if seconds > 0 else None
+
+    def record_verify(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
+        """One verify window came back: ``accepted`` of ``proposed`` drafts kept, after
+        ``seconds`` of wall time (the whole step as the stream waited for it; None when
+        not measured: the gate then falls back to the cost model's expectation)."""
         if proposed <= 0 or self._state is not SpecState.ENABLED:
             return
         if not 0 <= accepted <= proposed:
             raise ValueError(f"accepted ({accepted}) must be in [0, proposed={proposed}]")
-        self._verifies.append((proposed, accepted))
+        if seconds is not None and not seconds >= 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
+        self._verifies.append((proposed, accepted, seconds))
         if self.mode != "auto":
             return
         p = self.params
@@ -275,6 +302,12 @@ class AutoPolicy:
         p = self.params
         if rate < p.disable_below:
             return f"acceptance {rate:.2f} < {p.disable_below}"
+        realized = self.realized_gain
+        if realized is not None:
+            if realized < 1.0 + p.pay_margin:
+                return (f"acceptance {rate:.2f}, drafting ran at {realized:.2f}x plain "
+                        f"decoding here (needs {1.0 + p.pay_margin:.2f}x)")
+            return ""
         cost = self.cost
         if cost is not None and cost.measured:
             gain = cost.speedup(cost.best_window(rate), rate)
