@@ -11,6 +11,7 @@ import pytest
 @pytest.mark.parametrize("args", [
     ["bench", "spec", "--target-quant", "Q9"],
     ["bench", "spec", "--draft-quant", "half"],
+    ["bench", "spec", "--draft-layers", "0"],
     ["bench", "serve", "--rounds", "0"],
     ["bench", "engine", "--gap-ms", "-1"],
     ["bench", "engine", "--gap-ms", "soon"],
@@ -24,3 +25,11 @@ def test_bad_benchmark_options_are_refused_up_front(tmp_path, args):
     assert r.returncode == 2
     assert "error: argument" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "data").exists()   # nothing was fetched or derived
+
+
+def test_a_truncated_draft_must_keep_fewer_layers_than_the_model(tmp_path, smollm2):
+    r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), "bench", "spec",
+                        "--model", str(smollm2.path), "--draft-layers", str(smollm2.n_layers)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert f"has {smollm2.n_layers} layers" in r.stderr and "Traceback" not in r.stderr

@@ -11,8 +11,8 @@ section 6), so the relay is the latency emulation; the output says so.
 
 Strategies, each on a split of its own (all up for the whole run): ``baseline`` (``--spec-mode off``),
 ``ngram_auto`` (``--spec ngram --spec-mode auto``) and ``draft`` (``--draft-model D``,
-where D is the target requantized to Q4_0 with llama.cpp's quantizer, made once and
-cached). Workloads: ``code_edit`` (code given in the prompt, asked to be renamed or
+where D is the target requantized to Q4_0 with llama.cpp's quantizer, or with
+``--draft-layers N`` its first N layers plus the head, made once and cached). Workloads: ``code_edit`` (code given in the prompt, asked to be renamed or
 refactored: the answer copies most of it) and ``mixed_chat`` (open questions, stories,
 explanations). Every prompt is answered by every strategy back to back, in an order
 rotated per prompt and round, so the machine's drift hits the strategies alike (on this
@@ -177,6 +177,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated subset of {','.join(STRATEGIES)}")
     p.add_argument("--draft-quant", default="Q4_0", type=_quant_type,
                    help="quantization of the derived draft model (default Q4_0)")
+    p.add_argument("--draft-layers", type=positive_int, default=None, metavar="N",
+                   help="derive the draft from the target's first N layers plus its output "
+                        "norm and head (an early exit), at --draft-quant; default: every layer")
     p.add_argument("--target-quant", default=None, metavar="TYPE", type=_quant_type,
                    help="serve a copy of the model requantized to TYPE (made once, cached); "
                         "default: as is. F16 makes verify rows cheap on CPUs without AVX2 but "
@@ -298,9 +301,10 @@ def _differences(raw: dict, strategies: list[str]) -> list[str]:
 # ---- the run ------------------------------------------------------------------------
 
 
-def _derived(ref, paths, quant: str, role: str):
-    """``ref``'s model requantized to ``quant`` (made once into the cache), vocab checked."""
-    from meshnode.models.derive import requantize
+def _derived(ref, paths, quant: str, role: str, n_layers: int | None = None):
+    """``ref``'s model requantized to ``quant`` (made once into the cache), cut to its
+    first ``n_layers`` blocks plus head when given (also once), vocab checked."""
+    from meshnode.models.derive import requantize, truncate_layers
     from meshnode.spec.draft import check_vocab
 
     dest = paths.cache / "bench" / f"{ref.path.stem}-{role}-{quant}.gguf"
@@ -308,6 +312,12 @@ def _derived(ref, paths, quant: str, role: str):
         print(f"deriving a {role}: {ref.path.name} requantized to {quant} (once) ...",
               file=sys.stderr, flush=True)
         requantize(ref.path, dest, quant)
+    if n_layers is not None:
+        full, dest = dest, dest.with_name(f"{dest.stem}-first{n_layers}.gguf")
+        if not dest.exists():
+            print(f"deriving a {role}: its first {n_layers} of {ref.n_layers} layers plus the "
+                  f"head (once) ...", file=sys.stderr, flush=True)
+            truncate_layers(full, dest, n_layers)
     check_vocab(ref.path, dest)
     return dest
 
@@ -363,7 +373,12 @@ def run(args: argparse.Namespace) -> int:
     workloads = {"code_edit": CODE_EDIT[:n_prompts], "mixed_chat": MIXED_CHAT[:n_prompts]}
     paths = NodePaths.resolve(getattr(args, "home", None)).ensure()
     ref = resolve_model(args.model, paths)
-    draft_path = _derived(ref, paths, args.draft_quant, "draft") if "draft" in strategies else None
+    if args.draft_layers is not None and args.draft_layers >= ref.n_layers:
+        print(f"meshnode bench spec: --draft-layers {args.draft_layers}: {ref.name} has "
+              f"{ref.n_layers} layers; a truncated draft keeps fewer", file=sys.stderr)
+        return 2
+    draft_path = (_derived(ref, paths, args.draft_quant, "draft", args.draft_layers)
+                  if "draft" in strategies else None)
     target = _derived(ref, paths, args.target_quant, "target") if args.target_quant else ref.path
     latency = (f"latency: emulated by a delaying UDP relay, {args.delay_ms:g} ms each way "
                f"(no netem in this kernel)")
