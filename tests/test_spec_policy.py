@@ -358,3 +358,20 @@ def test_realized_gain_needs_measured_plain_steps_and_every_window_timed():
     assert pol.realized_gain is None
     with pytest.raises(ValueError):
         pol.record_verify(2, 1, -1.0)
+
+
+def test_a_proposer_that_cannot_be_observed_probes_by_drafting():
+    # A draft model costs a forward pass per guess, so auto mode has no cold phase for it:
+    # it starts drafting, is judged like n-gram drafting, and probes again by drafting.
+    cost = _route(0.040, 0.030)
+    pol = AutoPolicy("auto", AutoPolicyParams(cooldown_tokens=10), cost=cost, observes=False)
+    assert pol.state is SpecState.ENABLED and not pol.should_observe
+    pol.on_prompt([1, 2, 3, 4] * 20)                 # prompt shape says nothing about a draft
+    assert pol.state is SpecState.ENABLED
+    for _ in range(8):
+        pol.record_verify(3, 2, 0.140)               # 3 tokens in 3.5 plain steps' time
+    assert pol.state is SpecState.COOLING_DOWN
+    pol.on_prompt([1, 2, 3, 4] * 20)
+    assert pol.state is SpecState.COOLING_DOWN      # a new prompt is no reason to probe
+    pol.on_generated(10)
+    assert pol.state is SpecState.ENABLED and pol.should_draft

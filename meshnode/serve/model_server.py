@@ -159,7 +159,7 @@ class ModelServer:
         if cfg is not None and cfg.type == "draft-model" and draft is None:
             strategy, mode = "none", "off"   # the caller already warned why
         cost = CostModel(hop_s=0.0)
-        policy = AutoPolicy(mode, name=strategy, cost=cost,
+        policy = AutoPolicy(mode, name=strategy, cost=cost, observes=strategy != "draft",
                             on_transition=lambda old, new, why: self._spec.telemetry.set_state(new))
         window = make_window(cfg.window if cfg is not None and cfg.enabled else WindowPolicy(), cost)
         self._spec = _Spec(cfg, policy, window, cost, SpecTelemetry(strategy, state=policy.state),

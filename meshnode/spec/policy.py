@@ -10,6 +10,9 @@ Theory of operation.
     ENABLED --new prompt without affinity--> COLD
     OFF: mode "off" (never leaves); mode "on" pins ENABLED.
 
+A proposer that cannot be watched for free (a draft model) has no COLD phase
+(``observes=False``): auto starts ENABLED and a cooldown ends in ENABLED (a probe).
+
 COLD costs nothing: the node decodes plainly and asks the proposer, before each
 token arrives, whether it *would* have drafted it (``NGramProposer.would_hit``).
 Acceptance is judged per draft position (accepted / positions examined, where the
@@ -153,6 +156,11 @@ class AutoPolicy:
     :attr:`should_draft` verify a window and :meth:`record_verify`; else, if
     :attr:`should_observe`, :meth:`record_cold` with the proposer's would-hit answer;
     always :meth:`on_generated` with the number of tokens emitted.
+
+    ``observes=False`` is for proposers that cannot be watched for free (a draft model
+    costs a forward pass per guess): there is no COLD phase. Auto mode starts ENABLED,
+    ignores prompt shape, and probes again *by drafting* when a cooldown ends; the
+    judgement (floor, realized gain, cooldowns) is the same.
     """
 
     def __init__(
@@ -163,6 +171,7 @@ class AutoPolicy:
         name: str = "ngram",
         on_transition: Callable[[SpecState, SpecState, str], None] | None = None,
         cost: "CostModel | None" = None,
+        observes: bool = True,
     ) -> None:
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"mode must be auto, on or off, got {mode!r}")
@@ -170,8 +179,10 @@ class AutoPolicy:
         self.params = params or AutoPolicyParams()
         self.name = name
         self.cost = cost
+        self.observes = observes
         self._on_transition = on_transition
-        self._state = {"auto": SpecState.COLD, "on": SpecState.ENABLED, "off": SpecState.OFF}[mode]
+        cold = SpecState.COLD if observes else SpecState.ENABLED
+        self._state = {"auto": cold, "on": SpecState.ENABLED, "off": SpecState.OFF}[mode]
         self._cold: deque[bool] = deque(maxlen=self.params.cold_window)
         # (proposed, accepted, seconds or None) of the latest verify windows
         self._verifies: deque[tuple[int, int, float | None]] = deque(maxlen=self.params.judge_windows)
@@ -223,7 +234,7 @@ class AutoPolicy:
         p = self.params
         score = prompt_affinity(prompt_tokens, p.affinity_n)
         self.last_affinity = score
-        if self.mode != "auto":
+        if self.mode != "auto" or not self.observes:
             return score
         self._cold.clear()
         if len(prompt_tokens) >= p.affinity_min_tokens and score >= p.affinity_enable:
@@ -322,7 +333,10 @@ class AutoPolicy:
             return
         self._cooldown_left = max(0, self._cooldown_left - n_tokens)
         if self._cooldown_left == 0:
-            self._set_state(SpecState.COLD, "cooldown over, probing")
+            if self.observes:
+                self._set_state(SpecState.COLD, "cooldown over, probing")
+            else:
+                self._set_state(SpecState.ENABLED, "cooldown over, probing by drafting")
 
     # ---- the one transition point -------------------------------------------
 
