@@ -259,3 +259,20 @@ def test_constructed_from_a_path_owns_its_engine(synthetic_gguf):
                                 has_head=False)) as stage:
         with pytest.raises(ValueError, match="whole model"):
             DraftModelProposer(stage)
+
+
+def test_a_lazy_reset_prefills_at_the_first_proposal(synthetic_gguf):
+    # While the auto policy cools down a request never drafts: reset(sync=False) must cost
+    # the draft nothing, and the first proposal must equal an eager reset's.
+    path = synthetic_gguf(n_layer=2, vocab=320, weight_scale=0.5)
+    prompt = list(range(5, 5 + 70))
+    with DraftModelProposer(_engine(path), owns_engine=True) as eager:
+        eager.reset(prompt)
+        eager.accept([9, 10])
+        want = eager.propose([], 4)
+    with DraftModelProposer(_engine(path), owns_engine=True) as lazy:
+        lazy.reset(prompt, sync=False)
+        lazy.accept([9, 10])
+        assert lazy.stats.rows == 0 and lazy.stats.calls == 0
+        assert lazy.propose([], 4) == want
+        assert lazy.stats.rows == 72 + 3        # context caught up in one go, then 3 drafts

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import functools
 import itertools
 import logging
 import time
@@ -251,7 +252,9 @@ class ModelServer:
             proposer.observe([first])
             spec.policy.on_prompt(prompt)
             if spec.draft is not None:
-                await self._draft_call(spec.draft.reset, list(prompt))
+                # prefill the draft now only if it will draft (not while cooling down)
+                await self._draft_call(functools.partial(spec.draft.reset, list(prompt),
+                                                         sync=spec.policy.should_draft))
                 await self._draft_call(spec.draft.accept, [first])
             pos = len(prompt)
             pending = [first]

@@ -139,8 +139,10 @@ class DraftModelProposer:
 
     # ---- Proposer protocol ------------------------------------------------------------
 
-    def reset(self, prompt: Sequence[int]) -> None:
-        """Start a request whose context is ``prompt``; prefill it now.
+    def reset(self, prompt: Sequence[int], *, sync: bool = True) -> None:
+        """Start a request whose context is ``prompt``; prefill it now (``sync=False``:
+        at the first :meth:`propose` instead, so a request that never drafts, e.g. while
+        the auto policy cools down, costs the draft nothing).
 
         A cached prefix shared with the previous request (multi-turn chat) is kept and
         only the rest is decoded. Raises the engine's errors
@@ -148,7 +150,8 @@ class DraftModelProposer:
         draft's context: the caller should not use the draft for this request).
         """
         self._context = [int(t) for t in prompt]
-        self._sync()
+        if sync:
+            self._sync()
 
     def propose(self, context_tail: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` greedy drafts continuing the context (``context_tail`` is ignored).

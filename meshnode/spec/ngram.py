@@ -203,8 +203,8 @@ class NGramDrafter:
     def __init__(self, *, max_n: int = DEFAULT_MAX_N, min_n: int = 1) -> None:
         self.ngram = NGramProposer(max_n=max_n, min_n=min_n)
 
-    def reset(self, prompt: Sequence[int]) -> None:
-        self.ngram.reset(prompt)
+    def reset(self, prompt: Sequence[int], *, sync: bool = True) -> None:
+        self.ngram.reset(prompt)   # indexing is cheap: always now
 
     def propose(self, context_tail: Sequence[int], k: int) -> list[int]:
         return self.ngram.propose(k)

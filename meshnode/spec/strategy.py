@@ -66,8 +66,9 @@ class SpecConfigError(MeshnodeError):
 class Proposer(Protocol):
     """Where draft tokens come from (n-gram index, draft model)."""
 
-    def reset(self, prompt: Sequence[int]) -> None:
-        """Start a new request whose context is ``prompt``."""
+    def reset(self, prompt: Sequence[int], *, sync: bool = True) -> None:
+        """Start a new request whose context is ``prompt`` (``sync=False``: work on it
+        may wait until the first :meth:`propose`)."""
         ...
 
     def propose(self, context_tail: Sequence[int], k: int) -> list[int]:
