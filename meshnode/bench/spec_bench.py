@@ -9,19 +9,21 @@ B runs with ``--no-discovery --quic-port P``; the relay listens on R and forward
 packet between the stages crosses the relay. The kernel here has no netem (DESIGN.md
 section 6), so the relay is the latency emulation; the output says so.
 
-Strategies, each on a split of its own (all up for the whole run): ``baseline`` (``--spec-mode off``),
-``ngram_auto`` (``--spec ngram --spec-mode auto``) and ``draft`` (``--draft-model D``,
-where D is the target requantized to Q4_0 with llama.cpp's quantizer, or with
-``--draft-layers N`` its first N layers plus the head, made once and cached). Workloads: ``code_edit`` (code given in the prompt, asked to be renamed or
+Strategies, each on a split of its own (all up for the whole run): ``baseline``
+(``--spec-mode off``), ``ngram_auto`` (``--spec ngram --spec-mode auto``) and ``draft``
+(``--draft-model D``, where D is the target requantized to Q4_0 with llama.cpp's
+quantizer, or with ``--draft-layers N`` its first N layers plus the head; made once and
+cached). Workloads: ``code_edit`` (code given in the prompt, asked to be renamed or
 refactored: the answer copies most of it) and ``mixed_chat`` (open questions, stories,
 explanations). Every prompt is answered by every strategy back to back, in an order
 rotated per prompt and round, so the machine's drift hits the strategies alike (on this
 shared VM a plain step's speed moves by 5-10% over minutes). Decode tokens/s is the
-response's ``timings.predicted_per_second`` averaged over prompts; acceptance is ``sum(draft_n_accepted) / sum(draft_n)``; speedup
-is against that workload's baseline in the same invocation. Where the time went, from
-the responses' ``timings`` summed over every round: verify windows and their mean
-time, plain (one-token) steps and theirs, lookahead windows used / sent. Greedy
-decoding throughout, so every strategy must produce the same text (checked and reported).
+response's ``timings.predicted_per_second`` averaged over prompts; acceptance is
+``sum(draft_n_accepted) / sum(draft_n)``; speedup is against that workload's baseline
+in the same invocation. Where the time went, from the responses' ``timings`` summed
+over every round: verify windows and their mean time, plain (one-token) steps and
+theirs, lookahead windows used / sent. Greedy decoding throughout, so every strategy
+must produce the same text (checked and reported).
 """
 
 from __future__ import annotations
@@ -404,7 +406,8 @@ def run(args: argparse.Namespace) -> int:
                     for strategy in _rotated(strategies, rnd + i):
                         base, model, _ = splits[strategy]
                         raw[w][strategy][i].append(_complete(base, model, prompt, max_tokens))
-            print(f"  round {rnd + 1}/{rounds}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            print(f"  round {rnd + 1}/{rounds}: {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
         up = sum(relay.relay.counters.datagrams_up for _, _, relay in splits.values())
         down = sum(relay.relay.counters.datagrams_down for _, _, relay in splits.values())
     print(f"relays forwarded {up} datagrams up, {down} down", file=sys.stderr)

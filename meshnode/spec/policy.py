@@ -264,7 +264,7 @@ class AutoPolicy:
         """Tokens per second of the judged verify windows over plain decoding's: what
         drafting actually did here (> 1: it paid). None unless every judged window came
         with its seconds and the cost model has measured plain steps."""
-        plain_s = self.cost.observed.get(0) if self.cost is not None else None
+        plain_s = self.cost.plain_s if self.cost is not None else None
         if not plain_s or not self._verifies:
             return None
         tokens = seconds = 0.0
@@ -408,6 +408,11 @@ class CostModel:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
         old = self._ewma.get(window)
         self._ewma[window] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    @property
+    def plain_s(self) -> float | None:
+        """Measured seconds of a plain step on this route (EWMA; None before any)."""
+        return self._ewma.get(0)
 
     @property
     def measured(self) -> bool:
