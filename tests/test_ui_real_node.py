@@ -140,6 +140,8 @@ async def test_real_node_screens_show_what_the_node_reports(tmp_path: Path, mode
         assert isinstance(app.screen, RequestsScreen)
         table = app.screen.query_one("#requests", DataTable)
         await wait_for(pilot, lambda: table.row_count == 1, 5, "request row")
+        # the screen shows the app's latest snapshot, which may predate the request's end
+        await wait_for(pilot, lambda: cells(table, req.request_id)[1] == "done", 5, "request row done")
         row = cells(table, req.request_id)
         assert row[:6] == [short_id(req.request_id), "done", str(req.prompt_tokens),
                            str(req.generated_tokens), f"{req.tokens_per_s:.1f}", fmt_ms(req.ttft_ms)]
