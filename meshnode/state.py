@@ -61,6 +61,7 @@ class PeerInfo:
     role: str = ""          # e.g. "stage 1 [10,20)" or "" when idle
     bytes_per_s_in: float = 0.0
     bytes_per_s_out: float = 0.0
+    lane: bool = False      # per-token frames to it take the fast lane (meshnode.net.lane)
 
 
 @dataclass(frozen=True, slots=True)

@@ -229,6 +229,8 @@ async def _split_and_decode(homes, names: str, split: int, reference, prompt_tok
 
         got = await _greedy(sm.pipeline, prompt_tokens)
         assert got == reference
+        # the decode steps (not the prefill chunks) took the fast lane, and none was lost
+        assert sm.pipeline.lane_steps == N_NEW - 1 and sm.pipeline.lane_resends == 0
 
         await sm.stop("test done")
         assert coord.coord.serving is None and coord.coord.stages() == []
@@ -252,6 +254,28 @@ async def test_split2_matches_whole_model(homes, reference, prompt_tokens):
 
 async def test_split3_matches_whole_model(homes, reference, prompt_tokens):
     await _split_and_decode(homes, "abc", 3, reference, prompt_tokens)
+
+
+async def test_lost_lane_frames_are_resent_and_the_tokens_stay_exact(homes, reference, prompt_tokens,
+                                                                   monkeypatch):
+    import meshnode.serve.pipeline as pipeline_mod
+
+    monkeypatch.setattr(pipeline_mod, "LANE_RETRY_MIN_S", 0.1)
+    async with _mesh(homes, "ab") as (a, b):
+        sm = await a.coord.start_model(coord_model(homes["a"]), _opts(split=2))
+        await _until(lambda: a.fabric.lane_ready(b.id) and b.fabric.lane_ready(a.id), 5.0)
+        # every 4th lane packet reaching either node is lost: Forwards at b, TokenReturns at a
+        for node in (a, b):
+            def lossy(data, addr, take=node.fabric.lane_datagram, seen=[0]):
+                seen[0] += 1
+                if seen[0] % 4:
+                    take(data, addr)
+            node.fabric.lane_datagram = lossy
+        got = await _greedy(sm.pipeline, prompt_tokens)
+        assert got == reference
+        assert sm.pipeline.lane_resends >= 3
+        assert a.fabric.lane_ready(b.id)   # isolated losses do not switch the lane off
+        await sm.stop("test done")
 
 
 async def test_single_stage_is_local(homes, reference, prompt_tokens):

@@ -51,17 +51,25 @@ class _Worker:
 
 
 class _Fabric:
-    def __init__(self) -> None:
+    def __init__(self, lane: bool = False) -> None:
         self.sent: list[object] = []
+        self.lane = lane
+        self.on_lane: list[object] = []
 
     async def send_data(self, node, msg, key) -> None:
         self.sent.append(msg)
 
+    def send_lane(self, node, msg) -> bool:
+        if self.lane:
+            self.sent.append(msg)
+            self.on_lane.append(msg)
+        return self.lane
 
-def _window(batch_id: int, pos: int, drafts: tuple[int, ...], session: int = 1) -> wire.Forward:
+
+def _window(batch_id: int, pos: int, drafts: tuple[int, ...], session: int = 1, flags: int = 0) -> wire.Forward:
     rows = len(drafts) + 1
     seg = wire.Segment(session=session, pos=pos, n_rows=rows, n_logits=rows, drafts=drafts,
-                       temperature=0.0, top_k=0, top_p=1.0, seed=0, flags=0)
+                       temperature=0.0, top_k=0, top_p=1.0, seed=0, flags=flags)
     return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=(seg,),
                         act=np.zeros((rows, N_EMBD), dtype=np.float32))
 
@@ -95,3 +103,29 @@ def test_final_stage_skips_only_windows_past_the_verified_positions():
     first = sent[0].results[0]
     assert (first.tokens, first.n_accepted) == ((111, 112), 1)
     assert sent[2].results[0].tokens == (113, 114, 115)
+
+
+def test_a_copy_older_than_the_newest_batch_of_its_session_is_not_computed():
+    """A lane step resent over the stream may arrive after its session moved on (the
+    lane copy got through late): computing it would rewind the session past newer rows."""
+    engine = _Engine({p: 101 + p for p in range(64)})
+
+    async def main():
+        fabric = _Fabric(lane=True)
+        host = StageHost(fabric, _Worker(engine), StageRoute(coordinator="c", downstream=None))
+        await host._forward(_window(1, 10, (), flags=wire.SEG_LANE))
+        await host._forward(_window(1, 10, ()))          # the same step again: recomputed
+        await host._forward(_window(2, 11, (), flags=wire.SEG_LANE))
+        await host._forward(_window(1, 10, ()))          # late copy of batch 1: dropped
+        await host._forward(_window(1, 10, (), session=2))   # another session: its own history
+        await host.close()
+        return fabric
+
+    fabric = asyncio.run(main())
+    assert engine.calls == [(10, 1), (10, 1), (11, 1), (10, 1)]
+    kinds = [(type(m).__name__, m.batch_id) for m in fabric.sent]
+    assert kinds == [("TokenReturn", 1), ("TokenReturn", 1), ("TokenReturn", 2), ("DataError", 1),
+                     ("TokenReturn", 1)]
+    assert "superseded" in fabric.sent[3].message
+    # replies go on the lane exactly when stage 0 marked the step SEG_LANE
+    assert [m.batch_id for m in fabric.on_lane] == [1, 2]

@@ -147,10 +147,12 @@ async def test_snapshot_changes_show_up_and_keep_cursor():
         await wait_for(pilot, lambda: table.row_count == 4)
         table.move_cursor(row=2)
         snap = node.snapshot()
-        echo = PeerInfo("n-echo", "echo", "192.168.1.14:7400", 3.2, True)
+        echo = PeerInfo("n-echo", "echo", "192.168.1.14:7400", 3.2, True, lane=True)
         node.set_snapshot(replace(snap, peers=(*snap.peers, echo)))
         await wait_for(pilot, lambda: table.row_count == 5)
         assert str(table.get_row("n-echo")[0]) == "echo"
+        assert str(table.get_row("n-echo")[5]) == "✓ yes · lane"
+        assert str(table.get_row("n-bravo")[5]) == "✓ yes"
         assert table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value == "n-charlie"
 
 

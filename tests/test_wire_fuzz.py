@@ -24,6 +24,7 @@ from meshnode.wire import (
     Heartbeat,
     Hello,
     Inventory,
+    LaneKey,
     Load,
     LocalProtocolError,
     MessageKind,
@@ -109,6 +110,7 @@ messages = st.one_of(
     st.builds(AuthProof, u32, st.binary(max_size=64)),
     st.builds(AuthResult, u32, st.booleans(), text),
     st.builds(Heartbeat, u32, u64, u64, st.booleans()),
+    st.builds(LaneKey, u32, u32, st.binary(min_size=16, max_size=16)),
     st.builds(Claim, u32, u64, text, text, u32),
     prepares(),
     inventories(),
@@ -138,9 +140,9 @@ def same(a: object, b: object) -> bool:
 
 
 def test_every_kind_has_a_strategy():
-    # one_of keeps its branches; make sure none of the 18 kinds was forgotten
+    # one_of keeps its branches; make sure none of the 19 kinds was forgotten
     kinds = {
-        Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, Claim, Prepare, Inventory, Load,
+        Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, LaneKey, Claim, Prepare, Inventory, Load,
         Ready, Stop, Status, Error, Forward, TokenReturn, Trim, SessionEnd, DataError,
     }  # fmt: skip
     assert {k.KIND for k in kinds} == set(MessageKind)

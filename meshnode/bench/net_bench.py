@@ -2,7 +2,8 @@
 on loopback (two fabrics in one process, real QUIC + mesh auth, no mDNS).
 
 Round trip: one Forward carrying one activation row of 576, 2048 and 4096 floats out on
-a session data stream, a TokenReturn with one token (4 bytes of payload) back. Bulk: a
+a session data stream, a TokenReturn with one token (4 bytes of payload) back; the rows
+marked "lane" make the same exchange on the fast lane (meshnode.net.lane) instead. Bulk: a
 stream of Forward frames of ``--bulk-rows`` rows x 4096 floats, acknowledged at the end.
 Both for f32 and f16 on the wire, for each QUIC datagram size asked (the first is the
 baseline of the ratio column; 1350 B fits a 1500-byte LAN MTU, loopback allows more).
@@ -40,10 +41,12 @@ def run(args: argparse.Namespace) -> int:
     print("meshnode bench net: two nodes in one process on loopback (real QUIC + TLS 1.3 + mesh auth)")
     base = results[0]
     for r in results:
-        print(f"\nQUIC max datagram {r['datagram']} B" + ("" if r is base else f"  (ratios vs {base['datagram']} B)"))
+        print(f"\nQUIC max datagram {r['datagram']} B" + ("" if r is base else f"  (ratios vs {base['datagram']} B)")
+              + "; lane rows: ratio vs the same exchange over QUIC")
         print(f"  {'round trip':<24} {'median ms':>10} {'p90 ms':>8} {'ratio':>7}")
         for key, v in r["rtt"].items():
-            ratio = v["median_ms"] / base["rtt"][key]["median_ms"]
+            ref = r["rtt"][key.removesuffix(" lane")] if key.endswith(" lane") else base["rtt"][key]
+            ratio = v["median_ms"] / ref["median_ms"]
             print(f"  {key:<24} {v['median_ms']:>10.3f} {v['p90_ms']:>8.3f} {ratio:>6.2f}x")
         print(f"  {'bulk':<24} {'MB/s':>10} {'':>8} {'ratio':>7}")
         for key, v in r["bulk"].items():
@@ -69,7 +72,7 @@ async def _run_one(args: argparse.Namespace, datagram: int) -> dict:
 
     from meshnode.mesh.fabric import MeshFabric
     from meshnode.net.identity import Identity
-    from meshnode.net.link import LinkSettings
+    from meshnode.net.link import LANE_MAX_FRAME, LinkSettings
     from meshnode.net.secret import new_secret
     from meshnode.paths import NodePaths
     from meshnode.wire import Forward, Segment, SegmentResult, TokenReturn
@@ -89,18 +92,34 @@ async def _run_one(args: argparse.Namespace, datagram: int) -> dict:
         b = mk("b", static_peers=[f"127.0.0.1:{a.port}"])
 
         async def echo(node_id: str, msg) -> None:
-            if isinstance(msg, Forward) and msg.ref:
+            if isinstance(msg, Forward):
                 res = SegmentResult(session=msg.segments[0].session, tokens=(1,), n_accepted=0, n_drafted=0)
-                await b.send_data(node_id, TokenReturn(ref=msg.ref, batch_id=msg.batch_id, results=(res,)),
-                                  stream_key=("s", msg.segments[0].session))
+                reply = TokenReturn(ref=msg.ref, batch_id=msg.batch_id, results=(res,))
+                if msg.ref:
+                    await b.send_data(node_id, reply, stream_key=("s", msg.segments[0].session))
+                else:   # came on the fast lane: answer there
+                    b.send_lane(node_id, reply)
+
+        lane_reply: list[asyncio.Future] = []
+
+        def on_a(node_id: str, msg) -> None:
+            if isinstance(msg, TokenReturn) and lane_reply and not lane_reply[0].done():
+                lane_reply[0].set_result(msg)
 
         b.on_message(echo)
+        a.on_message(on_a)
         await b.start()
         for _ in range(500):
-            if a.peers():
+            if a.peers() and a.lane_ready(a.peers()[0].node_id) and b.peers() and b.lane_ready(a.node_id):
                 break
             await asyncio.sleep(0.01)
         peer = a.peers()[0].node_id
+
+        async def lane_round_trip(msg) -> None:
+            lane_reply[:] = [asyncio.get_running_loop().create_future()]
+            if not a.send_lane(peer, msg):
+                raise RuntimeError("the fast lane is not up")
+            await asyncio.wait_for(lane_reply[0], 5.0)
 
         def seg(rows: int) -> Segment:
             return Segment(session=1, pos=0, n_rows=rows, n_logits=0, drafts=(), temperature=0.0,
@@ -111,15 +130,22 @@ async def _run_one(args: argparse.Namespace, datagram: int) -> dict:
             npd = np.float32 if dtype == "f32" else np.float16
             for width in WIDTHS:
                 act = np.random.default_rng(0).standard_normal((1, width)).astype(npd)
-                times = []
-                for i in range(args.iters + 10):
-                    msg = Forward(ref=0, batch_id=i, step=i, segments=(seg(1),), act=act)
-                    t0 = time.perf_counter()
-                    await a.request(peer, msg, timeout=5.0, data_stream=("s", 1))
-                    if i >= 10:
-                        times.append((time.perf_counter() - t0) * 1e3)
-                t = np.array(times)
-                rtt[f"{width} x {dtype}"] = {"median_ms": float(np.median(t)), "p90_ms": float(np.percentile(t, 90))}
+                for path in ("", " lane"):
+                    if path and width * np.dtype(npd).itemsize > LANE_MAX_FRAME - 128:
+                        continue   # too big for the lane: such frames go over QUIC
+                    times = []
+                    for i in range(args.iters + 10):
+                        msg = Forward(ref=0, batch_id=i, step=i, segments=(seg(1),), act=act)
+                        t0 = time.perf_counter()
+                        if path:
+                            await lane_round_trip(msg)
+                        else:
+                            await a.request(peer, msg, timeout=5.0, data_stream=("s", 1))
+                        if i >= 10:
+                            times.append((time.perf_counter() - t0) * 1e3)
+                    t = np.array(times)
+                    rtt[f"{width} x {dtype}{path}"] = {"median_ms": float(np.median(t)),
+                                                       "p90_ms": float(np.percentile(t, 90))}
 
         bulk: dict = {}
         for dtype in ("f32", "f16"):

@@ -25,12 +25,15 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from aioquic.asyncio.server import QuicServer
+
 from meshnode import PROTOCOL_VERSION
 from meshnode.errors import MeshnodeError
 from meshnode.net import caps as capsmod
 from meshnode.net.auth import AuthHandshake
 from meshnode.net.discovery import DiscoveredPeer, Discovery
 from meshnode.net.identity import Identity
+from meshnode.net.lane import LaneReceiver, is_lane_packet, lane_key_id
 from meshnode.net.link import LinkSettings, PeerLink, quic_configuration
 from meshnode.net.secret import SecretStore, mesh_id
 from meshnode.paths import NodePaths
@@ -100,6 +103,7 @@ class MeshFabric:
         self._discovery: Discovery | None = None
         self._server: Any = None
         self._links: dict[str, PeerLink] = {}        # node id -> the authenticated link in use
+        self._lane_links: dict[int, PeerLink] = {}   # lane key id -> the link it belongs to
         self._all_links: set[PeerLink] = set()
         self._discovered: dict[str, DiscoveredPeer] = {}
         self._dialing: dict[str, asyncio.Task] = {}  # node id or "host:port" -> dial task
@@ -118,14 +122,14 @@ class MeshFabric:
 
     async def start(self) -> None:
         """Start the QUIC server, advertise over mDNS, dial static peers."""
-        from aioquic.asyncio import serve
-
         self._running = True
-        self._server = await serve(
-            self._bind_host,
-            self._port,
-            configuration=quic_configuration(self.identity, is_client=False, settings=self.settings),
-            create_protocol=lambda quic, **kw: PeerLink(quic, owner=self, is_client=False, **kw),
+        _, self._server = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: _MeshQuicServer(
+                self,
+                configuration=quic_configuration(self.identity, is_client=False, settings=self.settings),
+                create_protocol=lambda quic, **kw: PeerLink(quic, owner=self, is_client=False, **kw),
+            ),
+            local_addr=(self._bind_host, self._port),
         )
         self._port = self._server._transport.get_extra_info("sockname")[1]
         log.info("node %s (%s) in mesh %s: QUIC on port %d", self.node_id, self.name, self.mesh_id, self._port)
@@ -176,6 +180,7 @@ class MeshFabric:
                 capabilities=caps,
                 bytes_per_s_in=link.rx.rate,
                 bytes_per_s_out=link.tx.rate,
+                lane=link.lane_ready,
             ))
         return sorted(out, key=lambda p: (p.name, p.node_id))
 
@@ -202,9 +207,31 @@ class MeshFabric:
         except ConnectionError as exc:
             raise PeerUnavailableError(f"peer {node_id}: {exc}") from exc
 
+    def send_lane(self, node_id: str, msg: Any) -> bool:
+        """Send ``msg`` to ``node_id`` on the fast lane (meshnode.net.lane): lossy, for
+        per-token frames whose loss the caller notices. False, sending nothing, when
+        there is no ready lane to that peer: use :meth:`send_data` then."""
+        link = self._links.get(node_id)
+        return link is not None and link.send_lane(msg)
+
+    def lane_ready(self, node_id: str) -> bool:
+        """True when frames to ``node_id`` can go on the fast lane now."""
+        link = self._links.get(node_id)
+        return link is not None and link.lane_ready
+
+    def lane_missed(self, node_id: str) -> None:
+        """A frame sent to ``node_id`` on the lane went unanswered (see PeerLink.lane_missed)."""
+        link = self._links.get(node_id)
+        if link is not None:
+            link.lane_missed()
+
     async def send_data(self, node_id: str, msg: Any, stream_key: Any) -> None:
         """Queue ``msg`` on the data stream ``stream_key`` to ``node_id`` (one QUIC
         stream per (peer, key): ordered within a key, independent of control)."""
+        self.send_data_now(node_id, msg, stream_key)
+
+    def send_data_now(self, node_id: str, msg: Any, stream_key: Any) -> None:
+        """:meth:`send_data` for callers that cannot await (timer callbacks)."""
         link = self._link(node_id)
         try:
             link.send_data(msg, stream_key)
@@ -299,8 +326,25 @@ class MeshFabric:
         for cb in self._msg_cbs:
             self._call(cb, node_id, msg)
 
+    def lane_receiver(self, link: PeerLink) -> LaneReceiver:
+        rx = LaneReceiver()
+        while rx.key_id in self._lane_links:   # 32 random bits: a clash is rare, not impossible
+            rx = LaneReceiver()
+        self._lane_links[rx.key_id] = link
+        return rx
+
+    def lane_datagram(self, data: bytes, addr: Any) -> None:
+        """A lane packet on one of our sockets: hand it to the link whose key it names."""
+        link = self._lane_links.get(lane_key_id(data) or 0)
+        if link is None:
+            log.debug("lane packet from %s with an unknown key: dropped", addr)
+            return
+        link.lane_received(data)
+
     def link_closed(self, link: PeerLink, reason: str) -> None:
         self._all_links.discard(link)
+        if link.lane_rx is not None:
+            self._lane_links.pop(link.lane_rx.key_id, None)
         node_id = link.peer_node_id
         if node_id is None or self._links.get(node_id) is not link:
             return
@@ -400,6 +444,21 @@ class MeshFabric:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("callback failed", exc_info=task.exception())
+
+
+class _MeshQuicServer(QuicServer):
+    """aioquic's server protocol, with lane packets (not QUIC: see meshnode.net.lane)
+    taken off the socket before QUIC parses them."""
+
+    def __init__(self, fabric: MeshFabric, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._fabric = fabric
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        if isinstance(data, bytes) and is_lane_packet(data):
+            self._fabric.lane_datagram(data, addr)
+        else:
+            super().datagram_received(data, addr)
 
 
 def _parse_hostport(text: str) -> tuple[str, int]:

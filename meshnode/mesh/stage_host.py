@@ -49,6 +49,11 @@ class StageHost:
         # (the bonus of the last window goes there). A window starting past it builds
         # on rejected rows: a lookahead the coordinator will drop (meshnode.spec.lookahead).
         self._verified: dict[int, int] = {}
+        # Per session, the newest batch computed here. Batch ids grow at stage 0, so a
+        # frame older than that is a copy that took the other path (a lane step resent
+        # over the stream, meshnode.serve.pipeline) and arrived late: computing it would
+        # rewind the session past newer rows.
+        self._newest: dict[int, int] = {}
 
     def accept(self, peer: str, msg: object) -> bool:
         """Queue a data-plane message; False if it is not one."""
@@ -78,6 +83,7 @@ class StageHost:
                     case wire.SessionEnd(session=session):
                         self.sessions.discard(session)
                         self._verified.pop(session, None)
+                        self._newest.pop(session, None)
                         self.sampler.forget(session)
                         await self.worker.drop(session)
             except asyncio.CancelledError:
@@ -125,6 +131,13 @@ class StageHost:
         return verified is not None and seg.pos > verified
 
     async def _forward(self, msg: wire.Forward) -> None:
+        if any(self._newest.get(s.session, 0) > msg.batch_id for s in msg.segments):
+            self.skipped += 1
+            log.debug("batch %d: a newer batch of its session was computed here: dropped", msg.batch_id)
+            await self._send(self.route.coordinator, wire.DataError(
+                ref=0, batch_id=msg.batch_id, session=msg.segments[0].session, code=wire.ErrorCode.BAD_FIELD,
+                message="superseded (a newer batch of the session was computed): not computed"))
+            return
         if self._stale(msg):
             # Answer at once, so the coordinator's step ends (it drops the result anyway)
             # and the real next window does not wait behind a useless computation.
@@ -138,15 +151,19 @@ class StageHost:
             return
         out = await self.worker.step(len(msg.act), self._compute, msg)
         self.batches += 1
+        for s in msg.segments:
+            self._newest[s.session] = msg.batch_id
+        # stage 0 marks the frames that may take the fast lane, with their reply
+        lane = all(s.flags & wire.SEG_LANE for s in msg.segments)
         if not self.is_last:
             await self._send(self.route.downstream, wire.Forward(
-                ref=0, batch_id=msg.batch_id, step=msg.step, segments=msg.segments, act=out))
+                ref=0, batch_id=msg.batch_id, step=msg.step, segments=msg.segments, act=out), lane)
         elif out:
             await self._send(self.route.coordinator,
-                             wire.TokenReturn(ref=0, batch_id=msg.batch_id, results=tuple(out)))
+                             wire.TokenReturn(ref=0, batch_id=msg.batch_id, results=tuple(out)), lane)
 
-    async def _send(self, node: str | None, msg: object) -> None:
-        if node is None:
+    async def _send(self, node: str | None, msg: object, lane: bool = False) -> None:
+        if node is None or (lane and self.fabric.send_lane(node, msg)):
             return
         try:
             await self.fabric.send_data(node, msg, DATA_STREAM)

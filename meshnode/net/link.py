@@ -41,12 +41,22 @@ from aioquic.quic.recovery import QuicPacketPacer
 
 from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
-from meshnode.wire import Error, FrameDecoder, Heartbeat, Hello, WireError, encode
+from meshnode.net.lane import LANE_MARK, LaneDrop, LaneReceiver, LaneSender
+from meshnode.wire import (HEADER_SIZE, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey,
+                           RemoteProtocolError, TokenReturn, WireError, decode, encode, parse_header)
 
 log = logging.getLogger(__name__)
 
 ALPN = "meshnode/1"
+_LANE_MARK = bytes([LANE_MARK])
+_LANE_KINDS = (Heartbeat, Forward, TokenReturn)   # what may arrive on the lane
 DEFERRED_TRANSMIT_S = 0.001   # after a received datagram (see PeerLink.datagram_received)
+LANE_MAX_PROBES = 10          # lane probes per attempt (one per heartbeat) before giving up
+LANE_MAX_MISSES = 3           # lost lane frames in a row before the lane is switched off
+# Largest frame sent on the lane (a 4096-wide f32 decode row is 16.5 KB: over QUIC). Over
+# a 1500-byte LAN such a datagram travels as IP fragments, so probes are this big: a path
+# that drops fragments never gets a lane.
+LANE_MAX_FRAME = 12288
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +69,9 @@ class LinkSettings:
     # Datagrams to a peer on this host (loopback: 64 KiB MTU, no fragmentation). An f32
     # SmolLM2 activation is one datagram instead of two; see PeerLink._size_datagrams.
     loopback_datagram_size: int = 16384
+    # The fast lane for per-token frames (meshnode.net.lane); off: everything over QUIC.
+    lane: bool = True
+    lane_backoff_s: float = 5.0      # a lane switched off waits this long, doubling each time, to probe again
 
 
 def quic_configuration(identity: Identity, *, is_client: bool, settings: LinkSettings) -> QuicConfiguration:
@@ -85,6 +98,7 @@ class LinkOwner(Protocol):
     def link_created(self, link: "PeerLink") -> None: ...
     def link_authenticated(self, link: "PeerLink") -> None: ...
     def link_message(self, link: "PeerLink", msg: Any) -> None: ...
+    def lane_receiver(self, link: "PeerLink") -> LaneReceiver: ...
     def link_closed(self, link: "PeerLink", reason: str) -> None: ...
 
 
@@ -138,6 +152,14 @@ class PeerLink(QuicConnectionProtocol):
     def __init__(self, quic: QuicConnection, *, owner: LinkOwner, is_client: bool,
                  dial_address: tuple[str, int] | None = None, **kwargs: Any) -> None:
         self._deferred_tx: asyncio.TimerHandle | None = None   # see datagram_received
+        self._peer_addr: Any = None                            # where the peer's QUIC packets come from
+        self.lane_rx: LaneReceiver | None = None               # our key, once sent (see _start_lane)
+        self._lane_tx: LaneSender | None = None                # the peer's key, once received
+        self.lane_ready = False                                # a probe came back over the lane
+        self._lane_probes = 0
+        self._lane_misses = 0
+        self._lane_offs = 0                                    # times switched off for lost frames
+        self._lane_probe_at = 0.0                              # monotonic: no probe before this
         super().__init__(quic, **kwargs)
         self.owner = owner
         self.is_client = is_client
@@ -266,6 +288,10 @@ class PeerLink(QuicConnectionProtocol):
     # ---- aioquic events --------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        if data[:1] == _LANE_MARK:   # on a dialled link's own socket (a server's: MeshQuicServer)
+            self.owner.lane_datagram(data, addr)
+            return
+        self._peer_addr = addr
         if self.remote_addr is None:
             self.remote_addr = (addr[0], addr[1])
         if self._ack_space is None:
@@ -375,6 +401,8 @@ class PeerLink(QuicConnectionProtocol):
                 self._on_auth_message(sid, item)
             elif isinstance(item, Heartbeat):
                 self._on_heartbeat(item)
+            elif isinstance(item, LaneKey):
+                self._on_lane_key(item)
             else:
                 self.owner.link_message(self, item)
         if event.end_stream:
@@ -404,11 +432,100 @@ class PeerLink(QuicConnectionProtocol):
             self._last_rx = time.monotonic()
             self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat_loop()))
             self.owner.link_authenticated(self)
+            self._start_lane()
         elif self.auth.state is AuthState.FAILED and self.closed_reason is None:
             who = "peer refused us" if self.auth.refused_by_peer else "refused peer"
             log.warning("%s %s at %s: %s", who, self.peer_node_id, self.address, self.auth.reason)
             self.closed_reason = f"authentication failed: {self.auth.reason}"
             self._close_later(0.1)
+
+    # ---- the fast lane (meshnode.net.lane) ------------------------------------------
+
+    def send_lane(self, msg: Any) -> bool:
+        """Send ``msg`` (a message or an encoded frame) as one lane packet; False, sending
+        nothing, when the lane is not ready (the caller uses :meth:`send_data`). The
+        lane is lossy: the caller must notice a lost frame (see :meth:`lane_missed`)."""
+        if not self.lane_ready or self.closed_reason is not None:
+            return False
+        frame = msg if isinstance(msg, (bytes, bytearray, memoryview)) else encode(msg)
+        if len(frame) > LANE_MAX_FRAME:
+            return False
+        self._lane_send(frame)
+        return True
+
+    def lane_missed(self) -> None:
+        """A frame sent on the lane got no answer in time. A few in a row switch the
+        lane off (a firewall that drops it, a path that changed); it is probed again
+        after ``lane_backoff_s``, doubling with every switch-off (a lane that keeps
+        failing, e.g. in one direction only, must not keep costing resends)."""
+        self._lane_misses += 1
+        if self.lane_ready and self._lane_misses >= LANE_MAX_MISSES:
+            wait = min(300.0, self.owner.settings.lane_backoff_s * 2 ** self._lane_offs)
+            log.warning("fast lane to %s lost %d frames in a row: using QUIC streams, probing "
+                        "it again in %.0f s", self.peer_node_id, self._lane_misses, wait)
+            self.lane_ready = False
+            self._lane_offs += 1
+            self._lane_probes = 0
+            self._lane_probe_at = time.monotonic() + wait
+
+    def lane_received(self, packet: bytes) -> None:
+        """A lane packet sealed with our key (the owner found us by its key id)."""
+        if self.lane_rx is None or self.closed_reason is not None:
+            return
+        try:
+            plain = self.lane_rx.open(packet)
+            frame = plain[:HEADER_SIZE + parse_header(plain)[1]] if len(plain) >= HEADER_SIZE else plain
+            msg = decode(frame)
+        except LaneDrop as exc:
+            log.debug("lane packet from %s dropped: %s", self.peer_node_id, exc)
+            return
+        except RemoteProtocolError as exc:
+            log.warning("peer %s sent a bad frame on the lane: %s", self.peer_node_id, exc)
+            return
+        if not isinstance(msg, _LANE_KINDS):
+            log.warning("peer %s sent %s on the lane (only per-token frames go there): dropped",
+                        self.peer_node_id, type(msg).__name__)
+            return
+        self._last_rx = time.monotonic()
+        self.rx.total += len(frame)
+        if isinstance(msg, Heartbeat):
+            if not msg.echo:
+                if self._lane_tx is not None:
+                    self._lane_send(encode(Heartbeat(ref=0, seq=msg.seq, sent_ns=msg.sent_ns, echo=True)),
+                                    pad_to=LANE_MAX_FRAME)
+            elif not self.lane_ready:
+                self.lane_ready, self._lane_misses = True, 0
+                log.debug("fast lane to %s ready (%.2f ms round trip)", self.peer_node_id,
+                          (time.monotonic_ns() - msg.sent_ns) / 1e6)
+            return
+        self._lane_misses = 0
+        self.owner.link_message(self, msg)
+
+    def _start_lane(self) -> None:
+        if not self.owner.settings.lane or self.closed_reason is not None or self.lane_rx is not None:
+            return
+        self.lane_rx = self.owner.lane_receiver(self)
+        self.send(LaneKey(ref=0, key_id=self.lane_rx.key_id, key=self.lane_rx.key))
+
+    def _on_lane_key(self, msg: LaneKey) -> None:
+        if not self.owner.settings.lane:
+            return   # never sent ours either: the peer never gets a probe back
+        self._lane_tx = LaneSender(msg.key_id, msg.key)
+        self._probe_lane()
+
+    def _probe_lane(self) -> None:
+        if (self._lane_tx is None or self._lane_probes >= LANE_MAX_PROBES
+                or time.monotonic() < self._lane_probe_at):
+            return
+        self._lane_probes += 1
+        self._lane_send(encode(Heartbeat(ref=0, seq=self._lane_probes, sent_ns=time.monotonic_ns(), echo=False)),
+                        pad_to=LANE_MAX_FRAME)
+
+    def _lane_send(self, frame: bytes | bytearray | memoryview, pad_to: int = 0) -> None:
+        if self._lane_tx is None or self._peer_addr is None or self._transport is None:
+            return
+        self._transport.sendto(self._lane_tx.seal(frame, pad_to=pad_to), self._peer_addr)
+        self.tx.total += len(frame)
 
     # ---- keep-alive --------------------------------------------------------------
 
@@ -430,6 +547,8 @@ class PeerLink(QuicConnectionProtocol):
                     return
                 self._hb_seq += 1
                 self.send(Heartbeat(ref=0, seq=self._hb_seq, sent_ns=time.monotonic_ns(), echo=False))
+                if not self.lane_ready:
+                    self._probe_lane()
                 self.rx.tick(now)
                 self.tx.tick(now)
                 await asyncio.sleep(s.heartbeat_s)
@@ -446,6 +565,7 @@ class PeerLink(QuicConnectionProtocol):
         if self._notified_closed:
             return
         self._notified_closed = True
+        self.lane_ready = False
         for t in self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()

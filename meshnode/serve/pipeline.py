@@ -37,6 +37,11 @@ from meshnode import wire
 log = logging.getLogger(__name__)
 
 DATA_STREAM = "data"
+# A step sent with SEG_LANE whose reply has not come after this long (or 8 round trips of
+# such steps, if longer) is sent again over the QUIC stream: a lane frame may be lost.
+# Long enough that a step queued behind another session's prefill chunk is not resent.
+LANE_RETRY_MIN_S = 1.0
+LANE_RETRY_RTTS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +121,10 @@ class MeshPipeline:
         # Hot path: a lone one-row decode step reuses its session's preencoded frame and
         # only patches batch id, position and the activation (wire.DecodeTemplate).
         self._templates: dict[int, wire.DecodeTemplate] = {}
+        self._busy: dict[int, int] = {}       # session -> its frames awaiting a reply
+        self._lane_rtt: float | None = None   # EWMA seconds of a lane step's round trip
+        self.lane_steps = 0                   # telemetry: steps sent with SEG_LANE
+        self.lane_resends = 0                 # ... of which resent over the stream
         self.closed: str | None = None   # why, once closed: later runs fail with it
 
     # Called by the node's message dispatcher for TokenReturn / DataError frames.
@@ -150,35 +159,41 @@ class MeshPipeline:
         if act.dtype != self.wire_dtype:
             act = act.astype(self.wire_dtype)
         batch_id = next(self._batch_ids)
-        frame = self._decode_frame(steps, batch_id, act)
-        segs = () if frame is not None else tuple(
-            wire.Segment(session=s.session, pos=s.pos, n_rows=int(s.tokens.shape[0]),
-                         n_logits=s.n_logits, drafts=tuple(s.drafts),
-                         temperature=s.sampling.temperature, top_k=s.sampling.top_k,
-                         top_p=s.sampling.top_p, seed=s.sampling.seed, flags=0)
-            for s in steps)
         want = any(s.n_logits for s in steps)
-        fut = None
-        if want:
-            fut = asyncio.get_running_loop().create_future()
-            self._pending[batch_id] = fut
-        msg = frame if frame is not None else wire.Forward(
-            ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
-        try:
-            await self.fabric.send_data(self.route[0], msg, DATA_STREAM)
-        except Exception as exc:
-            self._pending.pop(batch_id, None)
-            raise EngineUnavailableError(f"cannot reach stage 1 ({exc})") from exc
-        if fut is None:
+        lane = want and self._lane_eligible(steps)
+        msg = self._decode_frame(steps, batch_id, act, lane)
+        if msg is None:
+            msg = self._forward(steps, batch_id, act, lane)
+        if not want:
+            await self._send(msg, lane)
             return [None] * len(steps)
-        # A timer on the future itself rather than asyncio.wait_for: wait_for wakes this
-        # task through an extra waiter, a loop iteration more on every decode step.
-        timer = asyncio.get_running_loop().call_later(self.reply_timeout, _time_out, fut)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending[batch_id] = fut
+        for s in steps:
+            self._busy[s.session] = self._busy.get(s.session, 0) + 1
+        t0 = loop.time()
         try:
-            reply: wire.TokenReturn = await fut
+            await self._send(msg, lane)
+            # Timers on the future itself rather than asyncio.wait_for: wait_for wakes this
+            # task through an extra waiter, a loop iteration more on every decode step.
+            timer = loop.call_later(self.reply_timeout, _time_out, fut)
+            resend = loop.call_later(self._resend_after(), self._resend, fut, steps, batch_id, act) if lane else None
+            try:
+                reply: wire.TokenReturn = await fut
+            finally:
+                timer.cancel()
+                if resend is not None:
+                    resend.cancel()
         finally:
-            timer.cancel()
             self._pending.pop(batch_id, None)
+            for s in steps:
+                n = self._busy.pop(s.session, 1) - 1
+                if n:
+                    self._busy[s.session] = n
+        if lane:
+            rtt = loop.time() - t0
+            self._lane_rtt = rtt if self._lane_rtt is None else self._lane_rtt + 0.2 * (rtt - self._lane_rtt)
         by_session = {r.session: r for r in reply.results}
         out: list[Finalized | None] = []
         for s in steps:
@@ -186,7 +201,58 @@ class MeshPipeline:
             out.append(None if r is None else Finalized(tuple(r.tokens), r.n_accepted, r.n_drafted))
         return out
 
-    def _decode_frame(self, steps: Sequence[Step], batch_id: int, act: np.ndarray) -> memoryview | None:
+    # ---- the fast lane ----------------------------------------------------------------
+    #
+    # One-row decode steps may travel the lossy fast lane (meshnode.net.lane), replies
+    # included, when nothing else of their sessions is in flight: then no frame of the
+    # session can be overtaken, and a lost one is simply sent again over the stream.
+
+    def _lane_eligible(self, steps: Sequence[Step]) -> bool:
+        return (self.fabric.lane_ready(self.route[0])
+                and all(s.n_logits == 1 and not s.drafts and s.tokens.shape[0] == 1
+                        and s.session not in self._busy for s in steps))
+
+    def _forward(self, steps: Sequence[Step], batch_id: int, act: np.ndarray, lane: bool) -> wire.Forward:
+        flags = wire.SEG_LANE if lane else 0
+        segs = tuple(
+            wire.Segment(session=s.session, pos=s.pos, n_rows=int(s.tokens.shape[0]),
+                         n_logits=s.n_logits, drafts=tuple(s.drafts),
+                         temperature=s.sampling.temperature, top_k=s.sampling.top_k,
+                         top_p=s.sampling.top_p, seed=s.sampling.seed, flags=flags)
+            for s in steps)
+        return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
+
+    async def _send(self, msg: object, lane: bool) -> None:
+        if lane:
+            self.lane_steps += 1
+            if self.fabric.send_lane(self.route[0], msg):
+                return
+        try:
+            await self.fabric.send_data(self.route[0], msg, DATA_STREAM)
+        except Exception as exc:
+            raise EngineUnavailableError(f"cannot reach stage 1 ({exc})") from exc
+
+    def _resend_after(self) -> float:
+        return max(LANE_RETRY_MIN_S, LANE_RETRY_RTTS * (self._lane_rtt or 0.0))
+
+    def _resend(self, fut: asyncio.Future, steps: Sequence[Step], batch_id: int, act: np.ndarray) -> None:
+        """No reply to a lane step: send it again over the stream, without SEG_LANE (so
+        its reply comes back over streams too). Every stage rewinds to the step's
+        position, so computing it twice gives the same result; a stage drops a copy
+        that arrives after a newer step of its session (see StageHost)."""
+        if fut.done():
+            return
+        self.lane_resends += 1
+        log.info("batch %d: no reply over the fast lane in %.2f s; resending it over QUIC",
+                 batch_id, self._resend_after())
+        self.fabric.lane_missed(self.route[0])
+        try:
+            self.fabric.send_data_now(self.route[0], self._forward(steps, batch_id, act, False), DATA_STREAM)
+        except Exception as exc:  # noqa: BLE001 - the waiting step fails with it
+            fut.set_exception(EngineUnavailableError(f"cannot reach stage 1 ({exc})"))
+
+    def _decode_frame(self, steps: Sequence[Step], batch_id: int, act: np.ndarray,
+                      lane: bool) -> memoryview | None:
         if len(steps) != 1 or steps[0].drafts or steps[0].n_logits != 1 or act.shape[0] != 1:
             return None
         s = steps[0]
@@ -196,7 +262,7 @@ class MeshPipeline:
                 s.session, act.shape[1], "f16" if act.dtype == np.float16 else "f32", n_logits=1,
                 temperature=s.sampling.temperature, top_k=s.sampling.top_k,
                 top_p=s.sampling.top_p, seed=s.sampling.seed)
-        return t.encode(batch_id, 0, s.pos, act[0])
+        return t.encode(batch_id, 0, s.pos, act[0], flags=wire.SEG_LANE if lane else 0)
 
     async def end_session(self, session: int) -> None:
         self._templates.pop(session, None)

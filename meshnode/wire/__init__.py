@@ -31,6 +31,7 @@ from meshnode.wire.errors import (
 )
 from meshnode.wire.messages import (
     MAX_DRAFTS,
+    SEG_LANE,
     PROTOCOL_VERSION,
     WIRE_DTYPES,
     AuthChallenge,
@@ -43,6 +44,7 @@ from meshnode.wire.messages import (
     Heartbeat,
     Hello,
     Inventory,
+    LaneKey,
     Load,
     Message,
     MessageKind,
@@ -63,6 +65,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "MAX_DRAFTS",
+    "SEG_LANE",
     "MAX_FRAME",
     "PROTOCOL_VERSION",
     "WIRE_DTYPES",
@@ -81,6 +84,7 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "Inventory",
+    "LaneKey",
     "Load",
     "LocalProtocolError",
     "Message",

@@ -47,6 +47,10 @@ from meshnode.wire.schema import (
 
 PROTOCOL_VERSION = 1  # Hello.protocol; peers with another value are refused at Hello
 MAX_DRAFTS = 32  # verify windows stay <= 32 (DESIGN.md 3: batch invariance)
+# Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
+# was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
+# (meshnode.net.lane); stage 0 resends it over the stream, without the bit, if it is lost.
+SEG_LANE = 0x01
 WIRE_DTYPES = ("f32", "f16")
 
 
@@ -58,6 +62,7 @@ class MessageKind(enum.IntEnum):
     AUTH_PROOF = 0x0003
     AUTH_RESULT = 0x0004
     HEARTBEAT = 0x0005
+    LANE_KEY = 0x0006
     CLAIM = 0x0010
     PREPARE = 0x0011
     INVENTORY = 0x0012
@@ -154,6 +159,26 @@ class Heartbeat:
     seq: int = wf(U64)
     sent_ns: int = wf(U64)
     echo: bool = wf(BOOL)
+
+
+LANE_KEY_LEN = 16   # AES-128-GCM
+
+
+def _check_lane_key(m: "LaneKey") -> None:
+    if len(m.key) != LANE_KEY_LEN:
+        raise Invalid(ErrorCode.BAD_FIELD, f"lane key of {len(m.key)} bytes, expected {LANE_KEY_LEN}")
+
+
+@message(MessageKind.LANE_KEY, _check_lane_key)
+@dataclass(frozen=True, slots=True)
+class LaneKey:
+    """Seal the lane packets you send me with ``key`` (AES-128-GCM) under ``key_id``
+    (meshnode.net.lane). Sent once per link, on the control stream, after authentication."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    key_id: int = wf(U32)
+    key: bytes = wf(BYTES)
 
 
 @message(MessageKind.CLAIM)

@@ -16,6 +16,7 @@ the frame header adds 10)::
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from meshnode.wire.errors import ErrorCode, LocalProtocolError
 from meshnode.wire.messages import Forward, Segment
 from meshnode.wire.schema import DTYPE_CODES, DTYPE_NAMES, MAX_WIDTH
 
+_U8 = struct.Struct("<B")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _OFF_REF = HEADER_SIZE + 0
@@ -42,7 +44,7 @@ class DecodeTemplate:
     protocol cannot carry.
     """
 
-    __slots__ = ("session", "width", "dtype", "_buf", "_row", "_view")
+    __slots__ = ("session", "width", "dtype", "_buf", "_row", "_view", "_off_flags")
 
     def __init__(
         self,
@@ -64,6 +66,9 @@ class DecodeTemplate:
         np_dtype = DTYPE_CODES[DTYPE_NAMES[dtype]]
         seg = Segment(session, 0, 1, n_logits, (), temperature, top_k, top_p, seed, flags)
         proto = encode(Forward(0, 0, 0, (seg,), np.zeros((1, width), np_dtype)))
+        # where the segment's flags byte sits: the one byte that differs when it does
+        other = encode(Forward(0, 0, 0, (replace(seg, flags=flags ^ 1),), np.zeros((1, width), np_dtype)))
+        self._off_flags = next(i for i, (a, b) in enumerate(zip(proto, other)) if a != b)
         self.session = session
         self.width = width
         self.dtype = dtype
@@ -72,19 +77,23 @@ class DecodeTemplate:
         self._row = np.frombuffer(self._buf, np_dtype, count=width, offset=data_off)
         self._view = memoryview(self._buf).toreadonly()
 
-    def encode(self, batch_id: int, step: int, pos: int, act_row: np.ndarray, *, ref: int = 0) -> memoryview:
+    def encode(self, batch_id: int, step: int, pos: int, act_row: np.ndarray, *, ref: int = 0,
+               flags: int | None = None) -> memoryview:
         """Fill in one step and return the whole frame.
 
         ``act_row`` holds ``width`` floats (shape (width,) or (1, width)). The result is
         a read-only view of the template's buffer: send it (or ``bytes()`` it) before
         the next call, which overwrites it. Byte for byte equal to
         ``encode(Forward(ref, batch_id, step, (Segment(session, pos, 1, ...),), row))``.
+        ``flags``: the segment's flags for this step (None: as last time).
         """
         try:
             _U32.pack_into(self._buf, _OFF_REF, ref)
             _U64.pack_into(self._buf, _OFF_BATCH, batch_id)
             _U32.pack_into(self._buf, _OFF_STEP, step)
             _U32.pack_into(self._buf, _OFF_POS, pos)
+            if flags is not None:
+                _U8.pack_into(self._buf, self._off_flags, flags)
         except struct.error as e:
             raise LocalProtocolError(ErrorCode.BAD_FIELD, f"DecodeTemplate: {e}", ref=0) from None
         row = np.asarray(act_row)

@@ -24,8 +24,10 @@ def _mem(caps) -> tuple[str, str]:
     return fmt_size(caps.free_ram_bytes), backend
 
 
-def _auth(ok: bool) -> Text:
-    return Text("✓ yes", style="green") if ok else Text("✗ no", style="bold red")
+def _auth(ok: bool, lane: bool = False) -> Text:
+    if not ok:
+        return Text("✗ no", style="bold red")
+    return Text("✓ yes · lane" if lane else "✓ yes", style="green")
 
 
 class MeshScreen(NodeScreen):
@@ -77,4 +79,4 @@ class MeshScreen(NodeScreen):
     @staticmethod
     def _peer_row(p: PeerInfo) -> list:
         ram, backend = _mem(p.capabilities)
-        return [p.name, p.address, fmt_ms(p.rtt_ms), ram, backend, _auth(p.authenticated), p.role or "idle"]
+        return [p.name, p.address, fmt_ms(p.rtt_ms), ram, backend, _auth(p.authenticated, p.lane), p.role or "idle"]
