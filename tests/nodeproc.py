@@ -90,3 +90,14 @@ def wait_for(pred, timeout: float, interval: float = 0.05) -> float:
         if time.monotonic() - t0 > timeout:
             raise TimeoutError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+async def until(pred, timeout: float, interval: float = 0.02) -> None:
+    """:func:`wait_for` inside an event loop: poll ``pred()`` without blocking the loop."""
+    import asyncio
+
+    for _ in range(int(timeout / interval)):
+        if pred():
+            return
+        await asyncio.sleep(interval)
+    raise TimeoutError(f"condition not met within {timeout} s")

@@ -18,6 +18,7 @@ from meshnode.net.link import LinkSettings
 from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
 from meshnode.wire import Forward, Segment, SegmentResult, Status, TokenReturn, encode
+from nodeproc import until
 
 
 def _pair() -> tuple[LaneSender, LaneReceiver]:
@@ -92,14 +93,6 @@ def test_quic_packets_are_never_lane_packets():
 
 # ---- real sockets -----------------------------------------------------------------------
 
-async def _until(pred, timeout: float) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise TimeoutError
-
-
 def _fabric(tmp_path, name: str, secret: bytes, static=(), **kw) -> MeshFabric:
     return MeshFabric(NodePaths.resolve(tmp_path / name).ensure(), secret=secret, interfaces=["127.0.0.1"],
                       name=name, discovery=False, static_peers=list(static), bind_host="127.0.0.1", **kw)
@@ -124,7 +117,7 @@ async def test_frames_travel_the_lane_both_ways_and_forgeries_do_not_hurt(tmp_pa
     b.on_message(lambda nid, m: got_b.append(m))
     await b.start()
     try:
-        await _until(lambda: a.lane_ready(b.node_id) and b.lane_ready(a.node_id), 5.0)
+        await until(lambda: a.lane_ready(b.node_id) and b.lane_ready(a.node_id), 5.0)
         link_a = a._links[b.node_id]
         stream_bytes = link_a.rx.total
         # the server side (a) and the dialling side (b) both send and receive on the lane
@@ -132,7 +125,7 @@ async def test_frames_travel_the_lane_both_ways_and_forgeries_do_not_hurt(tmp_pa
             assert a.send_lane(b.node_id, _decode_step(i))
             assert b.send_lane(a.node_id, TokenReturn(ref=0, batch_id=i, results=(
                 SegmentResult(session=1, tokens=(i,), n_accepted=0, n_drafted=0),)))
-        await _until(lambda: len(got_b) == 20 and len(got_a) == 20, 3.0)
+        await until(lambda: len(got_b) == 20 and len(got_a) == 20, 3.0)
         assert [m.batch_id for m in got_b] == list(range(1, 21))
         assert float(got_b[-1].act[0, 0]) == 20.0
         assert [m.results[0].tokens for m in got_a] == [(i,) for i in range(1, 21)]
@@ -146,7 +139,7 @@ async def test_frames_travel_the_lane_both_ways_and_forgeries_do_not_hurt(tmp_pa
         await asyncio.sleep(0.2)
         assert len(got_a) == 20   # nothing of that was taken (the replay's key is b's, not a's)
         assert a.send_lane(b.node_id, _decode_step(21))
-        await _until(lambda: len(got_b) == 21, 2.0)
+        await until(lambda: len(got_b) == 21, 2.0)
         assert a.peers()[0].authenticated and a.lane_ready(b.node_id)
     finally:
         await b.stop()
@@ -161,7 +154,7 @@ async def test_a_node_with_the_lane_off_gets_everything_over_quic(tmp_path):
     b = _fabric(tmp_path, "b", s, static=[f"127.0.0.1:{a.port}"])
     await b.start()
     try:
-        await _until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 5.0)
+        await until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 5.0)
         await asyncio.sleep(0.8)   # several probe periods
         assert not a.lane_ready(b.node_id) and not b.lane_ready(a.node_id)
         assert not b.send_lane(a.node_id, _decode_step(1))
@@ -178,7 +171,7 @@ async def test_lost_lane_frames_switch_the_lane_off_for_a_while(tmp_path, caplog
     b = _fabric(tmp_path, "b", s, static=[f"127.0.0.1:{a.port}"])
     await b.start()
     try:
-        await _until(lambda: a.lane_ready(b.node_id), 5.0)
+        await until(lambda: a.lane_ready(b.node_id), 5.0)
         for _ in range(3):
             a.lane_missed(b.node_id)
         assert not a.lane_ready(b.node_id)
@@ -187,7 +180,7 @@ async def test_lost_lane_frames_switch_the_lane_off_for_a_while(tmp_path, caplog
         await asyncio.sleep(0.4)                        # heartbeats came, no probe yet
         assert not a.lane_ready(b.node_id)
         # after the backoff a probe brings it back (a path that healed)
-        await _until(lambda: a.lane_ready(b.node_id), 3.0)
+        await until(lambda: a.lane_ready(b.node_id), 3.0)
     finally:
         await b.stop()
         await a.stop()

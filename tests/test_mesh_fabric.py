@@ -14,20 +14,13 @@ from meshnode.net.caps import from_dict
 from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
 from meshnode.wire import Error, ErrorCode, Forward, Segment, Status
+from nodeproc import until
 
 pytestmark = pytest.mark.net
 
 
 def _lo_multicast() -> bool:
     return "MULTICAST" in subprocess.run(["ip", "link", "show", "lo"], capture_output=True, text=True).stdout
-
-
-async def _until(pred, timeout: float) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise TimeoutError
 
 
 def _fabric(tmp_path, name: str, secret: bytes, **kw) -> MeshFabric:
@@ -61,7 +54,7 @@ async def test_two_fabrics_discover_request_and_stream(tmp_path):
     await a.start()
     await b.start()
     try:
-        await _until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 2.0)
+        await until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 2.0)
         assert a.peers()[0].name == "b" and a.peers()[0].authenticated
         assert changes and changes[0][1] is True
         reply = await a.request(b.node_id, Status(ref=0, term=7, state="ping", detail="", progress=0.0), timeout=2)
@@ -71,19 +64,19 @@ async def test_two_fabrics_discover_request_and_stream(tmp_path):
         # data stream: ordered per key, delivered to on_message
         for i in range(50):
             await a.send_data(b.node_id, _forward(i), stream_key=("session", 1))
-        await _until(lambda: sum(isinstance(m, Forward) for m in got) == 50, 3.0)
+        await until(lambda: sum(isinstance(m, Forward) for m in got) == 50, 3.0)
         fw = [m for m in got if isinstance(m, Forward)]
         assert [m.step for m in fw] == list(range(50))
         assert float(fw[-1].act[0, 0]) == 49.0
         # capability updates reach the peer through the mDNS record
         caps = {**a.capabilities, "models": [{"name": "m", "sha256": "ab" * 32, "layers": 30, "size": 1}]}
         await a.set_capabilities(caps)
-        await _until(lambda: (c := b.peers()[0].capabilities) is not None and len(c.models) == 1, 2.0)
+        await until(lambda: (c := b.peers()[0].capabilities) is not None and len(c.models) == 1, 2.0)
         assert from_dict(caps).models[0].n_layers == 30
-        await _until(lambda: a.peers()[0].rtt_ms is not None, 2.0)
+        await until(lambda: a.peers()[0].rtt_ms is not None, 2.0)
     finally:
         await b.stop()
-    await _until(lambda: a.peers() == [], 2.0)
+    await until(lambda: a.peers() == [], 2.0)
     assert changes[-1][1] is False
     with pytest.raises(PeerUnavailableError):
         await a.send(b.node_id, Status(ref=0, term=1, state="x", detail="", progress=0.0))
@@ -100,7 +93,7 @@ async def test_duplicate_dials_keep_one_link(tmp_path):
     a._static = []  # noqa: SLF001 - (test setup) a learns b's port only now
     a2_task = asyncio.ensure_future(a._dial_once("127.0.0.1", b.port))  # noqa: SLF001
     try:
-        await _until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 3.0)
+        await until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 3.0)
         await asyncio.sleep(0.5)
         assert len(a.peers()) == 1 and len(b.peers()) == 1
         # Both ends send unpaced (net/link.py: aioquic held the 2nd datagram of an activation
@@ -115,7 +108,7 @@ async def test_duplicate_dials_keep_one_link(tmp_path):
         reply_seen = []
         b.on_message(lambda nid, m: reply_seen.append(m))
         await a.send(b.node_id, Status(ref=0, term=1, state="x", detail="", progress=0.0))
-        await _until(lambda: reply_seen, 2.0)
+        await until(lambda: reply_seen, 2.0)
     finally:
         await a.stop()
         await b.stop()
@@ -141,7 +134,7 @@ async def test_decode_exchange_sends_one_datagram_each_way(tmp_path):
     a.on_message(lambda nid, m: got_a.put_nowait(m))
     await b.start()
     try:
-        await _until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 3.0)
+        await until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 3.0)
         sizes: dict[str, list[int]] = {"a": [], "b": []}
         for name, fabric in (("a", a), ("b", b)):
             [link] = fabric._links.values()  # noqa: SLF001

@@ -35,6 +35,7 @@ from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
 from meshnode.serve.pipeline import LocalPipeline, MeshPipeline, Step
 from meshnode.state import StageChanged, StageState
+from nodeproc import until
 
 pytestmark = [pytest.mark.net, pytest.mark.slow]
 
@@ -57,14 +58,6 @@ def _opts(**kw) -> ServeOptions:
 def _lo_multicast() -> bool:
     out = subprocess.run(["ip", "link", "show", "lo"], capture_output=True, text=True).stdout
     return "MULTICAST" in out
-
-
-async def _until(pred, timeout: float) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise TimeoutError
 
 
 def _install(model, paths: NodePaths) -> None:
@@ -177,7 +170,7 @@ async def _mesh(homes: dict[str, NodePaths], names: str):
             node = _Node(name, homes[name], static)
             await node.fabric.start()
             nodes.append(node)
-        await _until(lambda: all(len(n.fabric.peers()) == len(nodes) - 1 for n in nodes), 10.0)
+        await until(lambda: all(len(n.fabric.peers()) == len(nodes) - 1 for n in nodes), 10.0)
         yield nodes
     finally:
         for n in nodes:
@@ -263,7 +256,7 @@ async def test_lost_lane_frames_are_resent_and_the_tokens_stay_exact(homes, refe
     monkeypatch.setattr(pipeline_mod, "LANE_RETRY_MIN_S", 0.1)
     async with _mesh(homes, "ab") as (a, b):
         sm = await a.coord.start_model(coord_model(homes["a"]), _opts(split=2))
-        await _until(lambda: a.fabric.lane_ready(b.id) and b.fabric.lane_ready(a.id), 5.0)
+        await until(lambda: a.fabric.lane_ready(b.id) and b.fabric.lane_ready(a.id), 5.0)
         # every 4th lane packet reaching either node is lost: Forwards at b, TokenReturns at a
         for node in (a, b):
             def lossy(data, addr, take=node.fabric.lane_datagram, seen=[0]):
@@ -354,9 +347,9 @@ async def test_stage_node_lost_fails_the_plan(homes):
         pipe = sm.pipeline
         b.drop_forwards = True                     # the step below waits for its tokens
         waiting = asyncio.ensure_future(pipe.run([Step(3, 0, np.asarray([1, 2, 3], np.int32))]))
-        await _until(lambda: pipe._pending, 5.0)  # noqa: SLF001 - the Forward went out
+        await until(lambda: pipe._pending, 5.0)  # noqa: SLF001 - the Forward went out
         await b.fabric.stop()                      # the stage's node leaves the mesh
-        await _until(lambda: sm.state is CoordinatorState.FAILED, 5.0)
+        await until(lambda: sm.state is CoordinatorState.FAILED, 5.0)
         assert sm.stages()[1].state is StageState.FAILED and "link lost" in sm.failure
         assert sm.stages()[0].state is StageState.STOPPED
         with pytest.raises(EngineUnavailableError):
@@ -364,7 +357,7 @@ async def test_stage_node_lost_fails_the_plan(homes):
         with pytest.raises(EngineUnavailableError, match="link lost"):   # stage 0 was freed too
             await pipe.run([Step(4, 0, np.asarray([1], np.int32))])
         # b lost its coordinator (its own links closed): its stage fails and frees the engine
-        await _until(lambda: b.server.stages()[0].state is StageState.FAILED, 5.0)
+        await until(lambda: b.server.stages()[0].state is StageState.FAILED, 5.0)
         await b.server.wait_idle()
         assert "coordinator" in b.server.stages()[0].detail and not b.server.holds_engine
         await sm.stop()

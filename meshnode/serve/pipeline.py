@@ -172,7 +172,7 @@ class MeshPipeline:
         self._pending[batch_id] = fut
         for s in steps:
             self._busy[s.session] = self._busy.get(s.session, 0) + 1
-        t0 = loop.time()
+        t0, resends = loop.time(), self.lane_resends
         try:
             await self._send(msg, lane)
             # Timers on the future itself rather than asyncio.wait_for: wait_for wakes this
@@ -191,7 +191,7 @@ class MeshPipeline:
                 n = self._busy.pop(s.session, 1) - 1
                 if n:
                     self._busy[s.session] = n
-        if lane:
+        if lane and self.lane_resends == resends:   # a resent step's wait is not a round trip
             rtt = loop.time() - t0
             self._lane_rtt = rtt if self._lane_rtt is None else self._lane_rtt + 0.2 * (rtt - self._lane_rtt)
         by_session = {r.session: r for r in reply.results}
