@@ -84,9 +84,12 @@ def test_status_command_json_and_table(mesh):
     data = json.loads(r.stdout)
     assert set(data) >= {"node", "peers"}
     for p in data["peers"]:
-        assert {"name", "address", "rtt_ms", "authenticated"} <= set(p)
+        assert {"name", "address", "rtt_ms", "authenticated", "lane"} <= set(p)
+    # the fast lane comes up beside every link (a probe answered over it)
+    wait_for(lambda: all(p["lane"] for p in nodes[0].status()["peers"]), timeout=5)
     r = meshnode_cmd("status", "--home", str(nodes[0].home))
     assert r.returncode == 0 and "beta" in r.stdout and "gamma" in r.stdout
+    assert r.stdout.count("yes+lane") == 2
 
 
 def test_killed_node_disappears_within_2s(mesh):

@@ -81,10 +81,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not peers:
         print("peers  none")
         return 0
-    print(f"{'PEER':<16} {'ADDRESS':<22} {'RTT ms':>7} {'AUTH':<5} {'IN B/s':>9} {'OUT B/s':>9}  CAPABILITIES")
+    print(f"{'PEER':<16} {'ADDRESS':<22} {'RTT ms':>7} {'AUTH':<8} {'IN B/s':>9} {'OUT B/s':>9}  CAPABILITIES")
     for p in peers:
         rtt = f"{p['rtt_ms']:.2f}" if p.get("rtt_ms") is not None else "-"
-        print(f"{p['name'][:16]:<16} {p['address']:<22} {rtt:>7} {'yes' if p['authenticated'] else 'no':<5} "
+        auth = ("yes+lane" if p.get("lane") else "yes") if p["authenticated"] else "no"   # lane: docs/mesh.md
+        print(f"{p['name'][:16]:<16} {p['address']:<22} {rtt:>7} {auth:<8} "
               f"{p.get('bytes_per_s_in', 0):>9.0f} {p.get('bytes_per_s_out', 0):>9.0f}  {_caps(p.get('capabilities'))}")
     return 0
 
