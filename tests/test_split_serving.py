@@ -104,6 +104,10 @@ def test_split_output_equals_single_node(smollm2, single_node_outputs, tmp_path,
     outputs, coord, helpers = _run_split(smollm2, tmp_path, n_stages)
     try:
         assert outputs == single_node_outputs
+        # the per-token frames had the fast lane between every pair of these processes
+        # (tests/test_split_runtime.py counts the steps that took it)
+        for n in [coord, *helpers]:
+            assert all(p["lane"] for p in n.status()["peers"]), n.status()["peers"]
         # Stop releases every stage's memory: the helpers report no stage any more.
         coord.stop()
         wait_for(lambda: all(not h.status()["stages"] or
