@@ -129,3 +129,29 @@ def test_a_copy_older_than_the_newest_batch_of_its_session_is_not_computed():
     assert "superseded" in fabric.sent[3].message
     # replies go on the lane exactly when stage 0 marked the step SEG_LANE
     assert [m.batch_id for m in fabric.on_lane] == [1, 2]
+
+
+def test_a_step_arriving_after_its_session_ended_is_not_computed():
+    """SessionEnd travels the stream, a decode step may travel the fast lane: a cancelled
+    request's last step can arrive after the end and must not bring the session back."""
+    engine = _Engine({p: 101 + p for p in range(64)})
+
+    async def main():
+        fabric = _Fabric(lane=True)
+        host = StageHost(fabric, _Worker(engine), StageRoute(coordinator="c", downstream=None))
+        host.accept("c", _window(1, 10, (), flags=wire.SEG_LANE))
+        host.accept("c", wire.SessionEnd(ref=0, session=1))
+        host.accept("c", _window(2, 11, (), flags=wire.SEG_LANE))   # overtaken by the end
+        for _ in range(100):
+            if len(fabric.sent) == 2:
+                break
+            await asyncio.sleep(0.01)
+        sessions = set(host.sessions)
+        await host.close()
+        return fabric, sessions
+
+    fabric, sessions = asyncio.run(main())
+    assert engine.calls == [(10, 1)]
+    assert [(type(m).__name__, m.batch_id) for m in fabric.sent] == [("TokenReturn", 1), ("DataError", 2)]
+    assert fabric.sent[1].code == wire.ErrorCode.NO_SUCH_SESSION
+    assert sessions == set()

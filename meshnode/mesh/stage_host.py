@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ from meshnode.serve.final import FinalSampler, Sampling
 log = logging.getLogger(__name__)
 
 DATA_STREAM = "data"
+ENDED_KEPT = 1024   # ended sessions remembered (see StageHost._ended)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,10 @@ class StageHost:
         # over the stream, meshnode.serve.pipeline) and arrived late: computing it would
         # rewind the session past newer rows.
         self._newest: dict[int, int] = {}
+        # Sessions ended here lately. SessionEnd travels the QUIC stream, a decode step
+        # may travel the fast lane: a step of a cancelled request can arrive after its
+        # session's end, and must not bring the session back.
+        self._ended: OrderedDict[int, None] = OrderedDict()
 
     def accept(self, peer: str, msg: object) -> bool:
         """Queue a data-plane message; False if it is not one."""
@@ -76,7 +82,6 @@ class StageHost:
             try:
                 match msg:
                     case wire.Forward():
-                        self.sessions.update(seg.session for seg in msg.segments)
                         await self._forward(msg)
                     case wire.Trim(session=session, pos=pos):
                         await self.worker.rollback(session, pos)
@@ -84,6 +89,9 @@ class StageHost:
                         self.sessions.discard(session)
                         self._verified.pop(session, None)
                         self._newest.pop(session, None)
+                        self._ended[session] = None
+                        if len(self._ended) > ENDED_KEPT:
+                            self._ended.popitem(last=False)
                         self.sampler.forget(session)
                         await self.worker.drop(session)
             except asyncio.CancelledError:
@@ -131,6 +139,13 @@ class StageHost:
         return verified is not None and seg.pos > verified
 
     async def _forward(self, msg: wire.Forward) -> None:
+        if any(s.session in self._ended for s in msg.segments):
+            self.skipped += 1
+            log.debug("batch %d: its session ended here already: dropped", msg.batch_id)
+            await self._send(self.route.coordinator, wire.DataError(
+                ref=0, batch_id=msg.batch_id, session=msg.segments[0].session,
+                code=wire.ErrorCode.NO_SUCH_SESSION, message="session ended: not computed"))
+            return
         if any(self._newest.get(s.session, 0) > msg.batch_id for s in msg.segments):
             self.skipped += 1
             log.debug("batch %d: a newer batch of its session was computed here: dropped", msg.batch_id)
@@ -153,6 +168,7 @@ class StageHost:
         self.batches += 1
         for s in msg.segments:
             self._newest[s.session] = msg.batch_id
+            self.sessions.add(s.session)
         # stage 0 marks the frames that may take the fast lane, with their reply
         lane = all(s.flags & wire.SEG_LANE for s in msg.segments)
         if not self.is_last:
