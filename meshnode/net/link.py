@@ -15,6 +15,11 @@ the connection. After it:
 * every stream has its own :class:`~meshnode.wire.FrameDecoder`; a fatal framing error
   closes the connection, a non-fatal one is answered with ``Error(ref, code)``.
 
+Per-token frames may also take the *fast lane* (:mod:`meshnode.net.lane`): after
+authentication each end sends its lane key (``LaneKey``) on the control stream, probes the
+lane, and :meth:`PeerLink.send_lane` then seals a frame into one UDP datagram on this
+connection's socket. Lane packets are told from QUIC by their first byte.
+
 A peer is declared gone when no byte arrived for ``dead_after_s`` (heartbeat watchdog)
 or QUIC's idle timeout fires, whichever comes first. The owner (the fabric) gets
 callbacks for authenticated / message / closed; the link never decides membership.
@@ -99,6 +104,7 @@ class LinkOwner(Protocol):
     def link_authenticated(self, link: "PeerLink") -> None: ...
     def link_message(self, link: "PeerLink", msg: Any) -> None: ...
     def lane_receiver(self, link: "PeerLink") -> LaneReceiver: ...
+    def lane_datagram(self, data: bytes, addr: Any) -> None: ...
     def link_closed(self, link: "PeerLink", reason: str) -> None: ...
 
 
@@ -288,7 +294,7 @@ class PeerLink(QuicConnectionProtocol):
     # ---- aioquic events --------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        if data[:1] == _LANE_MARK:   # on a dialled link's own socket (a server's: MeshQuicServer)
+        if data[:1] == _LANE_MARK:   # a dialled link's own socket (the server's: fabric._MeshQuicServer)
             self.owner.lane_datagram(data, addr)
             return
         self._peer_addr = addr
