@@ -455,7 +455,7 @@ class _MeshQuicServer(QuicServer):
         self._fabric = fabric
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        if isinstance(data, bytes) and is_lane_packet(data):
+        if is_lane_packet(data):
             self._fabric.lane_datagram(data, addr)
         else:
             super().datagram_received(data, addr)

@@ -138,31 +138,27 @@ class StageHost:
         verified = self._verified.get(seg.session)
         return verified is not None and seg.pos > verified
 
-    async def _forward(self, msg: wire.Forward) -> None:
+    def _refusal(self, msg: wire.Forward) -> tuple[wire.ErrorCode, str] | None:
+        """Why ``msg`` must not be computed here (None: compute it)."""
         if any(s.session in self._ended for s in msg.segments):
-            self.skipped += 1
-            log.debug("batch %d: its session ended here already: dropped", msg.batch_id)
-            await self._send(self.route.coordinator, wire.DataError(
-                ref=0, batch_id=msg.batch_id, session=msg.segments[0].session,
-                code=wire.ErrorCode.NO_SUCH_SESSION, message="session ended: not computed"))
-            return
+            return wire.ErrorCode.NO_SUCH_SESSION, "session ended"
         if any(self._newest.get(s.session, 0) > msg.batch_id for s in msg.segments):
-            self.skipped += 1
-            log.debug("batch %d: a newer batch of its session was computed here: dropped", msg.batch_id)
-            await self._send(self.route.coordinator, wire.DataError(
-                ref=0, batch_id=msg.batch_id, session=msg.segments[0].session, code=wire.ErrorCode.BAD_FIELD,
-                message="superseded (a newer batch of the session was computed): not computed"))
-            return
+            return wire.ErrorCode.BAD_FIELD, "superseded (a newer batch of the session was computed)"
         if self._stale(msg):
+            return wire.ErrorCode.BAD_FIELD, "stale lookahead window (starts past the verified positions)"
+        return None
+
+    async def _forward(self, msg: wire.Forward) -> None:
+        refused = self._refusal(msg)
+        if refused is not None:
             # Answer at once, so the coordinator's step ends (it drops the result anyway)
-            # and the real next window does not wait behind a useless computation.
+            # and the real next step does not wait behind a useless computation.
+            code, why = refused
             self.skipped += 1
-            seg = msg.segments[0]
-            log.debug("batch %d: session %d window at %d starts past verified %d: skipped",
-                      msg.batch_id, seg.session, seg.pos, self._verified[seg.session])
+            log.debug("batch %d (session %d): %s: not computed", msg.batch_id, msg.segments[0].session, why)
             await self._send(self.route.coordinator, wire.DataError(
-                ref=0, batch_id=msg.batch_id, session=seg.session, code=wire.ErrorCode.BAD_FIELD,
-                message="stale lookahead window (starts past the verified positions): not computed"))
+                ref=0, batch_id=msg.batch_id, session=msg.segments[0].session, code=code,
+                message=f"{why}: not computed"))
             return
         out = await self.worker.step(len(msg.act), self._compute, msg)
         self.batches += 1

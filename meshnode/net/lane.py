@@ -107,8 +107,9 @@ class LaneReceiver:
         self.dropped = 0      # packets refused (telemetry)
 
     def open(self, packet: bytes | bytearray | memoryview) -> bytes:
-        """The plaintext inside ``packet`` (a frame, plus any padding); raises :class:`LaneDrop` (and counts it) when the
-        packet is short, not for this key, forged, or not newer than the last one taken."""
+        """The plaintext inside ``packet`` (a frame, plus any padding); raises
+        :class:`LaneDrop` (and counts it) when the packet is short, not for this key,
+        forged, or not newer than the last one taken."""
         try:
             if len(packet) < HEADER_SIZE + TAG_SIZE:
                 raise LaneDrop(f"{len(packet)} bytes: shorter than a lane packet")

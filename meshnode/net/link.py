@@ -46,14 +46,13 @@ from aioquic.quic.recovery import QuicPacketPacer
 
 from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
-from meshnode.net.lane import LANE_MARK, LaneDrop, LaneReceiver, LaneSender
+from meshnode.net.lane import LaneDrop, LaneReceiver, LaneSender, is_lane_packet
 from meshnode.wire import (HEADER_SIZE, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey,
                            RemoteProtocolError, TokenReturn, WireError, decode, encode, parse_header)
 
 log = logging.getLogger(__name__)
 
 ALPN = "meshnode/1"
-_LANE_MARK = bytes([LANE_MARK])
 _LANE_KINDS = (Heartbeat, Forward, TokenReturn)   # what may arrive on the lane
 DEFERRED_TRANSMIT_S = 0.001   # after a received datagram (see PeerLink.datagram_received)
 LANE_MAX_PROBES = 10          # lane probes per attempt (one per heartbeat) before giving up
@@ -294,7 +293,7 @@ class PeerLink(QuicConnectionProtocol):
     # ---- aioquic events --------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        if data[:1] == _LANE_MARK:   # a dialled link's own socket (the server's: fabric._MeshQuicServer)
+        if is_lane_packet(data):   # a dialled link's own socket (the server's: fabric._MeshQuicServer)
             self.owner.lane_datagram(data, addr)
             return
         self._peer_addr = addr
@@ -496,9 +495,7 @@ class PeerLink(QuicConnectionProtocol):
         self.rx.total += len(frame)
         if isinstance(msg, Heartbeat):
             if not msg.echo:
-                if self._lane_tx is not None:
-                    self._lane_send(encode(Heartbeat(ref=0, seq=msg.seq, sent_ns=msg.sent_ns, echo=True)),
-                                    pad_to=LANE_MAX_FRAME)
+                self._lane_heartbeat(msg.seq, msg.sent_ns, echo=True)
             elif not self.lane_ready:
                 self.lane_ready, self._lane_misses = True, 0
                 log.debug("fast lane to %s ready (%.2f ms round trip)", self.peer_node_id,
@@ -524,8 +521,11 @@ class PeerLink(QuicConnectionProtocol):
                 or time.monotonic() < self._lane_probe_at):
             return
         self._lane_probes += 1
-        self._lane_send(encode(Heartbeat(ref=0, seq=self._lane_probes, sent_ns=time.monotonic_ns(), echo=False)),
-                        pad_to=LANE_MAX_FRAME)
+        self._lane_heartbeat(self._lane_probes, time.monotonic_ns(), echo=False)
+
+    def _lane_heartbeat(self, seq: int, sent_ns: int, *, echo: bool) -> None:
+        """A probe, or its echo, padded to the largest frame the lane will carry."""
+        self._lane_send(encode(Heartbeat(ref=0, seq=seq, sent_ns=sent_ns, echo=echo)), pad_to=LANE_MAX_FRAME)
 
     def _lane_send(self, frame: bytes | bytearray | memoryview, pad_to: int = 0) -> None:
         if self._lane_tx is None or self._peer_addr is None or self._transport is None:

@@ -53,6 +53,11 @@ class Step:
     drafts: tuple[int, ...] = ()
     sampling: Sampling = GREEDY
 
+    @property
+    def plain_decode(self) -> bool:
+        """One row, one token out, no drafts: the per-token step (template, fast lane)."""
+        return self.n_logits == 1 and not self.drafts and self.tokens.shape[0] == 1
+
 
 class Pipeline(Protocol):
     n_stages: int
@@ -209,8 +214,7 @@ class MeshPipeline:
 
     def _lane_eligible(self, steps: Sequence[Step]) -> bool:
         return (self.fabric.lane_ready(self.route[0])
-                and all(s.n_logits == 1 and not s.drafts and s.tokens.shape[0] == 1
-                        and s.session not in self._busy for s in steps))
+                and all(s.plain_decode and s.session not in self._busy for s in steps))
 
     def _forward(self, steps: Sequence[Step], batch_id: int, act: np.ndarray, lane: bool) -> wire.Forward:
         flags = wire.SEG_LANE if lane else 0
@@ -253,7 +257,7 @@ class MeshPipeline:
 
     def _decode_frame(self, steps: Sequence[Step], batch_id: int, act: np.ndarray,
                       lane: bool) -> memoryview | None:
-        if len(steps) != 1 or steps[0].drafts or steps[0].n_logits != 1 or act.shape[0] != 1:
+        if len(steps) != 1 or not steps[0].plain_decode:
             return None
         s = steps[0]
         t = self._templates.get(s.session)
