@@ -18,6 +18,8 @@ import pytest
     ["bench", "replay", "--max-n", "0,4"],
     ["bench", "replay", "--max-n", "four"],
     ["bench", "replay", "--hop-ms", "-3"],
+    ["bench", "net", "--iters", "0"],
+    ["bench", "net", "--bulk-rows", "x"],
 ])
 def test_bad_benchmark_options_are_refused_up_front(tmp_path, args):
     r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), *args],
@@ -33,3 +35,11 @@ def test_a_truncated_draft_must_keep_fewer_layers_than_the_model(tmp_path, smoll
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert f"has {smollm2.n_layers} layers" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("sizes", ["abc", "500", ""])
+def test_bench_net_refuses_bad_datagram_sizes(tmp_path, sizes):
+    r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), "bench", "net",
+                        "--datagram-sizes", sizes], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--datagram-sizes takes" in r.stderr and "Traceback" not in r.stderr

@@ -12,6 +12,9 @@ baseline of the ratio column; 1350 B fits a 1500-byte LAN MTU, loopback allows m
 from __future__ import annotations
 
 import argparse
+import sys
+
+from meshnode.cli import non_negative_float, positive_int
 
 HELP = "QUIC round trip (decode-sized activations) and bulk throughput, f32 vs f16, on loopback"
 
@@ -19,9 +22,9 @@ WIDTHS = (576, 2048, 4096)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iters", type=int, default=200, help="round trips per size (default 200)")
-    parser.add_argument("--bulk-mb", type=float, default=32.0, help="MB per bulk run (default 32)")
-    parser.add_argument("--bulk-rows", type=int, default=16, help="rows of 4096 floats per bulk frame (default 16)")
+    parser.add_argument("--iters", type=positive_int, default=200, help="round trips per size (default 200)")
+    parser.add_argument("--bulk-mb", type=non_negative_float, default=32.0, help="MB per bulk run (default 32)")
+    parser.add_argument("--bulk-rows", type=positive_int, default=16, help="rows of 4096 floats per bulk frame (default 16)")
     parser.add_argument("--datagram-sizes", default="1350,16384",
                         help="comma-separated QUIC max datagram sizes (default 1350,16384)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -33,7 +36,14 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     logging.getLogger("quic").setLevel(logging.WARNING)
-    sizes = [int(x) for x in str(args.datagram_sizes).split(",") if x.strip()]
+    try:
+        sizes = [int(x) for x in str(args.datagram_sizes).split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1200:
+        print("meshnode bench net: --datagram-sizes takes comma-separated sizes in bytes, each "
+              ">= 1200 (QUIC's minimum), e.g. 1350,16384", file=sys.stderr)
+        return 2
     results = asyncio.run(_run_all(args, sizes))
     if args.json:
         print(json.dumps(results, indent=2))
