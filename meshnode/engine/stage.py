@@ -116,6 +116,12 @@ class StageEngine:
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = spec.gpu_layers
+        # No "extra" weight buffers (llama.cpp's CPU repacking and AMX tiles). On a VM whose
+        # CPU advertises AMX without the hypervisor enabling its tile state, the AMX matmul
+        # faults on its first `ldtilecfg` and takes the process down (seen on Sapphire
+        # Rapids VMs); and a repacked layout is one more kernel choice that could differ
+        # between the nodes of a split. Plain buffers are exact everywhere.
+        mparams.use_extra_bufts = False
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path} (not a valid GGUF model?)")
