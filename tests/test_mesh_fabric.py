@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from meshnode.mesh.fabric import MeshFabric, PeerReplyError, PeerUnavailableError
+from meshnode.net import aioquic_compat as compat
 from meshnode.net.caps import from_dict
 from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
@@ -96,11 +97,11 @@ async def test_duplicate_dials_keep_one_link(tmp_path):
         await until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 3.0)
         await asyncio.sleep(0.5)
         assert len(a.peers()) == 1 and len(b.peers()) == 1
-        # Both ends send unpaced (net/link.py: aioquic held the 2nd datagram of an activation
-        # behind a millisecond timer): a pacer that never names a later send time.
+        # Both ends send unpaced (net/aioquic_compat.py: aioquic held the 2nd datagram of an
+        # activation behind a millisecond timer): a pacer that never names a later send time.
         for fabric in (a, b):
             [link] = fabric._links.values()  # noqa: SLF001
-            pacer = link._quic._loss._pacer  # noqa: SLF001 - aioquic internals, on purpose
+            pacer = compat.pacer(link.quic)
             pacer.update_rate(congestion_window=13500, smoothed_rtt=0.01)
             for _ in range(4):  # a burst drains a real pacer's bucket (it then names a time)
                 pacer.update_after_send(now=1.0)
@@ -138,7 +139,8 @@ async def test_decode_exchange_sends_one_datagram_each_way(tmp_path):
         sizes: dict[str, list[int]] = {"a": [], "b": []}
         for name, fabric in (("a", a), ("b", b)):
             [link] = fabric._links.values()  # noqa: SLF001
-            transport, orig = link._transport, link._transport.sendto  # noqa: SLF001
+            transport = compat.datagram_transport(link)
+            orig = transport.sendto
 
             def counting(data, addr=None, _orig=orig, _log=sizes[name]):
                 _log.append(len(data))

@@ -5,5 +5,6 @@
   Load -> Ready negotiation (``CoordinatorControl``, ``StageServerControl``).
 
 Submodules are imported explicitly (``from meshnode.mesh.planner import plan``); this
-package imports nothing eagerly so that ``meshnode.mesh.fabric`` (aioquic) stays optional.
+package imports nothing eagerly so that ``meshnode.mesh.fabric`` (QUIC, via
+``meshnode.net``) stays optional.
 """

@@ -1,9 +1,10 @@
 """The node's mesh fabric: discovery + authenticated QUIC links + message routing.
 
 Theory of operation: the fabric advertises this node over mDNS
-(:mod:`meshnode.net.discovery`), runs a QUIC server, and dials peers of the same mesh
-(:mod:`meshnode.net.link`). A peer is *a member* only while an authenticated link to
-it is up; mDNS records are hints (a killed process leaves its record in caches).
+(:mod:`meshnode.net.discovery`), listens for QUIC links and dials peers of the same mesh
+(:mod:`meshnode.net.quic`; each connection is a :class:`~meshnode.net.link.PeerLink`), but
+never touches QUIC itself. A peer is *a member* only while an authenticated link to it
+is up; mDNS records are hints (a killed process leaves its record in caches).
 
 One connection per peer pair: for a discovered peer, the node with the lower node id
 dials at once, the other only after a grace period (asymmetric discovery). When two
@@ -25,16 +26,15 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from aioquic.asyncio.server import QuicServer
-
 from meshnode import PROTOCOL_VERSION
 from meshnode.errors import MeshnodeError
 from meshnode.net import caps as capsmod
 from meshnode.net.auth import AuthHandshake
 from meshnode.net.discovery import DiscoveredPeer, Discovery
 from meshnode.net.identity import Identity
-from meshnode.net.lane import LaneReceiver, is_lane_packet, lane_key_id
-from meshnode.net.link import LinkSettings, PeerLink, quic_configuration
+from meshnode.net.lane import LaneReceiver, lane_key_id
+from meshnode.net.link import LinkSettings, PeerLink
+from meshnode.net.quic import QuicListener, dial, listen
 from meshnode.net.secret import SecretStore, mesh_id
 from meshnode.paths import NodePaths
 from meshnode.state import PeerInfo
@@ -101,7 +101,7 @@ class MeshFabric:
         self._static_ids: dict[str, str] = {}  # "host:port" -> node id seen there
         self._use_discovery = discovery
         self._discovery: Discovery | None = None
-        self._server: Any = None
+        self._server: QuicListener | None = None
         self._links: dict[str, PeerLink] = {}        # node id -> the authenticated link in use
         self._lane_links: dict[int, PeerLink] = {}   # lane key id -> the link it belongs to
         self._all_links: set[PeerLink] = set()
@@ -123,15 +123,8 @@ class MeshFabric:
     async def start(self) -> None:
         """Start the QUIC server, advertise over mDNS, dial static peers."""
         self._running = True
-        _, self._server = await asyncio.get_running_loop().create_datagram_endpoint(
-            lambda: _MeshQuicServer(
-                self,
-                configuration=quic_configuration(self.identity, is_client=False, settings=self.settings),
-                create_protocol=lambda quic, **kw: PeerLink(quic, owner=self, is_client=False, **kw),
-            ),
-            local_addr=(self._bind_host, self._port),
-        )
-        self._port = self._server._transport.get_extra_info("sockname")[1]
+        self._server = await listen(self, self._bind_host, self._port)
+        self._port = self._server.port
         log.info("node %s (%s) in mesh %s: QUIC on port %d", self.node_id, self.name, self.mesh_id, self._port)
         if self._use_discovery:
             self._discovery = Discovery(
@@ -400,16 +393,8 @@ class MeshFabric:
 
     async def _dial_once(self, host: str, port: int, static_key: str | None = None) -> str:
         """Dial, and hold the connection until it closes; returns why it ended."""
-        from aioquic.asyncio import connect
-
-        cfg = quic_configuration(self.identity, is_client=True, settings=self.settings)
         try:
-            async with connect(
-                host, port, configuration=cfg, wait_connected=True,
-                create_protocol=lambda quic, **kw: PeerLink(
-                    quic, owner=self, is_client=True, dial_address=(host, port), **kw),
-            ) as link:
-                assert isinstance(link, PeerLink)
+            async with dial(self, host, port) as link:
                 if static_key is not None and link.peer_node_id:
                     self._static_ids[static_key] = link.peer_node_id
                 await link.wait_closed()
@@ -444,21 +429,6 @@ class MeshFabric:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("callback failed", exc_info=task.exception())
-
-
-class _MeshQuicServer(QuicServer):
-    """aioquic's server protocol, with lane packets (not QUIC: see meshnode.net.lane)
-    taken off the socket before QUIC parses them."""
-
-    def __init__(self, fabric: MeshFabric, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._fabric = fabric
-
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        if is_lane_packet(data):
-            self._fabric.lane_datagram(data, addr)
-        else:
-            super().datagram_received(data, addr)
 
 
 def _parse_hostport(text: str) -> tuple[str, int]:

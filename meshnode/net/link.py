@@ -23,6 +23,19 @@ connection's socket. Lane packets are told from QUIC by their first byte.
 A peer is declared gone when no byte arrived for ``dead_after_s`` (heartbeat watchdog)
 or QUIC's idle timeout fires, whichever comes first. The owner (the fabric) gets
 callbacks for authenticated / message / closed; the link never decides membership.
+
+The link is a thin adapter, the way aioquic's asyncio protocol drives its sans-IO
+``QuicConnection``: the decisions live in sans-IO objects that it feeds with events and
+the loop's time, and whose answers it carries out:
+
+* :class:`~meshnode.net.liveness.Liveness`: the authentication deadline, the heartbeat
+  and the dead-peer watch (one asyncio timer, re-armed after each event);
+* :class:`~meshnode.net.lane_control.LaneControl`: the fast lane's probing, readiness,
+  misses, switch-off and backoff;
+* :class:`~meshnode.net.auth.AuthHandshake`: the mesh proof.
+
+Every use of aioquic's private attributes goes through :mod:`meshnode.net.aioquic_compat`;
+sockets are opened in :mod:`meshnode.net.quic`.
 """
 
 from __future__ import annotations
@@ -31,22 +44,21 @@ import asyncio
 import ipaddress
 import logging
 import os
-import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aioquic import tls
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.quic import events
-from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.recovery import QuicPacketPacer
 
+from meshnode.net import aioquic_compat as compat
 from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
 from meshnode.net.lane import LaneDrop, LaneReceiver, LaneSender, is_lane_packet
+from meshnode.net.lane_control import LaneControl
+from meshnode.net.liveness import AuthTimedOut, Liveness, PeerSilent, SendHeartbeat
 from meshnode.wire import (HEADER_SIZE, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey,
                            RemoteProtocolError, TokenReturn, WireError, decode, encode, parse_header)
 
@@ -55,8 +67,6 @@ log = logging.getLogger(__name__)
 ALPN = "meshnode/1"
 _LANE_KINDS = (Heartbeat, Forward, TokenReturn)   # what may arrive on the lane
 DEFERRED_TRANSMIT_S = 0.001   # after a received datagram (see PeerLink.datagram_received)
-LANE_MAX_PROBES = 10          # lane probes per attempt (one per heartbeat) before giving up
-LANE_MAX_MISSES = 3           # lost lane frames in a row before the lane is switched off
 # Largest frame sent on the lane (a 4096-wide f32 decode row is 16.5 KB: over QUIC). Over
 # a 1500-byte LAN such a datagram travels as IP fragments, so probes are this big: a path
 # that drops fragments never gets a lane.
@@ -76,21 +86,6 @@ class LinkSettings:
     # The fast lane for per-token frames (meshnode.net.lane); off: everything over QUIC.
     lane: bool = True
     lane_backoff_s: float = 5.0      # a lane switched off waits this long, doubling each time, to probe again
-
-
-def quic_configuration(identity: Identity, *, is_client: bool, settings: LinkSettings) -> QuicConfiguration:
-    cfg = QuicConfiguration(
-        is_client=is_client,
-        alpn_protocols=[ALPN],
-        idle_timeout=settings.idle_timeout_s,
-        max_datagram_size=settings.max_datagram_size,
-        verify_mode=ssl.CERT_NONE,
-        max_data=64 << 20,
-        max_stream_data=16 << 20,
-    )
-    cfg.certificate = identity.certificate
-    cfg.private_key = identity.private_key
-    return cfg
 
 
 class LinkOwner(Protocol):
@@ -126,22 +121,6 @@ class _RateMeter:
         self._last_total, self._last_t = self.total, now
 
 
-class _Unpaced(QuicPacketPacer):
-    """A pacer that never holds a packet back (the congestion window still bounds bursts).
-
-    aioquic paces packets at cwnd / srtt. On a LAN that rate is microseconds per packet,
-    but a held packet waits for an asyncio timer, and the event loop sleeps in whole
-    milliseconds (epoll's resolution): the second datagram of a 2.3 KB activation (one
-    SmolLM2 decode step in f32) left ~1.5 ms after the first. `meshnode bench net`, 576 x
-    f32 round trip, two runs each: paced 1.74 / 1.51 ms, unpaced 0.82 / 0.83 ms. Our
-    flows are a few packets per step between hosts on one switch, which is what pacing
-    protects against least; loss recovery and the congestion window are untouched.
-    """
-
-    def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
-        self.packet_time = None
-
-
 def _is_loopback(host: str) -> bool:
     try:
         addr = ipaddress.ip_address(host.split("%", 1)[0])
@@ -160,12 +139,10 @@ class PeerLink(QuicConnectionProtocol):
         self._peer_addr: Any = None                            # where the peer's QUIC packets come from
         self.lane_rx: LaneReceiver | None = None               # our key, once sent (see _start_lane)
         self._lane_tx: LaneSender | None = None                # the peer's key, once received
-        self.lane_ready = False                                # a probe came back over the lane
-        self._lane_probes = 0
-        self._lane_misses = 0
-        self._lane_offs = 0                                    # times switched off for lost frames
-        self._lane_probe_at = 0.0                              # monotonic: no probe before this
+        self.lane = LaneControl(owner.settings.lane_backoff_s)  # when the lane may be used
         super().__init__(quic, **kwargs)
+        self.quic = quic                                       # the sans-IO connection we drive
+        self._event_loop = asyncio.get_running_loop()
         self.owner = owner
         self.is_client = is_client
         self.remote_addr: tuple[str, int] | None = dial_address
@@ -178,36 +155,30 @@ class PeerLink(QuicConnectionProtocol):
         self._control_sid: int | None = None
         self._data_sids: dict[Any, int] = {}
         self._decoders: dict[int, FrameDecoder] = {}
-        self._last_rx = time.monotonic()
-        self._hb_seq = 0
+        s = owner.settings
+        self.liveness = Liveness(heartbeat_s=s.heartbeat_s, dead_after_s=s.dead_after_s,
+                                 auth_timeout_s=s.auth_timeout_s, now=self._event_loop.time())
+        self._watch: asyncio.TimerHandle | None = None         # the one timer of self.liveness
+        self._watch_at: float | None = None
         self._ref = 0
-        self._tasks: list[asyncio.Task] = []
         self._notified_closed = False
-        self._hb_started = False
         # aioquic's 1-RTT packet space, once the handshake completed: set, it also turns on
         # the deferred transmit after a received datagram (both tune the same exchange)
         self._ack_space: Any = None
-        # aioquic has no switch for pacing; its recovery object (private) owns the pacer.
-        # Should a later aioquic rename it, the link still works, only paced.
-        loss = getattr(quic, "_loss", None)
-        if isinstance(getattr(loss, "_pacer", None), QuicPacketPacer):
-            loss._pacer = _Unpaced(max_datagram_size=quic._max_datagram_size)
-        else:
+        # Should a later aioquic move its pacer, the link still works, only paced.
+        if not compat.unpace(quic):
             log.debug("aioquic's pacer not found; this link stays paced")
         if not is_client:
-            # aioquic only asks for a client certificate when this (private) flag of the
-            # TLS context is set; the context is created lazily in _initialize().
-            orig_init = quic._initialize
-
-            def _initialize(peer_cid: bytes) -> None:
-                orig_init(peer_cid)
-                quic.tls._request_client_certificate = True
-
-            quic._initialize = _initialize  # type: ignore[method-assign]
-        self._tasks.append(asyncio.get_running_loop().create_task(self._auth_deadline()))
+            compat.request_client_certificate(quic)   # the client's certificate is its identity
+        self._arm_watch()
         owner.link_created(self)
 
     # ---- state ---------------------------------------------------------------
+
+    @property
+    def lane_ready(self) -> bool:
+        """True when frames may take the fast lane now (a probe came back over it)."""
+        return self.lane.ready
 
     @property
     def authenticated(self) -> bool:
@@ -242,14 +213,14 @@ class PeerLink(QuicConnectionProtocol):
         ``msg`` may also be an already encoded frame (the per-session decode template)."""
         sid = self._data_sids.get(stream_key)
         if sid is None:
-            sid = self._quic.get_next_available_stream_id(is_unidirectional=True)
+            sid = self.quic.get_next_available_stream_id(is_unidirectional=True)
             self._data_sids[stream_key] = sid
         self._send_on(sid, msg if isinstance(msg, (bytes, bytearray, memoryview)) else encode(msg))
 
     def close_data_stream(self, stream_key: Any) -> None:
         sid = self._data_sids.pop(stream_key, None)
         if sid is not None and self.closed_reason is None:
-            self._quic.send_stream_data(sid, b"", end_stream=True)
+            self.quic.send_stream_data(sid, b"", end_stream=True)
             self.transmit()
 
     def close_with(self, reason: str, delay: float = 0.0) -> None:
@@ -259,12 +230,12 @@ class PeerLink(QuicConnectionProtocol):
             return
         if self.closed_reason is None:
             self.closed_reason = reason
-        self._quic.close(error_code=0, reason_phrase=reason[:200])
+        self.quic.close(error_code=0, reason_phrase=reason[:200])
         self.transmit()
 
     def _close_later(self, delay: float) -> None:
         def _close() -> None:
-            self._quic.close(error_code=0, reason_phrase=(self.closed_reason or "")[:200])
+            self.quic.close(error_code=0, reason_phrase=(self.closed_reason or "")[:200])
             self.transmit()
 
         asyncio.get_running_loop().call_later(delay, _close)
@@ -273,14 +244,14 @@ class PeerLink(QuicConnectionProtocol):
         if self._control_sid is None:
             if not self.is_client:
                 raise ConnectionError("control stream not open yet")
-            self._control_sid = self._quic.get_next_available_stream_id()
+            self._control_sid = self.quic.get_next_available_stream_id()
         return self._control_sid
 
     def _send_on(self, sid: int, data: bytes) -> None:
         if self.closed_reason is not None:
             raise ConnectionError(f"link closed: {self.closed_reason}")
         self._ack_with_data()
-        self._quic.send_stream_data(sid, data)
+        self.quic.send_stream_data(sid, data)
         self.tx.total += len(data)
         self.transmit()
 
@@ -293,7 +264,7 @@ class PeerLink(QuicConnectionProtocol):
     # ---- aioquic events --------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        if is_lane_packet(data):   # a dialled link's own socket (the server's: fabric._MeshQuicServer)
+        if is_lane_packet(data):   # a dialled link's own socket (the server's: meshnode.net.quic)
             self.owner.lane_datagram(data, addr)
             return
         self._peer_addr = addr
@@ -301,8 +272,7 @@ class PeerLink(QuicConnectionProtocol):
             self.remote_addr = (addr[0], addr[1])
         if self._ack_space is None:
             return super().datagram_received(data, addr)
-        self._quic.receive_datagram(data, addr, now=self._loop.time())
-        self._process_events()
+        compat.feed_datagram(self, data, addr, now=self._event_loop.time())
         # aioquic transmits right here; after the handshake that mostly builds nothing
         # (the ACK waits for its millisecond or a reply, see _ack_with_data) yet costs
         # ~0.1 ms of packet-builder Python before the handler's follow-up (the waiting
@@ -311,7 +281,7 @@ class PeerLink(QuicConnectionProtocol):
         # anyway: whatever the handler sends meanwhile goes out with its own transmit,
         # carrying anything else that was due (and cancels this one).
         if self._deferred_tx is None:
-            self._deferred_tx = self._loop.call_later(DEFERRED_TRANSMIT_S, self.transmit)
+            self._deferred_tx = self._event_loop.call_later(DEFERRED_TRANSMIT_S, self.transmit)
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         if isinstance(event, events.HandshakeCompleted):
@@ -330,20 +300,18 @@ class PeerLink(QuicConnectionProtocol):
         self._notify_closed()
 
     def _on_handshake(self) -> None:
-        if event_alpn := getattr(self._quic.tls, "alpn_negotiated", None):
+        if event_alpn := getattr(self.quic.tls, "alpn_negotiated", None):
             if event_alpn != ALPN:
                 return self.close_with(f"unexpected ALPN {event_alpn}")
-        peer_cert = getattr(self._quic.tls, "_peer_certificate", None)
+        peer_cert = compat.peer_certificate(self.quic)
         if peer_cert is None:
             return self.close_with("peer presented no certificate")
         self.peer_node_id = node_id_of_cert(peer_cert)
         if self.peer_node_id == self.owner.identity.node_id:
             return self.close_with("connected to ourselves")
         self._size_datagrams()
-        space = getattr(self._quic, "_spaces", {}).get(tls.Epoch.ONE_RTT)
-        if hasattr(space, "ack_at"):
-            self._ack_space = space
-        else:
+        self._ack_space = compat.one_rtt_ack_space(self.quic)
+        if self._ack_space is None:
             log.debug("aioquic's ACK state not found; replies go without their ACK")
         self.auth = self.owner.make_auth(
             self,
@@ -368,9 +336,8 @@ class PeerLink(QuicConnectionProtocol):
         their sender ACK processing (`bench net` bulk at 1350 B: ~30% slower when every
         second datagram was acknowledged).
         """
-        space = self._ack_space
-        if space is not None and space.ack_at is not None:
-            space.ack_at = min(space.ack_at, self._loop.time())
+        if self._ack_space is not None:
+            compat.ack_with_next_packet(self._ack_space, self._event_loop.time())
 
     def _size_datagrams(self) -> None:
         """Send bigger datagrams to a peer on this host.
@@ -385,11 +352,11 @@ class PeerLink(QuicConnectionProtocol):
         """
         size = self.owner.settings.loopback_datagram_size
         host = self.remote_addr[0] if self.remote_addr else ""
-        if size > self._quic._max_datagram_size and _is_loopback(host):
-            self._quic._max_datagram_size = size
+        if size > compat.max_datagram_size(self.quic) and _is_loopback(host):
+            compat.set_max_datagram_size(self.quic, size)
 
     def _on_stream_data(self, event: events.StreamDataReceived) -> None:
-        self._last_rx = time.monotonic()
+        self.liveness.received(self._event_loop.time())
         self.rx.total += len(event.data)
         sid = event.stream_id
         if self._control_sid is None and not self.is_client and sid % 4 == 0:
@@ -432,10 +399,9 @@ class PeerLink(QuicConnectionProtocol):
         assert self.auth is not None
         for out in self.auth.messages_to_send():
             self._send_on(self._control_stream(), encode(out))
-        if self.auth.state is AuthState.AUTHENTICATED and not self._hb_started:
-            self._hb_started = True
-            self._last_rx = time.monotonic()
-            self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat_loop()))
+        if self.auth.state is AuthState.AUTHENTICATED and not self.liveness.heartbeating:
+            self.liveness.authenticated(self._event_loop.time())   # heartbeats from now on
+            self._arm_watch()
             self.owner.link_authenticated(self)
             self._start_lane()
         elif self.auth.state is AuthState.FAILED and self.closed_reason is None:
@@ -463,15 +429,10 @@ class PeerLink(QuicConnectionProtocol):
         lane off (a firewall that drops it, a path that changed); it is probed again
         after ``lane_backoff_s``, doubling with every switch-off (a lane that keeps
         failing, e.g. in one direction only, must not keep costing resends)."""
-        self._lane_misses += 1
-        if self.lane_ready and self._lane_misses >= LANE_MAX_MISSES:
-            wait = min(300.0, self.owner.settings.lane_backoff_s * 2 ** self._lane_offs)
+        wait = self.lane.missed(self._event_loop.time())
+        if wait is not None:
             log.warning("fast lane to %s lost %d frames in a row: using QUIC streams, probing "
-                        "it again in %.0f s", self.peer_node_id, self._lane_misses, wait)
-            self.lane_ready = False
-            self._lane_offs += 1
-            self._lane_probes = 0
-            self._lane_probe_at = time.monotonic() + wait
+                        "it again in %.0f s", self.peer_node_id, self.lane.misses, wait)
 
     def lane_received(self, packet: bytes) -> None:
         """A lane packet sealed with our key (the owner found us by its key id)."""
@@ -491,17 +452,16 @@ class PeerLink(QuicConnectionProtocol):
             log.warning("peer %s sent %s on the lane (only per-token frames go there): dropped",
                         self.peer_node_id, type(msg).__name__)
             return
-        self._last_rx = time.monotonic()
+        self.liveness.received(self._event_loop.time())
         self.rx.total += len(frame)
         if isinstance(msg, Heartbeat):
             if not msg.echo:
                 self._lane_heartbeat(msg.seq, msg.sent_ns, echo=True)
-            elif not self.lane_ready:
-                self.lane_ready, self._lane_misses = True, 0
+            elif self.lane.echo_received():
                 log.debug("fast lane to %s ready (%.2f ms round trip)", self.peer_node_id,
                           (time.monotonic_ns() - msg.sent_ns) / 1e6)
             return
-        self._lane_misses = 0
+        self.lane.frame_received()
         self.owner.link_message(self, msg)
 
     def _start_lane(self) -> None:
@@ -514,26 +474,24 @@ class PeerLink(QuicConnectionProtocol):
         if not self.owner.settings.lane:
             return   # never sent ours either: the peer never gets a probe back
         self._lane_tx = LaneSender(msg.key_id, msg.key)
-        self._probe_lane()
+        self._send_probe(self.lane.key_received(self._event_loop.time()))
 
-    def _probe_lane(self) -> None:
-        if (self._lane_tx is None or self._lane_probes >= LANE_MAX_PROBES
-                or time.monotonic() < self._lane_probe_at):
-            return
-        self._lane_probes += 1
-        self._lane_heartbeat(self._lane_probes, time.monotonic_ns(), echo=False)
+    def _send_probe(self, seq: int | None) -> None:
+        if seq is not None:
+            self._lane_heartbeat(seq, time.monotonic_ns(), echo=False)
 
     def _lane_heartbeat(self, seq: int, sent_ns: int, *, echo: bool) -> None:
         """A probe, or its echo, padded to the largest frame the lane will carry."""
         self._lane_send(encode(Heartbeat(ref=0, seq=seq, sent_ns=sent_ns, echo=echo)), pad_to=LANE_MAX_FRAME)
 
     def _lane_send(self, frame: bytes | bytearray | memoryview, pad_to: int = 0) -> None:
-        if self._lane_tx is None or self._peer_addr is None or self._transport is None:
+        transport = compat.datagram_transport(self)
+        if self._lane_tx is None or self._peer_addr is None or transport is None:
             return
-        self._transport.sendto(self._lane_tx.seal(frame, pad_to=pad_to), self._peer_addr)
+        transport.sendto(self._lane_tx.seal(frame, pad_to=pad_to), self._peer_addr)
         self.tx.total += len(frame)
 
-    # ---- keep-alive --------------------------------------------------------------
+    # ---- keep-alive (meshnode.net.liveness) ---------------------------------------
 
     def _on_heartbeat(self, hb: Heartbeat) -> None:
         if hb.echo:
@@ -541,42 +499,55 @@ class PeerLink(QuicConnectionProtocol):
         else:
             self.send(Heartbeat(ref=hb.ref, seq=hb.seq, sent_ns=hb.sent_ns, echo=True))
 
-    async def _heartbeat_loop(self) -> None:
-        s = self.owner.settings
-        try:
-            while self.closed_reason is None:
-                now = time.monotonic()
-                if now - self._last_rx > s.dead_after_s:
-                    log.info("peer %s silent for %.1f s: dropping it", self.peer_node_id, now - self._last_rx)
-                    self.close_with("peer vanished (no heartbeat)")
-                    self._notify_closed()
+    def _arm_watch(self) -> None:
+        """(Re-)arm the one timer of :attr:`liveness` for the time it asks for."""
+        at = self.liveness.next_timer()
+        if at == self._watch_at:
+            return
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        self._watch_at = at
+        if at is not None:
+            self._watch = self._event_loop.call_at(at, self._on_watch)
+
+    def _on_watch(self) -> None:
+        # like aioquic's timer: never earlier than asked for, even if the loop woke early
+        now = max(self._watch_at or 0.0, self._event_loop.time())
+        self._watch = self._watch_at = None
+        if self.closed_reason is not None:   # closing: no heartbeat, no deadline
+            self.liveness.stop()
+            return
+        for action in self.liveness.handle_timer(now):
+            if isinstance(action, SendHeartbeat):
+                try:
+                    self.send(Heartbeat(ref=0, seq=action.seq, sent_ns=time.monotonic_ns(), echo=False))
+                except ConnectionError:
+                    self.liveness.stop()
                     return
-                self._hb_seq += 1
-                self.send(Heartbeat(ref=0, seq=self._hb_seq, sent_ns=time.monotonic_ns(), echo=False))
-                if not self.lane_ready:
-                    self._probe_lane()
+                self._send_probe(self.lane.heartbeat(now))   # the lane is probed at heartbeat pace
                 self.rx.tick(now)
                 self.tx.tick(now)
-                await asyncio.sleep(s.heartbeat_s)
-        except ConnectionError:
-            pass
-
-    async def _auth_deadline(self) -> None:
-        await asyncio.sleep(self.owner.settings.auth_timeout_s)
-        if not self.authenticated and self.closed_reason is None:
-            log.warning("peer %s at %s: authentication timed out", self.peer_node_id, self.address)
-            self.close_with("authentication timed out")
+            elif isinstance(action, PeerSilent):
+                log.info("peer %s silent for %.1f s: dropping it", self.peer_node_id, action.silent_s)
+                self.close_with("peer vanished (no heartbeat)")
+                self._notify_closed()
+                return
+            elif isinstance(action, AuthTimedOut):
+                log.warning("peer %s at %s: authentication timed out", self.peer_node_id, self.address)
+                self.close_with("authentication timed out")
+                return
+        self._arm_watch()
 
     def _notify_closed(self) -> None:
         if self._notified_closed:
             return
         self._notified_closed = True
-        self.lane_ready = False
-        for t in self._tasks:
-            if t is not asyncio.current_task():
-                t.cancel()
+        self.lane.closed()
+        self.liveness.stop()
+        self._arm_watch()   # cancels it
         self.owner.link_closed(self, self.closed_reason or "closed")
-        self._closed.set()
+        compat.mark_closed(self)
 
 
 LinkFactory = Callable[..., PeerLink]

@@ -1,0 +1,103 @@
+"""When a link may use the fast lane: probing, readiness, misses, switch-off and backoff.
+
+Theory of operation: the fast lane (:mod:`meshnode.net.lane`) is lossy UDP beside QUIC,
+and a path may drop it (a firewall, IP fragments, a path that changed) while QUIC gets
+through. So a link trusts the lane only after seeing it work, and stops trusting it when
+it stops working:
+
+* *probing*: once the peer's lane key arrived, the link sends a probe (a Heartbeat
+  padded to the largest lane frame) at once and then one per heartbeat, at most
+  ``LANE_MAX_PROBES`` per attempt;
+* *ready*: the first probe that comes back (its echo, over the lane) makes the lane
+  ready; per-token frames then take it;
+* *misses*: the lane's user reports every frame that got no answer in time
+  (:meth:`LaneControl.missed`); any frame that arrives over the lane clears the count.
+  ``LANE_MAX_MISSES`` in a row switch the lane off;
+* *backoff*: a lane switched off is not probed for ``backoff_s``, doubled with every
+  switch-off (at most ``LANE_MAX_BACKOFF_S``): a lane that keeps failing, e.g. in one
+  direction only, must not keep costing resends. After the backoff it is probed again
+  from scratch and recovers the same way.
+
+:class:`LaneControl` is sans-IO, like aioquic's ``QuicConnection``: it never sends, reads
+a clock or sleeps. The link feeds it events with the current time ``now`` (any
+monotonic seconds) and sends the probes it is told to. It has no timer of its own: the
+link's heartbeat (:mod:`meshnode.net.liveness`) paces the probes, so a probe after a
+backoff goes out with the first heartbeat past it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LANE_MAX_BACKOFF_S", "LANE_MAX_MISSES", "LANE_MAX_PROBES", "LaneControl"]
+
+LANE_MAX_PROBES = 10          # lane probes per attempt (one per heartbeat) before giving up
+LANE_MAX_MISSES = 3           # lost lane frames in a row before the lane is switched off
+LANE_MAX_BACKOFF_S = 300.0    # the doubling backoff stops growing here
+
+
+class LaneControl:
+    """The fast lane's state for one link; see the module docstring.
+
+    ``ready`` says whether frames may take the lane now. Probe sequence numbers count
+    from 1 within each attempt (they are only echoed back, never interpreted).
+    """
+
+    __slots__ = ("backoff_s", "ready", "keyed", "probes", "misses", "offs", "probe_at")
+
+    def __init__(self, backoff_s: float) -> None:
+        self.backoff_s = backoff_s
+        self.ready = False        # a probe came back over the lane, and no switch-off since
+        self.keyed = False        # the peer's lane key arrived: we can seal for it
+        self.probes = 0           # probes sent in this attempt
+        self.misses = 0           # frames lost in a row
+        self.offs = 0             # times switched off for lost frames
+        self.probe_at = 0.0       # no probe before this time (the backoff)
+
+    # ---- events --------------------------------------------------------------
+
+    def key_received(self, now: float) -> int | None:
+        """The peer's lane key arrived. Returns the seq of a probe to send now, or None."""
+        self.keyed = True
+        return self._probe(now)
+
+    def heartbeat(self, now: float) -> int | None:
+        """The link sent a heartbeat: the probing clock. Returns the seq of a probe to send
+        now, or None (ready, no key yet, out of probes, or still backing off)."""
+        if self.ready:
+            return None
+        return self._probe(now)
+
+    def echo_received(self) -> bool:
+        """A probe came back over the lane. True when that made the lane ready."""
+        if self.ready:
+            return False
+        self.ready, self.misses = True, 0
+        return True
+
+    def frame_received(self) -> None:
+        """A frame (not a probe) arrived over the lane: the lane works."""
+        self.misses = 0
+
+    def missed(self, now: float) -> float | None:
+        """A frame sent on the lane got no answer in time. Returns the backoff (seconds
+        until the next probe) when this switched the lane off, else None."""
+        self.misses += 1
+        if not (self.ready and self.misses >= LANE_MAX_MISSES):
+            return None
+        wait = min(LANE_MAX_BACKOFF_S, self.backoff_s * 2 ** self.offs)
+        self.ready = False
+        self.offs += 1
+        self.probes = 0
+        self.probe_at = now + wait
+        return wait
+
+    def closed(self) -> None:
+        """The link closed: nothing goes on the lane any more."""
+        self.ready = False
+
+    # ---- helpers -------------------------------------------------------------
+
+    def _probe(self, now: float) -> int | None:
+        if not self.keyed or self.probes >= LANE_MAX_PROBES or now < self.probe_at:
+            return None
+        self.probes += 1
+        return self.probes

@@ -1,0 +1,115 @@
+"""A link's clock: the authentication deadline, the heartbeat and the dead-peer watch.
+
+Theory of operation: a QUIC link must authenticate within ``auth_timeout_s`` of being
+created, or it is closed. Once authenticated it sends a Heartbeat every
+``heartbeat_s`` (its echo gives the RTT, and it keeps bytes flowing both ways); every
+byte that arrives from the peer, on a stream or on the fast lane, counts as a sign of
+life. At each heartbeat the watch first looks at the silence: more than
+``dead_after_s`` since the last byte and the peer counts as dead (a killed process, a
+pulled cable); the link closes and the fabric drops the peer. Death is therefore noticed
+at the first heartbeat after ``dead_after_s`` of silence (QUIC's own idle timeout may
+notice it first; the link takes whichever comes first).
+
+The next heartbeat is due ``heartbeat_s`` after the previous one *ran*, not after it
+was due, as a sleeping loop would do: a late tick (a busy event loop) never causes a
+burst of catch-up heartbeats.
+
+:class:`Liveness` is sans-IO in the style of aioquic's ``QuicConnection``: it is fed
+events with the current time ``now`` (any monotonic seconds), says when it wants to be
+woken (:meth:`Liveness.next_timer`), and when woken (:meth:`Liveness.handle_timer`)
+returns what the link must do: :class:`SendHeartbeat`, :class:`PeerSilent` or
+:class:`AuthTimedOut`. It never sends, sleeps or reads a clock;
+:class:`meshnode.net.link.PeerLink` is its asyncio driver (one timer, re-armed after
+every event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AuthTimedOut", "Liveness", "LivenessAction", "PeerSilent", "SendHeartbeat"]
+
+
+@dataclass(frozen=True, slots=True)
+class SendHeartbeat:
+    """Send Heartbeat number ``seq`` now (numbered from 1)."""
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSilent:
+    """Nothing arrived from the peer for ``silent_s`` (> ``dead_after_s``): it is gone."""
+    silent_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class AuthTimedOut:
+    """The link did not authenticate within ``auth_timeout_s``: close it."""
+
+
+LivenessAction = SendHeartbeat | PeerSilent | AuthTimedOut
+
+
+class Liveness:
+    """Timers of one link; see the module docstring. ``now`` is the creation time."""
+
+    __slots__ = ("heartbeat_s", "dead_after_s", "auth_deadline", "last_rx", "next_heartbeat",
+                 "seq", "stopped")
+
+    def __init__(self, *, heartbeat_s: float, dead_after_s: float, auth_timeout_s: float,
+                 now: float) -> None:
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.auth_deadline: float | None = now + auth_timeout_s   # None once authenticated
+        self.last_rx = now                                          # the last sign of life
+        self.next_heartbeat: float | None = None                    # None until authenticated
+        self.seq = 0                                                # heartbeats sent
+        self.stopped = False                                        # closed: no more timers
+
+    @property
+    def heartbeating(self) -> bool:
+        """True once :meth:`authenticated` was called."""
+        return self.next_heartbeat is not None
+
+    # ---- events --------------------------------------------------------------
+
+    def authenticated(self, now: float) -> None:
+        """The handshake succeeded: the deadline is met, heartbeats start now."""
+        self.auth_deadline = None
+        self.last_rx = now
+        self.next_heartbeat = now
+
+    def received(self, now: float) -> None:
+        """Bytes arrived from the peer (a stream or the lane)."""
+        self.last_rx = now
+
+    def stop(self) -> None:
+        """The link is closing or closed: no more timers or actions."""
+        self.stopped = True
+
+    # ---- timers --------------------------------------------------------------
+
+    def next_timer(self) -> float | None:
+        """When :meth:`handle_timer` wants to be called next, or None (never)."""
+        if self.stopped:
+            return None
+        return self.auth_deadline if self.auth_deadline is not None else self.next_heartbeat
+
+    def handle_timer(self, now: float) -> list[LivenessAction]:
+        """What is due at ``now`` (nothing when called early)."""
+        if self.stopped:
+            return []
+        if self.auth_deadline is not None:
+            if now < self.auth_deadline:
+                return []
+            self.stopped = True
+            return [AuthTimedOut()]
+        if self.next_heartbeat is None or now < self.next_heartbeat:
+            return []
+        silent = now - self.last_rx
+        if silent > self.dead_after_s:
+            self.stopped = True
+            return [PeerSilent(silent)]
+        self.seq += 1
+        self.next_heartbeat = now + self.heartbeat_s
+        return [SendHeartbeat(self.seq)]

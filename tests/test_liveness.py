@@ -1,0 +1,113 @@
+"""Liveness (meshnode.net.liveness): the auth deadline, the heartbeat and the dead-peer
+watch, on a fake clock with no socket."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshnode.net.link import LinkSettings
+from meshnode.net.liveness import AuthTimedOut, Liveness, PeerSilent, SendHeartbeat
+
+
+def _liveness(now: float = 100.0, **kw) -> Liveness:
+    s = LinkSettings(**kw)
+    return Liveness(heartbeat_s=s.heartbeat_s, dead_after_s=s.dead_after_s,
+                    auth_timeout_s=s.auth_timeout_s, now=now)
+
+
+def _run(lv: Liveness, until: float, *, rx_every: float | None = None, start: float = 100.0) -> list:
+    """Drive ``lv`` like the link does: wake at each timer it asks for; bytes arrive every
+    ``rx_every`` s. Returns (time, action) pairs."""
+    out = []
+    next_rx = start + rx_every if rx_every else None
+    while (at := lv.next_timer()) is not None and at <= until:
+        while next_rx is not None and next_rx <= at:
+            lv.received(next_rx)
+            next_rx += rx_every
+        out += [(round(at, 6), a) for a in lv.handle_timer(at)]
+    return out
+
+
+def test_before_authentication_only_the_deadline_is_armed():
+    lv = _liveness()
+    assert lv.next_timer() == pytest.approx(103.0)           # auth_timeout_s = 3.0
+    assert lv.handle_timer(102.9) == []                      # early: nothing
+    assert lv.handle_timer(103.0) == [AuthTimedOut()]
+    assert lv.next_timer() is None and lv.handle_timer(200.0) == []
+
+
+def test_authentication_cancels_the_deadline_and_starts_heartbeats_at_once():
+    lv = _liveness()
+    assert not lv.heartbeating
+    lv.authenticated(101.0)
+    assert lv.heartbeating
+    assert lv.next_timer() == 101.0
+    assert lv.handle_timer(101.0) == [SendHeartbeat(1)]
+    assert lv.next_timer() == pytest.approx(101.3)           # heartbeat_s = 0.3
+    lv.received(103.4)
+    assert lv.handle_timer(103.5) == [SendHeartbeat(2)]      # past the old deadline: no timeout
+
+
+def test_heartbeats_are_due_every_period_after_the_last_one_ran():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    got = _run(lv, 101.0, rx_every=0.1)
+    assert [t for t, _ in got] == pytest.approx([100.0, 100.3, 100.6, 100.9])
+    assert [a for _, a in got] == [SendHeartbeat(i) for i in range(1, 5)]
+    # a late wake-up (a busy loop) moves the schedule; no burst of catch-up heartbeats
+    assert lv.handle_timer(101.5) == [SendHeartbeat(5)]
+    assert lv.next_timer() == pytest.approx(101.8)
+
+
+def test_a_silent_peer_is_dead_at_the_first_heartbeat_after_dead_after_s():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    got = _run(lv, 110.0)                                    # nothing ever arrives
+    assert [a for _, a in got[:-1]] == [SendHeartbeat(i) for i in range(1, 6)]
+    t, last = got[-1]
+    assert isinstance(last, PeerSilent)
+    assert t == pytest.approx(101.5) and last.silent_s == pytest.approx(1.5)   # 0.3 s steps: > 1.2 first at 1.5
+    assert lv.next_timer() is None                           # dead: no more timers
+
+
+def test_no_false_death_while_frames_keep_arriving():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    got = _run(lv, 160.0, rx_every=1.0)                      # one sign of life a second
+    assert got and not any(isinstance(a, PeerSilent) for _, a in got)
+    assert len(got) == 200                                   # a heartbeat every 0.3 s for 60 s
+
+
+def test_silence_of_exactly_dead_after_s_is_still_alive():
+    lv = _liveness(dead_after_s=1.0, heartbeat_s=0.5)
+    lv.authenticated(100.0)
+    assert lv.handle_timer(100.0) == [SendHeartbeat(1)]
+    assert lv.handle_timer(101.0) == [SendHeartbeat(2)]      # 1.0 s silent: not more than 1.0
+    assert lv.handle_timer(101.5) == [PeerSilent(1.5)]
+
+
+def test_a_late_sign_of_life_revives_the_silence_count():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    for seq, t in enumerate((100.0, 100.3, 100.6, 100.9), 1):
+        assert lv.handle_timer(t) == [SendHeartbeat(seq)]
+    lv.received(101.1)
+    assert lv.handle_timer(101.2) == [SendHeartbeat(5)]
+    assert lv.handle_timer(102.2) == [SendHeartbeat(6)]      # 1.1 s since 101.1
+    assert isinstance(lv.handle_timer(102.5)[0], PeerSilent)
+
+
+def test_configured_settings_are_used():
+    lv = _liveness(heartbeat_s=1.0, dead_after_s=5.0, auth_timeout_s=10.0)
+    assert lv.next_timer() == pytest.approx(110.0)
+    lv.authenticated(100.0)
+    got = _run(lv, 120.0)
+    assert [t for t, _ in got] == pytest.approx([100.0 + i for i in range(7)])
+    assert isinstance(got[-1][1], PeerSilent)                # at 106: 6 s > 5 s
+
+
+def test_stop_ends_every_timer():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    lv.stop()
+    assert lv.next_timer() is None and lv.handle_timer(200.0) == []
