@@ -18,7 +18,7 @@ import pytest
 from meshnode.serve.client import ChatMessage, Finished, GenerationRequest, TextDelta
 from meshnode.serve.final import Finalized
 from meshnode.serve.model_server import ModelServer, ServeSettings
-from meshnode.spec.policy import WindowPolicy
+from meshnode.spec.window import WindowPolicy
 from meshnode.spec.strategy import SpecConfig
 
 # The answer copies the prompt's code with a few edits, so the n-gram proposer runs

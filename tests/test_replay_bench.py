@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from meshnode.bench.replay_bench import replay
-from meshnode.spec.policy import CostModel
+from meshnode.spec.cost_model import CostModel
 
 CODE = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22] * 2
 

@@ -18,7 +18,7 @@ from meshnode.spec.acceptance import (
     verify_sampled,
 )
 from meshnode.spec.ngram import NGramProposer
-from meshnode.spec.policy import AdaptiveWindow
+from meshnode.spec.window import AdaptiveWindow
 
 
 def chi2_critical(df: int, z: float = 3.72) -> float:

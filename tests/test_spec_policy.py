@@ -1,4 +1,4 @@
-"""AutoPolicy transitions, AdaptiveWindow grow/shrink/cost cap, CostModel."""
+"""AutoPolicy transitions and its measured cost gate."""
 
 from __future__ import annotations
 
@@ -8,17 +8,8 @@ import random
 import pytest
 
 from meshnode.spec.ngram import NGramProposer
-from meshnode.spec.policy import (
-    AdaptiveWindow,
-    AutoPolicy,
-    AutoPolicyParams,
-    CostModel,
-    FixedWindow,
-    WindowPolicy,
-    expected_tokens,
-    make_window,
-    prompt_affinity,
-)
+from meshnode.spec.cost_model import CostModel
+from meshnode.spec.policy import AutoPolicy, AutoPolicyParams, prompt_affinity
 from meshnode.state import SpecState
 
 CODE_LIKE = [10, 11, 12, 13, 14, 15] * 20 + [1, 2, 3]
@@ -164,113 +155,6 @@ def test_record_verify_rejects_bad_counts():
     pol = AutoPolicy("on")
     with pytest.raises(ValueError):
         pol.record_verify(2, 3)
-
-
-# ---- cost model -------------------------------------------------------------
-
-
-def test_expected_tokens():
-    assert expected_tokens(0, 0.9) == 1.0
-    assert expected_tokens(3, 1.0) == 4.0
-    assert expected_tokens(3, 0.0) == 1.0
-    assert expected_tokens(2, 0.5) == pytest.approx(1 + 0.5 + 0.25)
-
-
-def test_cost_prior_and_interpolation():
-    c = CostModel(step_s=0.01, hop_s=0.005, row_slope=0.5)
-    assert c.seconds(0) == pytest.approx(0.015)
-    assert c.seconds(4) == pytest.approx(0.005 + 0.01 * 3)
-    c.observe(2, 0.030)
-    # one observation: the prior's shape shifted through it
-    assert c.seconds(4) == pytest.approx(0.030 + c.prior(4) - c.prior(2))
-    c.observe(8, 0.090)
-    assert c.seconds(5) == pytest.approx(0.060)  # interpolated
-    assert c.seconds(10) == pytest.approx(0.110)  # extrapolated by the fitted slope
-    assert c.seconds(0) == pytest.approx(0.010)
-    c.observe(2, 0.050)  # EWMA, alpha 0.25
-    assert c.observed[2] == pytest.approx(0.035)
-    with pytest.raises(ValueError):
-        c.observe(33, 0.1)
-
-
-def test_measured_cpu_curve_best_window():
-    # DESIGN.md section 3, one node, CPU: k+1 rows -> ms
-    c = CostModel()
-    for rows, ms in ((1, 8.2), (2, 15.3), (4, 22.6), (8, 37.6), (16, 66.0), (32, 128.0)):
-        c.observe(rows - 1, ms / 1000)
-    assert c.relative(7) == pytest.approx(37.6 / 8.2)
-    # low acceptance: speculation never pays on one CPU node, smallest window wins
-    assert c.speedup(c.best_window(0.5), 0.5) < 1
-    # near-perfect acceptance: long windows pay
-    assert c.best_window(0.98, 1, 31) >= 10
-    # with 20 ms of hops per step, moderate acceptance already likes mid windows
-    hop = CostModel()
-    for rows, ms in ((1, 8.2), (2, 15.3), (4, 22.6), (8, 37.6), (16, 66.0), (32, 128.0)):
-        hop.observe(rows - 1, ms / 1000 + 0.020)
-    k = hop.best_window(0.8, 1, 31)
-    assert 3 <= k <= 15 and hop.speedup(k, 0.8) > 1.3
-
-
-# ---- windows --------------------------------------------------------------------
-
-
-def test_adaptive_grows_and_shrinks():
-    w = AdaptiveWindow(4, 1, 16)
-    assert w.next_window() == 4
-    w.update(4, 4)
-    assert w.size == 6
-    w.update(6, 6)
-    w.update(9, 9)
-    w.update(13, 13)
-    assert w.size == 16  # capped at max
-    w.update(16, 10)  # late rejection: keep
-    assert w.size == 16
-    w.update(16, 2)  # early rejection: halve
-    assert w.size == 8
-    w.update(8, 0)
-    w.update(4, 0)
-    w.update(2, 0)
-    w.update(1, 0)
-    assert w.size == 1 and w.next_window() == 1
-
-
-def test_adaptive_acceptance_estimate_moves():
-    w = AdaptiveWindow(4, 1, 16, prior_acceptance=0.5)
-    before = w.acceptance
-    for _ in range(10):
-        w.update(4, 4)
-    assert w.acceptance > 0.9 > before
-    for _ in range(60):
-        w.update(4, 0)
-    assert w.acceptance < 0.1
-
-
-def test_cost_cap_limits_window():
-    cost = CostModel(step_s=0.01, row_slope=1.0)  # every row costs a full step
-    w = AdaptiveWindow(16, 1, 16, cost=cost, prior_acceptance=0.5)
-    assert w.size == 16
-    assert w.cap < 16 and w.next_window() == w.cap
-    # cheap rows (big hop latency): no cap below max
-    cheap = CostModel(step_s=0.001, hop_s=0.05, row_slope=0.2)
-    w2 = AdaptiveWindow(16, 1, 16, cost=cheap, prior_acceptance=0.9)
-    assert w2.next_window() == 16
-
-
-def test_fixed_window_and_factory():
-    f = FixedWindow(6)
-    f.update(6, 1)
-    assert f.next_window() == 6 and 0 < f.acceptance < 1
-    assert isinstance(make_window(WindowPolicy("fixed", 5, 5, 5)), FixedWindow)
-    a = make_window(WindowPolicy(), CostModel())
-    assert isinstance(a, AdaptiveWindow) and a.cost is not None
-
-
-@pytest.mark.parametrize(
-    "args", [("sliding", 4, 1, 8), ("adaptive", 40, 1, 64), ("adaptive", 2, 3, 8), ("adaptive", 4, 0, 8)]
-)
-def test_window_policy_validation(args):
-    with pytest.raises(ValueError):
-        WindowPolicy(*args)
 
 
 # ---- the measured cost gate -----------------------------------------------------------

@@ -30,7 +30,7 @@ from meshnode.mesh.runtime import (
     model_shape,
     node_capabilities,
 )
-from meshnode.mesh.stage_control import CoordinatorState
+from meshnode.mesh.stage_control_coordinator import CoordinatorState
 from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
 from meshnode.serve.pipeline import LocalPipeline, MeshPipeline, Step

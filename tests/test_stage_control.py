@@ -7,20 +7,19 @@ import pytest
 from meshnode.mesh.planner import Plan, PlannedStage
 from meshnode.mesh.stage_control import (
     Claimed,
-    CoordinatorControl,
-    CoordinatorState,
     LoadParams,
     LoadRequested,
     LocalLoadRequested,
-    LocalProtocolError,
     PlanFailed,
     PlanReady,
     PrepareRequested,
-    StageServerControl,
+    StageControlError,
     StopRequested,
     Timeouts,
     stages_json,
 )
+from meshnode.mesh.stage_control_coordinator import CoordinatorControl, CoordinatorState
+from meshnode.mesh.stage_control_server import StageServerControl
 from meshnode.state import StageChanged, StageInfo, StageState
 from meshnode.wire import Claim, Error, ErrorCode, Load, Prepare, Status, Stop, decode, encode
 
@@ -330,13 +329,13 @@ def test_same_coordinator_restarted_with_higher_term_supersedes():
 
 def test_host_misuse_raises_local_protocol_error():
     srv = StageServerControl("s1", 0.0)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(StageControlError):
         srv.slice_present()
     claim(srv, "c", 1)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(StageControlError):
         srv.loaded(576, 1.0)
     mesh = Mesh()
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(StageControlError):
         mesh.coord.local_stage_ready(576, 1.0, mesh.now)
 
 

@@ -5,7 +5,7 @@ a shared machine, which hides the effect of a proposer change. This benchmark ta
 noise out: it decodes the spec benchmark's prompts greedily once, in process (whole
 model, no network), measures what a step of ``k`` drafts costs on this machine's engine,
 and then replays every answer through :class:`~meshnode.spec.ngram.NGramProposer` and
-:class:`~meshnode.spec.policy.AdaptiveWindow` for each ``--max-n`` asked for. A replay is
+:class:`~meshnode.spec.window.AdaptiveWindow` for each ``--max-n`` asked for. A replay is
 deterministic: the answer is known, so a window's accepted prefix is counted, not
 sampled.
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
     from meshnode.serve.model_server import MIN_NGRAM_MATCH
-    from meshnode.spec.policy import CostModel
+    from meshnode.spec.cost_model import CostModel
 
     paths = NodePaths.resolve(args.home).ensure()
     ref = resolve_model(args.model, paths)
@@ -158,7 +158,7 @@ def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost,
     default window (one window and ``cost`` model for all prompts, as in one server):
     what drafting would do, and what it would cost by ``cost`` (a CostModel)."""
     from meshnode.spec.ngram import NGramProposer
-    from meshnode.spec.policy import WindowPolicy, make_window
+    from meshnode.spec.window import WindowPolicy, make_window
 
     window = make_window(WindowPolicy(), cost)
     steps = plain = drafts = accepted = tokens = 0

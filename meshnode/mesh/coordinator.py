@@ -37,14 +37,8 @@ from meshnode.mesh.planner import Candidate, Plan, PlanError, plan as make_plan
 from meshnode.mesh.runtime import (
     NegotiationError, Outbox, Publish, ServeOptions, TermStore, drain, model_shape,
 )
-from meshnode.mesh.stage_control import (
-    CoordinatorControl,
-    CoordinatorState,
-    LoadParams,
-    LocalLoadRequested,
-    PlanFailed,
-    PlanReady,
-)
+from meshnode.mesh.stage_control import LoadParams, LocalLoadRequested, PlanFailed, PlanReady
+from meshnode.mesh.stage_control_coordinator import CoordinatorControl, CoordinatorState
 from meshnode.net import caps as capsmod
 from meshnode.paths import NodePaths
 from meshnode.state import StageChanged, StageInfo, StageState

@@ -34,12 +34,8 @@ from typing import Any
 from meshnode import wire
 from meshnode.errors import MeshnodeError
 from meshnode.mesh.runtime import Outbox, Publish, drain, find_held_model
-from meshnode.mesh.stage_control import (
-    LoadRequested,
-    PrepareRequested,
-    StageServerControl,
-    StopRequested,
-)
+from meshnode.mesh.stage_control import LoadRequested, PrepareRequested, StopRequested
+from meshnode.mesh.stage_control_server import StageServerControl
 from meshnode.paths import NodePaths
 from meshnode.state import StageChanged, StageInfo, StageState
 

@@ -58,7 +58,7 @@ from meshnode.models.gguf_write import atomic_gguf_writer, begin_tensor_data
 from meshnode.models.progress import ProgressFn, report
 
 if TYPE_CHECKING:
-    from meshnode.models.store import ModelRef
+    from meshnode.models.index import ModelRef
     from meshnode.paths import NodePaths
 
 log = logging.getLogger(__name__)

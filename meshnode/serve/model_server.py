@@ -54,11 +54,13 @@ from meshnode.serve.errors import ContextOverflowError, EngineFailedError, Serve
 from meshnode.serve.final import Sampling
 from meshnode.serve.pipeline import Pipeline, Step
 from meshnode.serve.scheduler import BatchScheduler
+from meshnode.spec.cost_model import CostModel
 from meshnode.spec.lookahead import LookaheadGate
 from meshnode.spec.ngram import NGramProposer
-from meshnode.spec.policy import AutoPolicy, CostModel, WindowPolicy, make_window
+from meshnode.spec.policy import AutoPolicy
 from meshnode.spec.stats import SpecTelemetry
 from meshnode.spec.strategy import Proposer, SpecConfig
+from meshnode.spec.window import WindowPolicy, make_window
 from meshnode.state import DraftVerified, RequestInfo, RequestUpdated
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""When to speculate (auto policy) and how far (window policy, cost model).
+"""When to speculate: the auto policy (drafting on, off, probing, the measured gate).
 
 Theory of operation.
 
@@ -37,14 +37,8 @@ said "pays at most 1.02x" of windows that were yielding 1.3-2x, and switched the
 The model is only the fallback for windows reported without their time. The gate never
 switches on drafting the floor would refuse.
 
-*Window*: with per-token acceptance ``a``, a window of ``k`` drafts yields
-``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens (accepted prefix + bonus) and costs one
-pipeline step of ``k + 1`` rows. :class:`CostModel` learns ``seconds(k)`` for this
-route (EWMA per window, interpolated between measured windows, seeded with a linear
-prior: the hop latency plus a plain step that grows by ``row_slope`` steps per extra
-row; DESIGN.md section 3 measured ~0.45 on CPU). :class:`AdaptiveWindow` grows on full
-acceptance, shrinks on early rejection, and caps the window at the ``k`` maximising
-``E(k) / seconds(k)``. Windows never exceed :data:`MAX_WINDOW` (batch invariance).
+How far to speculate is not decided here: the window policy lives in
+:mod:`meshnode.spec.window`, the cost model in :mod:`meshnode.spec.cost_model`.
 
 Pure logic: no clock (callers pass measured seconds), no I/O.
 """
@@ -55,53 +49,20 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
-from meshnode.config import MAX_WINDOW
+from meshnode.spec.cost_model import CostModel
 from meshnode.state import SpecState
 
 __all__ = [
-    "AdaptiveWindow",
     "AutoPolicy",
     "AutoPolicyParams",
-    "CostModel",
-    "FixedWindow",
-    "MAX_WINDOW",
-    "WindowController",
-    "WindowPolicy",
-    "expected_tokens",
-    "make_window",
     "prompt_affinity",
 ]
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "on", "off"]
-
-
-# ---- window policy (configuration) --------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class WindowPolicy:
-    """How many drafts per verify: ``kind`` adaptive (within [min, max]) or fixed (initial)."""
-
-    kind: Literal["adaptive", "fixed"] = "adaptive"
-    initial: int = 4
-    min: int = 1
-    max: int = 16
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("adaptive", "fixed"):
-            raise ValueError(f"window policy must be 'adaptive' or 'fixed', got {self.kind!r}")
-        for name in ("initial", "min", "max"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WINDOW:
-                raise ValueError(f"window {name} must be an integer in [1, {MAX_WINDOW}], got {v!r}")
-        if not self.min <= self.initial <= self.max:
-            raise ValueError(
-                f"window needs min <= initial <= max, got {self.min} <= {self.initial} <= {self.max}"
-            )
 
 
 # ---- prompt affinity ----------------------------------------------------------
@@ -170,7 +131,7 @@ class AutoPolicy:
         *,
         name: str = "ngram",
         on_transition: Callable[[SpecState, SpecState, str], None] | None = None,
-        cost: "CostModel | None" = None,
+        cost: CostModel | None = None,
         observes: bool = True,
     ) -> None:
         if mode not in ("auto", "on", "off"):
@@ -352,268 +313,3 @@ class AutoPolicy:
             self._verifies.clear()
         if self._on_transition is not None:
             self._on_transition(old, new, reason)
-
-
-# ---- cost model ---------------------------------------------------------------
-
-
-def expected_tokens(k: int, a: float) -> float:
-    """Tokens a window of ``k`` drafts yields at per-token acceptance ``a`` (incl. bonus)."""
-    if k <= 0:
-        return 1.0
-    if a >= 1.0:
-        return float(k + 1)
-    if a <= 0.0:
-        return 1.0
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
-class CostModel:
-    """Seconds one pipeline step takes on this route, as a function of the window.
-
-    ``window`` counts drafts: 0 is a plain decode step (one row), ``k`` a verify of
-    ``k + 1`` rows. Prior: ``hop_s + step_s * (1 + row_slope * k) + draft_s_per_token * k``.
-    :meth:`observe` feeds measured step times (whole round trip, hops included).
-    """
-
-    def __init__(
-        self,
-        *,
-        step_s: float = 0.0082,
-        hop_s: float = 0.0,
-        row_slope: float = 0.45,
-        draft_s_per_token: float = 0.0,
-        alpha: float = 0.25,
-    ) -> None:
-        if step_s <= 0 or hop_s < 0 or row_slope < 0 or draft_s_per_token < 0:
-            raise ValueError("cost prior needs step_s > 0 and non-negative hop/slope/draft costs")
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.step_s = step_s
-        self.hop_s = hop_s
-        self.row_slope = row_slope
-        self.draft_s_per_token = draft_s_per_token
-        self.alpha = alpha
-        self._ewma: dict[int, float] = {}
-
-    def prior(self, window: int) -> float:
-        k = max(0, window)
-        return self.hop_s + self.step_s * (1.0 + self.row_slope * k) + self.draft_s_per_token * k
-
-    def observe(self, window: int, seconds: float) -> None:
-        """Record one measured step of ``window`` drafts (0 = plain decode)."""
-        if not 0 <= window <= MAX_WINDOW:
-            raise ValueError(f"window must be in [0, {MAX_WINDOW}], got {window}")
-        if not seconds >= 0:
-            raise ValueError(f"seconds must be >= 0, got {seconds}")
-        old = self._ewma.get(window)
-        self._ewma[window] = seconds if old is None else old + self.alpha * (seconds - old)
-
-    @property
-    def plain_s(self) -> float | None:
-        """Measured seconds of a plain step on this route (EWMA; None before any)."""
-        return self._ewma.get(0)
-
-    @property
-    def measured(self) -> bool:
-        """True once plain steps and at least one verify window were measured here."""
-        return 0 in self._ewma and len(self._ewma) >= 2
-
-    @property
-    def observed(self) -> dict[int, float]:
-        """Current EWMA per measured window (a copy)."""
-        return dict(self._ewma)
-
-    def _slope(self) -> float:
-        """Least-squares seconds per extra draft over measured windows (>= 0)."""
-        xs = list(self._ewma)
-        n = len(xs)
-        mx = sum(xs) / n
-        my = sum(self._ewma.values()) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        sxy = sum((x - mx) * (self._ewma[x] - my) for x in xs)
-        return max(0.0, sxy / sxx)
-
-    def seconds(self, window: int) -> float:
-        """Estimated seconds for a step of ``window`` drafts."""
-        k = max(0, window)
-        obs = self._ewma
-        if k in obs:
-            return obs[k]
-        if not obs:
-            return self.prior(k)
-        lower = max((x for x in obs if x < k), default=None)
-        upper = min((x for x in obs if x > k), default=None)
-        if lower is not None and upper is not None:
-            f = (k - lower) / (upper - lower)
-            return obs[lower] + f * (obs[upper] - obs[lower])
-        near = lower if lower is not None else upper
-        if near is None:  # unreachable: obs is non-empty
-            return self.prior(k)
-        if len(obs) >= 2:
-            est = obs[near] + self._slope() * (k - near)
-        else:  # one measurement: shift the prior's shape through it
-            est = obs[near] + self.prior(k) - self.prior(near)
-        return max(est, 1e-9)
-
-    def relative(self, window: int) -> float:
-        """Step cost in units of a plain decode step."""
-        return self.seconds(window) / self.seconds(0)
-
-    def tokens_per_second(self, window: int, acceptance: float) -> float:
-        return expected_tokens(window, acceptance) / self.seconds(window)
-
-    def speedup(self, window: int, acceptance: float) -> float:
-        """Expected throughput of ``window`` relative to plain decoding (> 1: it pays)."""
-        return self.tokens_per_second(window, acceptance) * self.seconds(0)
-
-    def best_window(self, acceptance: float, lo: int = 1, hi: int = MAX_WINDOW) -> int:
-        """The ``k`` in ``[lo, hi]`` maximising expected tokens per second (smallest on ties)."""
-        lo = max(0, lo)
-        hi = min(MAX_WINDOW, max(lo, hi))
-        best_k, best = lo, -1.0
-        for k in range(lo, hi + 1):
-            v = self.tokens_per_second(k, acceptance)
-            if v > best * (1 + 1e-9):
-                best_k, best = k, v
-        return best_k
-
-
-# ---- window controllers -------------------------------------------------------
-
-
-class WindowController(Protocol):
-    @property
-    def size(self) -> int: ...
-
-    @property
-    def acceptance(self) -> float: ...
-
-    def next_window(self) -> int:
-        """Drafts to ask for in the next verify step (>= 1)."""
-        ...
-
-    def update(self, proposed: int, accepted: int) -> None:
-        """One verify came back: ``accepted`` of ``proposed`` drafts kept."""
-        ...
-
-
-class _AcceptanceEstimate:
-    """Discounted per-token acceptance with a Beta-like prior."""
-
-    __slots__ = ("hits", "trials", "prior", "weight", "decay")
-
-    def __init__(self, prior: float, weight: float, decay: float) -> None:
-        self.hits = 0.0
-        self.trials = 0.0
-        self.prior = prior
-        self.weight = weight
-        self.decay = decay
-
-    def add(self, hits: float, trials: float) -> None:
-        self.hits = self.decay * self.hits + hits
-        self.trials = self.decay * self.trials + trials
-
-    @property
-    def value(self) -> float:
-        return (self.hits + self.prior * self.weight) / (self.trials + self.weight)
-
-
-def _check_update(proposed: int, accepted: int) -> None:
-    if proposed < 0 or not 0 <= accepted <= proposed:
-        raise ValueError(f"need 0 <= accepted <= proposed, got {accepted} of {proposed}")
-
-
-class AdaptiveWindow:
-    """Window that grows on full acceptance, shrinks on early rejection, capped by cost.
-
-    Full acceptance grows the window by half (at least 1); a rejection within the
-    first half of the window shrinks it to ``max(accepted + 1, size // 2)``. With a
-    :class:`CostModel`, :meth:`next_window` never exceeds the window that maximises
-    expected tokens per second at the current acceptance estimate.
-    """
-
-    def __init__(
-        self,
-        initial: int = 4,
-        min_window: int = 1,
-        max_window: int = 16,
-        *,
-        cost: CostModel | None = None,
-        prior_acceptance: float = 0.6,
-        prior_weight: float = 2.0,
-        decay: float = 0.9,
-    ) -> None:
-        WindowPolicy("adaptive", initial, min_window, max_window)  # validates
-        self.min = min_window
-        self.max = max_window
-        self._size = initial
-        self.cost = cost
-        self._est = _AcceptanceEstimate(prior_acceptance, prior_weight, decay)
-
-    @property
-    def size(self) -> int:
-        """The grow/shrink window before the cost cap."""
-        return self._size
-
-    @property
-    def acceptance(self) -> float:
-        """Running per-token acceptance estimate."""
-        return self._est.value
-
-    @property
-    def cap(self) -> int:
-        """Cost-optimal window at the current acceptance (``max`` without a cost model)."""
-        if self.cost is None:
-            return self.max
-        return self.cost.best_window(self.acceptance, self.min, self.max)
-
-    def next_window(self) -> int:
-        return max(self.min, min(self._size, self.cap))
-
-    def seed_acceptance(self, hits: int, trials: int) -> None:
-        """Fold in would-be hits counted while COLD (free evidence)."""
-        if trials > 0:
-            self._est.add(hits, trials)
-
-    def update(self, proposed: int, accepted: int) -> None:
-        _check_update(proposed, accepted)
-        if proposed == 0:
-            return
-        self._est.add(accepted, accepted + (1 if accepted < proposed else 0))
-        if accepted == proposed:
-            self._size = min(self.max, self._size + max(1, self._size // 2))
-        elif accepted < (proposed + 1) // 2:
-            self._size = max(self.min, accepted + 1, self._size // 2)
-
-
-class FixedWindow:
-    """Always the same window (still tracks acceptance for telemetry)."""
-
-    def __init__(self, size: int, *, prior_acceptance: float = 0.6, decay: float = 0.9) -> None:
-        WindowPolicy("fixed", size, size, size)  # validates
-        self._size = size
-        self._est = _AcceptanceEstimate(prior_acceptance, 2.0, decay)
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def acceptance(self) -> float:
-        return self._est.value
-
-    def next_window(self) -> int:
-        return self._size
-
-    def update(self, proposed: int, accepted: int) -> None:
-        _check_update(proposed, accepted)
-        if proposed:
-            self._est.add(accepted, accepted + (1 if accepted < proposed else 0))
-
-
-def make_window(policy: WindowPolicy, cost: CostModel | None = None) -> AdaptiveWindow | FixedWindow:
-    """The controller for ``policy`` (fixed uses ``policy.initial``)."""
-    if policy.kind == "fixed":
-        return FixedWindow(policy.initial)
-    return AdaptiveWindow(policy.initial, policy.min, policy.max, cost=cost)

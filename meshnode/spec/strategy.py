@@ -40,7 +40,7 @@ from typing import Any, Literal, Protocol
 
 from meshnode.config import MAX_WINDOW, MODES, MeshnodeConfig, SpeculativeSettings, WindowSettings
 from meshnode.errors import MeshnodeError
-from meshnode.spec.policy import WindowPolicy
+from meshnode.spec.window import WindowPolicy
 
 __all__ = [
     "BUILTIN_STRATEGIES",

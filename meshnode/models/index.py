@@ -1,0 +1,160 @@
+"""The model index: which GGUFs a node holds under ``NodePaths.models``, and their sha256.
+
+Theory of operation. Layout: one folder per model, ``<models>/<name>/<file>.gguf``, with
+a record ``<file>.gguf.meta.json`` beside it holding the file's sha256, size, mtime and a
+few metadata fields. The sha256 is computed once (multi-GB files are not rehashed on
+every start): the record is trusted while the file's size and mtime_ns are unchanged.
+A GGUF dropped straight into ``<models>/`` also counts (its name is the file stem).
+Records of GGUFs outside the store (a path given on the command line) live under
+``<cache>/hashes/``, so a user's folder is never written to.
+
+Records are written atomically (temp file + rename). A file is validated as a GGUF
+before its record vouches for it; a bad one raises ModelFileError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshnode.fsutil import atomic_write, sha256_file
+from meshnode.models.errors import ModelFileError
+from meshnode.models.gguf_info import read_model_info
+from meshnode.models.progress import ProgressFn
+from meshnode.paths import NodePaths
+
+RECORD_SUFFIX = ".meta.json"
+
+__all__ = [
+    "RECORD_SUFFIX",
+    "ModelRef",
+    "file_record",
+    "hash_with_progress",
+    "list_models",
+    "model_ref_for_path",
+    "record_path",
+    "store_entries",
+    "write_record",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRef:
+    """A GGUF a node can load: its name, path, content sha256 and shape facts."""
+
+    name: str
+    path: Path
+    sha256: str
+    n_layers: int
+    architecture: str
+
+
+def file_record(gguf: Path, record: Path, name: str, *, progress: ProgressFn | None) -> ModelRef:
+    """ModelRef for ``gguf``, hashing it only when ``record`` is missing or stale."""
+    st = gguf.stat()
+    data: Any = None
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads(record.read_text())
+    if (
+        isinstance(data, dict)
+        and data.get("size") == st.st_size
+        and data.get("mtime_ns") == st.st_mtime_ns
+        and isinstance(data.get("sha256"), str)
+        and isinstance(data.get("n_layers"), int)
+        and isinstance(data.get("architecture"), str)
+    ):
+        return ModelRef(name, gguf, data["sha256"], data["n_layers"], data["architecture"])
+    info = read_model_info(gguf)  # validates the file before we vouch for it
+    sha = hash_with_progress(gguf, st.st_size, progress)
+    write_record(record, gguf, sha, info.n_layers, info.architecture, {})
+    return ModelRef(name, gguf, sha, info.n_layers, info.architecture)
+
+
+def write_record(
+    record: Path, gguf: Path, sha: str, n_layers: int, architecture: str, extra: dict[str, Any]
+) -> None:
+    st = gguf.stat()
+    body = {
+        "file": str(gguf.name),
+        "sha256": sha,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "n_layers": n_layers,
+        "architecture": architecture,
+        **extra,
+    }
+    with atomic_write(record, "w") as f:
+        json.dump(body, f, indent=2)  # type: ignore[arg-type]
+
+
+def hash_with_progress(path: Path, total: int, progress: ProgressFn | None) -> str:
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress("hash", done, total)
+
+    return sha256_file(path, tick)
+
+
+def record_path(gguf: Path) -> Path:
+    return gguf.with_name(gguf.name + RECORD_SUFFIX)
+
+
+def _outside_record_path(gguf: Path, paths: NodePaths) -> Path:
+    key = hashlib.sha1(str(gguf.resolve()).encode()).hexdigest()
+    return paths.cache / "hashes" / f"{key}.json"
+
+
+def store_entries(paths: NodePaths) -> list[tuple[str, Path]]:
+    """(name, gguf path) of every model in the store, sorted by name."""
+    root = paths.models
+    out: list[tuple[str, Path]] = []
+    if not root.is_dir():
+        return out
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_file() and entry.suffix == ".gguf":
+            out.append((entry.stem, entry))
+        elif entry.is_dir():
+            ggufs = sorted(p for p in entry.glob("*.gguf") if not p.name.startswith("."))
+            if len(ggufs) == 1:
+                out.append((entry.name, ggufs[0]))
+            else:
+                out.extend((f"{entry.name}/{g.stem}", g) for g in ggufs)
+    return out
+
+
+def list_models(paths: NodePaths, *, progress: ProgressFn | None = None) -> list[ModelRef]:
+    """Every model in the store. A GGUF without a valid record is validated and hashed
+    once (``progress("hash", ...)``); files that are not valid GGUF raise ModelFileError."""
+    refs = []
+    for name, gguf in store_entries(paths):
+        refs.append(file_record(gguf, record_path(gguf), name, progress=progress))
+    return refs
+
+
+def model_ref_for_path(path: Path | str, paths: NodePaths, *, progress: ProgressFn | None = None) -> ModelRef:
+    """ModelRef for a GGUF anywhere on disk (validated; hashed once, record in the cache)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelFileError(f"model file not found: {p}")
+    if p.is_dir():
+        ggufs = sorted(g for g in p.glob("*.gguf") if not g.name.startswith("."))
+        if len(ggufs) != 1:
+            raise ModelFileError(f"{p} is a folder with {len(ggufs)} .gguf files; name one of them")
+        p = ggufs[0]
+    p = p.resolve()
+    try:
+        p.relative_to(paths.models.resolve())
+        record = record_path(p)
+    except ValueError:
+        record = _outside_record_path(p, paths)
+    return file_record(p, record, p.stem, progress=progress)

@@ -1,0 +1,197 @@
+"""How many drafts per verify step: the window policy and its controllers.
+
+Theory of operation. :class:`WindowPolicy` is the configuration (adaptive within
+``[min, max]``, or fixed); :func:`make_window` turns it into a controller that the
+serving loop asks before each verify (``next_window()``) and tells the outcome
+(``update(proposed, accepted)``).
+
+:class:`AdaptiveWindow` grows on full acceptance, shrinks on early rejection, and caps
+the window at the ``k`` maximising ``E(k) / seconds(k)`` under a
+:class:`~meshnode.spec.cost_model.CostModel` (at its running per-token acceptance
+estimate). :class:`FixedWindow` always asks for the same window and only tracks
+acceptance for telemetry. Windows never exceed :data:`meshnode.config.MAX_WINDOW`
+(batch invariance).
+
+Pure logic: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from meshnode.config import MAX_WINDOW
+from meshnode.spec.cost_model import CostModel
+
+__all__ = [
+    "AdaptiveWindow",
+    "FixedWindow",
+    "WindowController",
+    "WindowPolicy",
+    "make_window",
+]
+
+
+# ---- window policy (configuration) --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WindowPolicy:
+    """How many drafts per verify: ``kind`` adaptive (within [min, max]) or fixed (initial)."""
+
+    kind: Literal["adaptive", "fixed"] = "adaptive"
+    initial: int = 4
+    min: int = 1
+    max: int = 16
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("adaptive", "fixed"):
+            raise ValueError(f"window policy must be 'adaptive' or 'fixed', got {self.kind!r}")
+        for name in ("initial", "min", "max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WINDOW:
+                raise ValueError(f"window {name} must be an integer in [1, {MAX_WINDOW}], got {v!r}")
+        if not self.min <= self.initial <= self.max:
+            raise ValueError(
+                f"window needs min <= initial <= max, got {self.min} <= {self.initial} <= {self.max}"
+            )
+
+
+# ---- window controllers -------------------------------------------------------
+
+
+class WindowController(Protocol):
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def acceptance(self) -> float: ...
+
+    def next_window(self) -> int:
+        """Drafts to ask for in the next verify step (>= 1)."""
+        ...
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """One verify came back: ``accepted`` of ``proposed`` drafts kept."""
+        ...
+
+
+class _AcceptanceEstimate:
+    """Discounted per-token acceptance with a Beta-like prior."""
+
+    __slots__ = ("hits", "trials", "prior", "weight", "decay")
+
+    def __init__(self, prior: float, weight: float, decay: float) -> None:
+        self.hits = 0.0
+        self.trials = 0.0
+        self.prior = prior
+        self.weight = weight
+        self.decay = decay
+
+    def add(self, hits: float, trials: float) -> None:
+        self.hits = self.decay * self.hits + hits
+        self.trials = self.decay * self.trials + trials
+
+    @property
+    def value(self) -> float:
+        return (self.hits + self.prior * self.weight) / (self.trials + self.weight)
+
+
+def _check_update(proposed: int, accepted: int) -> None:
+    if proposed < 0 or not 0 <= accepted <= proposed:
+        raise ValueError(f"need 0 <= accepted <= proposed, got {accepted} of {proposed}")
+
+
+class AdaptiveWindow:
+    """Window that grows on full acceptance, shrinks on early rejection, capped by cost.
+
+    Full acceptance grows the window by half (at least 1); a rejection within the
+    first half of the window shrinks it to ``max(accepted + 1, size // 2)``. With a
+    :class:`CostModel`, :meth:`next_window` never exceeds the window that maximises
+    expected tokens per second at the current acceptance estimate.
+    """
+
+    def __init__(
+        self,
+        initial: int = 4,
+        min_window: int = 1,
+        max_window: int = 16,
+        *,
+        cost: CostModel | None = None,
+        prior_acceptance: float = 0.6,
+        prior_weight: float = 2.0,
+        decay: float = 0.9,
+    ) -> None:
+        WindowPolicy("adaptive", initial, min_window, max_window)  # validates
+        self.min = min_window
+        self.max = max_window
+        self._size = initial
+        self.cost = cost
+        self._est = _AcceptanceEstimate(prior_acceptance, prior_weight, decay)
+
+    @property
+    def size(self) -> int:
+        """The grow/shrink window before the cost cap."""
+        return self._size
+
+    @property
+    def acceptance(self) -> float:
+        """Running per-token acceptance estimate."""
+        return self._est.value
+
+    @property
+    def cap(self) -> int:
+        """Cost-optimal window at the current acceptance (``max`` without a cost model)."""
+        if self.cost is None:
+            return self.max
+        return self.cost.best_window(self.acceptance, self.min, self.max)
+
+    def next_window(self) -> int:
+        return max(self.min, min(self._size, self.cap))
+
+    def seed_acceptance(self, hits: int, trials: int) -> None:
+        """Fold in would-be hits counted while COLD (free evidence)."""
+        if trials > 0:
+            self._est.add(hits, trials)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        _check_update(proposed, accepted)
+        if proposed == 0:
+            return
+        self._est.add(accepted, accepted + (1 if accepted < proposed else 0))
+        if accepted == proposed:
+            self._size = min(self.max, self._size + max(1, self._size // 2))
+        elif accepted < (proposed + 1) // 2:
+            self._size = max(self.min, accepted + 1, self._size // 2)
+
+
+class FixedWindow:
+    """Always the same window (still tracks acceptance for telemetry)."""
+
+    def __init__(self, size: int, *, prior_acceptance: float = 0.6, decay: float = 0.9) -> None:
+        WindowPolicy("fixed", size, size, size)  # validates
+        self._size = size
+        self._est = _AcceptanceEstimate(prior_acceptance, 2.0, decay)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def acceptance(self) -> float:
+        return self._est.value
+
+    def next_window(self) -> int:
+        return self._size
+
+    def update(self, proposed: int, accepted: int) -> None:
+        _check_update(proposed, accepted)
+        if proposed:
+            self._est.add(accepted, accepted + (1 if accepted < proposed else 0))
+
+
+def make_window(policy: WindowPolicy, cost: CostModel | None = None) -> AdaptiveWindow | FixedWindow:
+    """The controller for ``policy`` (fixed uses ``policy.initial``)."""
+    if policy.kind == "fixed":
+        return FixedWindow(policy.initial)
+    return AdaptiveWindow(policy.initial, policy.min, policy.max, cost=cost)

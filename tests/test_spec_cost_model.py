@@ -1,0 +1,49 @@
+"""CostModel: the prior, interpolation, EWMA and the best window."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshnode.spec.cost_model import CostModel, expected_tokens
+
+
+def test_expected_tokens():
+    assert expected_tokens(0, 0.9) == 1.0
+    assert expected_tokens(3, 1.0) == 4.0
+    assert expected_tokens(3, 0.0) == 1.0
+    assert expected_tokens(2, 0.5) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_cost_prior_and_interpolation():
+    c = CostModel(step_s=0.01, hop_s=0.005, row_slope=0.5)
+    assert c.seconds(0) == pytest.approx(0.015)
+    assert c.seconds(4) == pytest.approx(0.005 + 0.01 * 3)
+    c.observe(2, 0.030)
+    # one observation: the prior's shape shifted through it
+    assert c.seconds(4) == pytest.approx(0.030 + c.prior(4) - c.prior(2))
+    c.observe(8, 0.090)
+    assert c.seconds(5) == pytest.approx(0.060)  # interpolated
+    assert c.seconds(10) == pytest.approx(0.110)  # extrapolated by the fitted slope
+    assert c.seconds(0) == pytest.approx(0.010)
+    c.observe(2, 0.050)  # EWMA, alpha 0.25
+    assert c.observed[2] == pytest.approx(0.035)
+    with pytest.raises(ValueError):
+        c.observe(33, 0.1)
+
+
+def test_measured_cpu_curve_best_window():
+    # measured on one node, CPU: k+1 rows -> ms
+    c = CostModel()
+    for rows, ms in ((1, 8.2), (2, 15.3), (4, 22.6), (8, 37.6), (16, 66.0), (32, 128.0)):
+        c.observe(rows - 1, ms / 1000)
+    assert c.relative(7) == pytest.approx(37.6 / 8.2)
+    # low acceptance: speculation never pays on one CPU node, smallest window wins
+    assert c.speedup(c.best_window(0.5), 0.5) < 1
+    # near-perfect acceptance: long windows pay
+    assert c.best_window(0.98, 1, 31) >= 10
+    # with 20 ms of hops per step, moderate acceptance already likes mid windows
+    hop = CostModel()
+    for rows, ms in ((1, 8.2), (2, 15.3), (4, 22.6), (8, 37.6), (16, 66.0), (32, 128.0)):
+        hop.observe(rows - 1, ms / 1000 + 0.020)
+    k = hop.best_window(0.8, 1, 31)
+    assert 3 <= k <= 15 and hop.speedup(k, 0.8) > 1.3

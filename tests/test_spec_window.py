@@ -1,0 +1,67 @@
+"""AdaptiveWindow grow/shrink/cost cap, FixedWindow, WindowPolicy validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshnode.spec.cost_model import CostModel
+from meshnode.spec.window import AdaptiveWindow, FixedWindow, WindowPolicy, make_window
+
+
+def test_adaptive_grows_and_shrinks():
+    w = AdaptiveWindow(4, 1, 16)
+    assert w.next_window() == 4
+    w.update(4, 4)
+    assert w.size == 6
+    w.update(6, 6)
+    w.update(9, 9)
+    w.update(13, 13)
+    assert w.size == 16  # capped at max
+    w.update(16, 10)  # late rejection: keep
+    assert w.size == 16
+    w.update(16, 2)  # early rejection: halve
+    assert w.size == 8
+    w.update(8, 0)
+    w.update(4, 0)
+    w.update(2, 0)
+    w.update(1, 0)
+    assert w.size == 1 and w.next_window() == 1
+
+
+def test_adaptive_acceptance_estimate_moves():
+    w = AdaptiveWindow(4, 1, 16, prior_acceptance=0.5)
+    before = w.acceptance
+    for _ in range(10):
+        w.update(4, 4)
+    assert w.acceptance > 0.9 > before
+    for _ in range(60):
+        w.update(4, 0)
+    assert w.acceptance < 0.1
+
+
+def test_cost_cap_limits_window():
+    cost = CostModel(step_s=0.01, row_slope=1.0)  # every row costs a full step
+    w = AdaptiveWindow(16, 1, 16, cost=cost, prior_acceptance=0.5)
+    assert w.size == 16
+    assert w.cap < 16 and w.next_window() == w.cap
+    # cheap rows (big hop latency): no cap below max
+    cheap = CostModel(step_s=0.001, hop_s=0.05, row_slope=0.2)
+    w2 = AdaptiveWindow(16, 1, 16, cost=cheap, prior_acceptance=0.9)
+    assert w2.next_window() == 16
+
+
+def test_fixed_window_and_factory():
+    f = FixedWindow(6)
+    f.update(6, 1)
+    assert f.next_window() == 6 and 0 < f.acceptance < 1
+    assert isinstance(make_window(WindowPolicy("fixed", 5, 5, 5)), FixedWindow)
+    a = make_window(WindowPolicy(), CostModel())
+    assert isinstance(a, AdaptiveWindow) and a.cost is not None
+
+
+@pytest.mark.parametrize(
+    "args", [("sliding", 4, 1, 8), ("adaptive", 40, 1, 64), ("adaptive", 2, 3, 8), ("adaptive", 4, 0, 8)]
+)
+def test_window_policy_validation(args):
+    with pytest.raises(ValueError):
+        WindowPolicy(*args)
