@@ -17,7 +17,7 @@ from meshnode.net.lane import HEADER_SIZE, LaneDrop, LaneReceiver, LaneSender, i
 from meshnode.net.link import LinkSettings
 from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
-from meshnode.wire import Forward, Segment, SegmentResult, Status, TokenReturn, encode
+from meshnode.wire import Forward, Segment, SegmentResult, StageStatus, Status, TokenReturn, encode
 from nodeproc import until
 
 
@@ -28,7 +28,7 @@ def _pair() -> tuple[LaneSender, LaneReceiver]:
 
 def test_a_sealed_frame_opens_to_the_same_bytes():
     tx, rx = _pair()
-    frame = encode(Status(ref=3, term=1, state="x", detail="", progress=0.5))
+    frame = encode(Status(ref=3, term=1, state=StageStatus.CLAIMED, detail="", progress=0.5))
     packet = tx.seal(frame)
     assert is_lane_packet(packet) and lane_key_id(packet) == rx.key_id
     assert frame not in packet                      # sealed, not just framed

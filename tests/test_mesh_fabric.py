@@ -14,7 +14,7 @@ from meshnode.net import aioquic_compat as compat
 from meshnode.net.caps import from_dict
 from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
-from meshnode.wire import Error, ErrorCode, Forward, Segment, Status
+from meshnode.wire import Error, ErrorCode, Forward, Segment, StageStatus, Status
 from nodeproc import until
 
 pytestmark = pytest.mark.net
@@ -46,9 +46,9 @@ async def test_two_fabrics_discover_request_and_stream(tmp_path):
 
     async def on_b(node_id, msg):
         got.append(msg)
-        if isinstance(msg, Status) and msg.state == "ping":
-            await b.send(node_id, Status(ref=msg.ref, term=msg.term, state="pong", detail="", progress=1.0))
-        elif isinstance(msg, Status) and msg.state == "bad":
+        if isinstance(msg, Status) and msg.state == StageStatus.CLAIMED:
+            await b.send(node_id, Status(ref=msg.ref, term=msg.term, state=StageStatus.STOPPED, detail="", progress=1.0))
+        elif isinstance(msg, Status) and msg.state == StageStatus.FAILED:
             await b.send(node_id, Error(ref=msg.ref, code=ErrorCode.BUSY, message="busy"))
 
     b.on_message(on_b)
@@ -58,10 +58,10 @@ async def test_two_fabrics_discover_request_and_stream(tmp_path):
         await until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 2.0)
         assert a.peers()[0].name == "b" and a.peers()[0].authenticated
         assert changes and changes[0][1] is True
-        reply = await a.request(b.node_id, Status(ref=0, term=7, state="ping", detail="", progress=0.0), timeout=2)
-        assert reply.state == "pong" and reply.term == 7
+        reply = await a.request(b.node_id, Status(ref=0, term=7, state=StageStatus.CLAIMED, detail="", progress=0.0), timeout=2)
+        assert reply.state == StageStatus.STOPPED and reply.term == 7
         with pytest.raises(PeerReplyError):
-            await a.request(b.node_id, Status(ref=0, term=1, state="bad", detail="", progress=0.0), timeout=2)
+            await a.request(b.node_id, Status(ref=0, term=1, state=StageStatus.FAILED, detail="", progress=0.0), timeout=2)
         # data stream: ordered per key, delivered to on_message
         for i in range(50):
             await a.send_data(b.node_id, _forward(i), stream_key=("session", 1))
@@ -80,7 +80,7 @@ async def test_two_fabrics_discover_request_and_stream(tmp_path):
     await until(lambda: a.peers() == [], 2.0)
     assert changes[-1][1] is False
     with pytest.raises(PeerUnavailableError):
-        await a.send(b.node_id, Status(ref=0, term=1, state="x", detail="", progress=0.0))
+        await a.send(b.node_id, Status(ref=0, term=1, state=StageStatus.CLAIMED, detail="", progress=0.0))
     await a.stop()
 
 
@@ -108,7 +108,7 @@ async def test_duplicate_dials_keep_one_link(tmp_path):
             assert pacer.next_send_time(now=1.0) is None
         reply_seen = []
         b.on_message(lambda nid, m: reply_seen.append(m))
-        await a.send(b.node_id, Status(ref=0, term=1, state="x", detail="", progress=0.0))
+        await a.send(b.node_id, Status(ref=0, term=1, state=StageStatus.CLAIMED, detail="", progress=0.0))
         await until(lambda: reply_seen, 2.0)
     finally:
         await a.stop()
@@ -128,7 +128,7 @@ async def test_decode_exchange_sends_one_datagram_each_way(tmp_path):
 
     async def on_b(node_id, msg):
         if isinstance(msg, Forward):
-            await b.send_data(node_id, Status(ref=0, term=msg.step, state="tok", detail="", progress=0.0),
+            await b.send_data(node_id, Status(ref=0, term=msg.step, state=StageStatus.CLAIMED, detail="", progress=0.0),
                               stream_key="data")
 
     b.on_message(on_b)

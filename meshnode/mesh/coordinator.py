@@ -136,7 +136,7 @@ class ServingModel:
 
     def receive(self, node_id: str, msg: Any) -> None:
         if (self.control.state is CoordinatorState.STOPPED and isinstance(msg, wire.Status)
-                and msg.state == "stopped" and msg.term == self.term):
+                and msg.state is wire.StageStatus.STOPPED and msg.term == self.term):
             self._stop_waiting.discard(node_id)
             if not self._stop_waiting:
                 self._stopped.set()

@@ -42,6 +42,7 @@ from meshnode.wire import (
     Message,
     Prepare,
     Ready,
+    StageStatus,
     Status,
     Stop,
 )
@@ -235,7 +236,7 @@ class CoordinatorControl:
             return
         solicited = msg.ref in st.refs
         match msg:
-            case Status(state="claimed") if solicited and st.phase is _Phase.CLAIMING:
+            case Status(state=StageStatus.CLAIMED) if solicited and st.phase is _Phase.CLAIMING:
                 ref = self._ref()
                 st.refs = {ref}
                 st.deadline = now + self.timeouts.inventory
@@ -243,7 +244,7 @@ class CoordinatorControl:
                 self._set_phase(st, _Phase.PREPARING, "preparing slice")
                 self._send(st, Prepare(ref, self.term, self.model_sha256, self.model_name,
                                        st.start, st.end, self.n_layers))
-            case Status(state="failed") if solicited or msg.ref == 0:
+            case Status(state=StageStatus.FAILED) if solicited or msg.ref == 0:
                 self._fail(st, msg.detail or "failed", now)
             case Inventory() if (solicited or msg.ref == 0) and st.phase is _Phase.PREPARING:
                 if (msg.model_sha256, msg.layer_start, msg.layer_end) != (self.model_sha256, st.start, st.end):

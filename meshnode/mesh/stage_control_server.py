@@ -39,6 +39,7 @@ from meshnode.wire import (
     Message,
     Prepare,
     Ready,
+    StageStatus,
     Status,
     Stop,
 )
@@ -138,7 +139,7 @@ class StageServerControl:
                 if self.state is not StageState.STOPPED:
                     self._events.append(StopRequested(msg.reason))
                     self._set_state(StageState.STOPPED, f"stopped: {msg.reason}")
-                self._reply(node_id, Status(msg.ref, self.term, "stopped", msg.reason, 0.0))
+                self._reply(node_id, Status(msg.ref, self.term, StageStatus.STOPPED, msg.reason, 0.0))
             case _:
                 self._reply(node_id, Error(msg.ref, ErrorCode.BAD_FIELD,
                                            f"{type(msg).__name__} is not a stage-control request"))
@@ -210,7 +211,7 @@ class StageServerControl:
 
     def _host_failed(self, reason: str) -> bool:
         self._set_state(StageState.FAILED, reason)
-        self._reply(self.coordinator_id or "", Status(0, self.term, "failed", reason, self.progress))
+        self._reply(self.coordinator_id or "", Status(0, self.term, StageStatus.FAILED, reason, self.progress))
         return True
 
     def _set_state(self, state: StageState, detail: str = "") -> None:
@@ -240,7 +241,7 @@ class StageServerControl:
             return
         same = node_id == self.coordinator_id
         if same and msg.term == self.term and self.state in _SERVING and msg.stage_index == self.stage_index:
-            self._reply(node_id, Status(msg.ref, self.term, "claimed", "already claimed", 0.0))  # retransmission
+            self._reply(node_id, Status(msg.ref, self.term, StageStatus.CLAIMED, "already claimed", 0.0))  # retransmission
             return
         if self.state in _SERVING and not (same and msg.term > self.term):
             if msg.term <= self.term:
@@ -263,7 +264,7 @@ class StageServerControl:
         self.layer_start = self.layer_end = 0
         self._set_state(StageState.ASSIGNED, f"claimed by {node_id}")
         self._events.append(Claimed(node_id, msg.term, msg.stage_index, msg.model_sha256))
-        self._reply(node_id, Status(msg.ref, self.term, "claimed", f"stage {msg.stage_index}", 0.0))
+        self._reply(node_id, Status(msg.ref, self.term, StageStatus.CLAIMED, f"stage {msg.stage_index}", 0.0))
 
     def _on_prepare(self, node_id: str, msg: Prepare) -> None:
         same = (msg.model_sha256, msg.layer_start, msg.layer_end) == (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 
 from meshnode.wire.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
-from meshnode.wire.messages import SPECS, Message, MessageKind
+from meshnode.wire.messages import MESSAGE_TYPES, Message, MessageKind
 from meshnode.wire.schema import Invalid, Writer
 
 MAGIC = b"MN"
@@ -40,24 +40,24 @@ def encode(msg: Message, *, max_frame: int = MAX_FRAME) -> bytes:
     shape, segment rows that do not add up (BAD_SHAPE), a payload above ``max_frame``
     (OVERSIZE), or an object that is not a message (UNKNOWN_KIND).
     """
-    spec = SPECS.get(getattr(type(msg), "KIND", -1))
-    if spec is None or type(msg) is not spec.cls:
+    mtype = MESSAGE_TYPES.get(getattr(type(msg), "KIND", -1))
+    if mtype is None or type(msg) is not mtype.cls:
         raise LocalProtocolError(ErrorCode.UNKNOWN_KIND, f"not a wire message: {type(msg).__name__}")
     ref = msg.ref if isinstance(msg.ref, int) else 0
     w = Writer()
     try:
-        spec.schema.pack(msg, w)  # types and ranges first, then cross-field rules
-        if spec.check is not None:
-            spec.check(msg)
+        mtype.schema.pack(msg, w)  # types and ranges first, then cross-field rules
+        if mtype.check is not None:
+            mtype.check(msg)
     except Invalid as e:
-        raise LocalProtocolError(e.code, f"{spec.cls.__name__}: {e.detail}", ref=ref) from None
+        raise LocalProtocolError(e.code, f"{mtype.cls.__name__}: {e.detail}", ref=ref) from None
     except (AttributeError, TypeError) as e:  # not a dataclass field set we can read
-        raise LocalProtocolError(ErrorCode.BAD_FIELD, f"{spec.cls.__name__}: {e}", ref=ref) from None
+        raise LocalProtocolError(ErrorCode.BAD_FIELD, f"{mtype.cls.__name__}: {e}", ref=ref) from None
     if w.size > max_frame:
         raise LocalProtocolError(
-            ErrorCode.OVERSIZE, f"{spec.cls.__name__}: payload {w.size} bytes > cap {max_frame}", ref=ref
+            ErrorCode.OVERSIZE, f"{mtype.cls.__name__}: payload {w.size} bytes > cap {max_frame}", ref=ref
         )
-    return b"".join([HEADER.pack(MAGIC, WIRE_VERSION, 0, spec.kind, w.size), *w.parts])
+    return b"".join([HEADER.pack(MAGIC, WIRE_VERSION, 0, mtype.kind, w.size), *w.parts])
 
 
 def decode_message(kind: int, payload: bytes | bytearray | memoryview) -> Message:
@@ -73,17 +73,17 @@ def decode_message(kind: int, payload: bytes | bytearray | memoryview) -> Messag
         mv = mv.cast("B")
     mv = mv.toreadonly()
     ref = _REF.unpack_from(mv, 0)[0] if len(mv) >= 4 else 0
-    spec = SPECS.get(kind)
-    if spec is None:
+    mtype = MESSAGE_TYPES.get(kind)
+    if mtype is None:
         raise RemoteProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown frame kind 0x{kind:04x}", ref=ref)
-    name = spec.cls.__name__
+    name = mtype.cls.__name__
     try:
-        values, end = spec.schema.unpack(mv, 0)
+        values, end = mtype.schema.unpack(mv, 0)
         if end != len(mv):
             raise Invalid(ErrorCode.BAD_FIELD, f"{len(mv) - end} trailing bytes")
-        msg = spec.cls(*values)
-        if spec.check is not None:
-            spec.check(msg)
+        msg = mtype.cls(*values)
+        if mtype.check is not None:
+            mtype.check(msg)
     except Invalid as e:
         raise RemoteProtocolError(e.code, f"{name}: {e.detail}", ref=ref) from None
     return msg  # type: ignore[no-any-return]

@@ -26,6 +26,7 @@ from meshnode.wire.schema import (
     BOOL,
     BYTES,
     CODE,
+    EnumStrField,
     F32,
     F64,
     I32,
@@ -78,8 +79,8 @@ class MessageKind(enum.IntEnum):
     DATA_ERROR = 0x0104
 
 
-class Spec:
-    """What the codec knows about one message class."""
+class MessageType:
+    """What the codec knows about one message class: its kind, schema and cross-field check."""
 
     __slots__ = ("kind", "cls", "schema", "check")
 
@@ -90,7 +91,7 @@ class Spec:
         self.check = check
 
 
-SPECS: dict[int, Spec] = {}
+MESSAGE_TYPES: dict[int, MessageType] = {}
 
 
 def message(kind: MessageKind, check: Callable[[Any], None] | None = None) -> Callable[[type], type]:
@@ -101,7 +102,7 @@ def message(kind: MessageKind, check: Callable[[Any], None] | None = None) -> Ca
         if schema.names[:1] != ["ref"]:
             raise TypeError(f"{cls.__name__}: the first field must be ref")
         cls.KIND = kind  # type: ignore[attr-defined]
-        SPECS[kind] = Spec(kind, cls, schema, check)
+        MESSAGE_TYPES[kind] = MessageType(kind, cls, schema, check)
         return cls
 
     return deco
@@ -270,13 +271,21 @@ class Stop:
     reason: str = wf(STR)
 
 
+class StageStatus(enum.StrEnum):
+    """``Status.state``: what a stage server reports of the stage it was asked about."""
+
+    CLAIMED = "claimed"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
 @message(MessageKind.STATUS)
 @dataclass(frozen=True, slots=True)
 class Status:
     KIND: ClassVar[MessageKind]
     ref: int = wf(U32)
     term: int = wf(U64)
-    state: str = wf(STR)
+    state: StageStatus = wf(EnumStrField(StageStatus))
     detail: str = wf(STR)
     progress: float = wf(F64)
 
@@ -428,8 +437,8 @@ Message = (
     | DataError
 )
 
-if set(SPECS) != set(MessageKind):  # import-time sanity: every kind has exactly one class
-    raise RuntimeError(f"MessageKind without a message class: {set(MessageKind) - set(SPECS)}")
+if set(MESSAGE_TYPES) != set(MessageKind):  # import-time sanity: every kind has exactly one class
+    raise RuntimeError(f"MessageKind without a message class: {set(MessageKind) - set(MESSAGE_TYPES)}")
 
 
 def check_peer_version(hello: Hello) -> Error | None:

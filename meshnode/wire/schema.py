@@ -15,6 +15,7 @@ Nothing here knows about frames or message kinds.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import numbers
 import struct
@@ -209,6 +210,19 @@ class StrField(Var):
             raise Invalid(ErrorCode.BAD_FIELD, f"{name}: {e}") from None
         self._check(v, name)
         return v, off + n
+
+
+class EnumStrField(StrField):
+    """A string enum (:class:`enum.StrEnum`) as its value's UTF-8; decodes to the member,
+    refuses any other string (so a receiver never sees a state it does not know)."""
+
+    def __init__(self, enum_cls: type[enum.StrEnum]) -> None:
+        super().__init__([m.value for m in enum_cls])
+        self.enum_cls = enum_cls
+
+    def unpack(self, mv: memoryview, off: int, name: str) -> tuple[Any, int]:
+        v, off = super().unpack(mv, off, name)
+        return self.enum_cls(v), off
 
 
 def _no_constant(c: str) -> Any:
