@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.errors import MeshnodeError
+from meshnode.limits import MAX_VERIFY_WINDOW
 
 __all__ = [
     "ConfigError",
-    "MAX_WINDOW",
     "MODES",
     "MeshnodeConfig",
     "ModelSettings",
@@ -53,8 +53,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# DESIGN.md section 3: batch invariance holds for verify batches of up to 32 tokens.
-MAX_WINDOW = 32
 MODES = ("auto", "on", "off")
 WINDOW_POLICIES = ("adaptive", "fixed")
 
@@ -211,16 +209,16 @@ def _parse_window(r: _Reader, spec: Mapping[str, Any], prefix: str) -> WindowSet
     raw = spec["window"]
     if isinstance(raw, int) and not isinstance(raw, bool):
         # shorthand: window = 8 is a fixed window of 8
-        size = r.int_(spec, "window", dotted, 1, MAX_WINDOW)
+        size = r.int_(spec, "window", dotted, 1, MAX_VERIFY_WINDOW)
         return WindowSettings(policy="fixed", initial=size, min=size, max=size)
     if not isinstance(raw, dict):
         raise r.error(dotted, f"expected a table or an integer window size, got {raw!r}")
     r.warn_unknown(raw, dotted + ".", ("policy", "initial", "min", "max"))
     w = WindowSettings(
         policy=r.str_(raw, "policy", dotted + ".policy", WINDOW_POLICIES),
-        initial=r.int_(raw, "initial", dotted + ".initial", 1, MAX_WINDOW),
-        min=r.int_(raw, "min", dotted + ".min", 1, MAX_WINDOW),
-        max=r.int_(raw, "max", dotted + ".max", 1, MAX_WINDOW),
+        initial=r.int_(raw, "initial", dotted + ".initial", 1, MAX_VERIFY_WINDOW),
+        min=r.int_(raw, "min", dotted + ".min", 1, MAX_VERIFY_WINDOW),
+        max=r.int_(raw, "max", dotted + ".max", 1, MAX_VERIFY_WINDOW),
     )
     if w.min is not None and w.max is not None and w.min > w.max:
         raise r.error(dotted, f"min ({w.min}) is larger than max ({w.max})")

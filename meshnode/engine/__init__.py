@@ -11,9 +11,9 @@ from .errors import (
     EngineInputError,
     ModelLoadError,
 )
-from .stage import MAX_VERIFY_WINDOW, EngineSpec, Segment, StageEngine
+from .stage import EngineSpec, Segment, StageEngine
 
 __all__ = [
-    "MAX_VERIFY_WINDOW", "ContextOverflowError", "DecodeError", "EngineBusyError",
+    "ContextOverflowError", "DecodeError", "EngineBusyError",
     "EngineError", "EngineInputError", "EngineSpec", "ModelLoadError", "Segment", "StageEngine",
 ]

@@ -48,7 +48,6 @@ from .llama_log import install_log_bridge
 
 log = logging.getLogger(__name__)
 
-MAX_VERIFY_WINDOW = 32  # batch invariance holds up to 32 rows on CPU (DESIGN.md §3)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ Pure logic: no clock (callers pass measured seconds), no I/O.
 
 from __future__ import annotations
 
-from meshnode.config import MAX_WINDOW
+from meshnode.limits import MAX_VERIFY_WINDOW
 
 __all__ = ["CostModel", "expected_tokens"]
 
@@ -65,8 +65,8 @@ class CostModel:
 
     def observe(self, window: int, seconds: float) -> None:
         """Record one measured step of ``window`` drafts (0 = plain decode)."""
-        if not 0 <= window <= MAX_WINDOW:
-            raise ValueError(f"window must be in [0, {MAX_WINDOW}], got {window}")
+        if not 0 <= window <= MAX_VERIFY_WINDOW:
+            raise ValueError(f"window must be in [0, {MAX_VERIFY_WINDOW}], got {window}")
         if not seconds >= 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
         old = self._ewma.get(window)
@@ -130,10 +130,10 @@ class CostModel:
         """Expected throughput of ``window`` relative to plain decoding (> 1: it pays)."""
         return self.tokens_per_second(window, acceptance) * self.seconds(0)
 
-    def best_window(self, acceptance: float, lo: int = 1, hi: int = MAX_WINDOW) -> int:
+    def best_window(self, acceptance: float, lo: int = 1, hi: int = MAX_VERIFY_WINDOW) -> int:
         """The ``k`` in ``[lo, hi]`` maximising expected tokens per second (smallest on ties)."""
         lo = max(0, lo)
-        hi = min(MAX_WINDOW, max(lo, hi))
+        hi = min(MAX_VERIFY_WINDOW, max(lo, hi))
         best_k, best = lo, -1.0
         for k in range(lo, hi + 1):
             v = self.tokens_per_second(k, acceptance)

@@ -38,8 +38,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from meshnode.config import MAX_WINDOW, MODES, MeshnodeConfig, SpeculativeSettings, WindowSettings
+from meshnode.config import MODES, MeshnodeConfig, SpeculativeSettings, WindowSettings
 from meshnode.errors import MeshnodeError
+from meshnode.limits import MAX_VERIFY_WINDOW
 from meshnode.spec.window import WindowPolicy
 
 __all__ = [
@@ -178,8 +179,8 @@ class PackageSpeculative:
             for fld in ("initial_window", "min_window", "max_window"):
                 v = wp.get(fld)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int)
-                                      or not 1 <= v <= MAX_WINDOW):
-                    raise err(f"{key}.window_policy.{fld}", f"expected an integer in [1, {MAX_WINDOW}], got {v!r}")
+                                      or not 1 <= v <= MAX_VERIFY_WINDOW):
+                    raise err(f"{key}.window_policy.{fld}", f"expected an integer in [1, {MAX_VERIFY_WINDOW}], got {v!r}")
                 sizes[fld] = v
             strategies[name] = PackageStrategy(
                 name, typ, dm,
@@ -287,8 +288,8 @@ def resolve_strategy(
     lo = pick("window.min", lambda st: st.window.min, dw.min or DEFAULT_WINDOW.min)
     hi = pick("window.max", lambda st: st.window.max, dw.max or DEFAULT_WINDOW.max)
     for label, v in (("initial", initial), ("min", lo), ("max", hi)):
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WINDOW:
-            raise SpecConfigError(f"window.{label} must be an integer in [1, {MAX_WINDOW}], got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_VERIFY_WINDOW:
+            raise SpecConfigError(f"window.{label} must be an integer in [1, {MAX_VERIFY_WINDOW}], got {v!r}")
     if kind == "fixed":
         window = WindowPolicy("fixed", initial, initial, initial)
     elif kind == "adaptive":

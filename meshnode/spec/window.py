@@ -9,7 +9,7 @@ serving loop asks before each verify (``next_window()``) and tells the outcome
 the window at the ``k`` maximising ``E(k) / seconds(k)`` under a
 :class:`~meshnode.spec.cost_model.CostModel` (at its running per-token acceptance
 estimate). :class:`FixedWindow` always asks for the same window and only tracks
-acceptance for telemetry. Windows never exceed :data:`meshnode.config.MAX_WINDOW`
+acceptance for telemetry. Windows never exceed :data:`meshnode.limits.MAX_VERIFY_WINDOW`
 (batch invariance).
 
 Pure logic: no clock, no I/O.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from meshnode.config import MAX_WINDOW
+from meshnode.limits import MAX_VERIFY_WINDOW
 from meshnode.spec.cost_model import CostModel
 
 __all__ = [
@@ -49,8 +49,8 @@ class WindowPolicy:
             raise ValueError(f"window policy must be 'adaptive' or 'fixed', got {self.kind!r}")
         for name in ("initial", "min", "max"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_WINDOW:
-                raise ValueError(f"window {name} must be an integer in [1, {MAX_WINDOW}], got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_VERIFY_WINDOW:
+                raise ValueError(f"window {name} must be an integer in [1, {MAX_VERIFY_WINDOW}], got {v!r}")
         if not self.min <= self.initial <= self.max:
             raise ValueError(
                 f"window needs min <= initial <= max, got {self.min} <= {self.initial} <= {self.max}"

@@ -30,7 +30,6 @@ from meshnode.wire.errors import (
     WireError,
 )
 from meshnode.wire.messages import (
-    MAX_DRAFTS,
     SEG_LANE,
     PROTOCOL_VERSION,
     WIRE_DTYPES,
@@ -65,7 +64,6 @@ from meshnode.wire.template import DecodeTemplate
 __all__ = [
     "HEADER_SIZE",
     "MAGIC",
-    "MAX_DRAFTS",
     "SEG_LANE",
     "MAX_FRAME",
     "PROTOCOL_VERSION",

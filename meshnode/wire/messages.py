@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from meshnode.limits import MAX_VERIFY_WINDOW
 from meshnode.wire.errors import ErrorCode
 from meshnode.wire.schema import (
     ARRAY,
@@ -47,7 +48,6 @@ from meshnode.wire.schema import (
 )
 
 PROTOCOL_VERSION = 1  # Hello.protocol; peers with another value are refused at Hello
-MAX_DRAFTS = 32  # verify windows stay <= 32 (DESIGN.md 3: batch invariance)
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
 # (meshnode.net.lane); stage 0 resends it over the stream, without the bit, if it is lost.
@@ -317,7 +317,7 @@ class Segment:
     pos: int = wf(U32)
     n_rows: int = wf(U32)
     n_logits: int = wf(U16)
-    drafts: tuple[int, ...] = wf(IntList("B", U32, MAX_DRAFTS))
+    drafts: tuple[int, ...] = wf(IntList("B", U32, MAX_VERIFY_WINDOW))
     temperature: float = wf(F32)
     top_k: int = wf(I32)
     top_p: float = wf(F32)

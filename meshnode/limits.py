@@ -1,0 +1,10 @@
+"""Limits that several packages must agree on (a leaf module: it imports nothing).
+
+``MAX_VERIFY_WINDOW``: on llama.cpp's CPU kernels, k rows decoded as one batch give logits
+identical to the same rows decoded one by one for k up to 32, and different ones at 64
+(docs/engine.md, "Exactness"). Speculative windows, the scheduler's batches and the
+drafts a Forward frame may carry stay within it, so a split, a verify window and a plain
+step all agree with one node decoding alone.
+"""
+
+MAX_VERIFY_WINDOW = 32
