@@ -29,6 +29,7 @@ from typing import Any
 from meshnode import __version__
 from meshnode.errors import MeshnodeError
 from meshnode.fsutil import atomic_write
+from meshnode.mesh.local_caps import local_capabilities
 from meshnode.net import caps as capsmod
 from meshnode.paths import NodePaths
 from meshnode.state import (
@@ -68,8 +69,9 @@ class Node:
         decode_threads: int | None = None,
         max_memory: int | None = None,
     ) -> None:
+        from meshnode.mesh.coordinator import CoordinatorRuntime
         from meshnode.mesh.fabric import MeshFabric
-        from meshnode.mesh.runtime import CoordinatorRuntime, StageServerRuntime
+        from meshnode.mesh.stage_server import StageServerRuntime
         from meshnode.serve.service import ModelService
 
         self.paths = paths.ensure()
@@ -181,7 +183,7 @@ class Node:
 
     def snapshot(self) -> NodeSnapshot:
         f = self.fabric
-        caps = capsmod.from_dict(f.capabilities) or capsmod.local_capabilities()
+        caps = capsmod.from_dict(f.capabilities) or local_capabilities()
         info = NodeInfo(
             node_id=f.node_id, name=self.name, mesh_id=f.mesh_id,
             address=f"{self._address()}:{f.port}", http_url=self.http_url,
@@ -208,10 +210,10 @@ class Node:
     @property
     def engine_client(self) -> Any:
         """What the /v1 routes talk to (a 503-answering stand-in until a model is ready)."""
-        from meshnode.serve.service import _Unavailable
+        from meshnode.serve.service import UnavailableClient
 
         if self.service is None:
-            return _Unavailable(lambda: "this node coordinates no model (started with --no-model)")
+            return UnavailableClient(lambda: "this node coordinates no model (started with --no-model)")
         return self.service.engine_client
 
     def advertise_models(self) -> None:

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from meshnode.engine import EngineSpec, Segment, StageEngine  # noqa: E402
-from meshnode.models.derive import requantize, truncate_layers  # noqa: E402
+from meshnode.spec.derive import requantize, truncate_layers  # noqa: E402
 from meshnode.engine.errors import ModelLoadError  # noqa: E402
 from meshnode.models.errors import SliceRangeError  # noqa: E402
 from meshnode.models.gguf_info import read_model_info  # noqa: E402
@@ -189,7 +189,7 @@ def test_importing_derive_does_not_load_llama_cpp():
     import subprocess
     import sys
 
-    code = ("import sys, meshnode.models.derive; "
+    code = ("import sys, meshnode.spec.derive; "
             "print('llama_cpp' in sys.modules, 'meshnode.engine' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

@@ -16,7 +16,7 @@ import random
 import pytest
 
 from meshnode.serve.client import ChatMessage, Finished, GenerationRequest, TextDelta
-from meshnode.serve.final import Finalized
+from meshnode.mesh.final import Finalized
 from meshnode.serve.model_server import ModelServer, ServeSettings
 from meshnode.spec.window import WindowPolicy
 from meshnode.spec.strategy import SpecConfig

@@ -7,8 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from meshnode.serve.final import Finalized
-from meshnode.serve.pipeline import Step
+from meshnode.mesh.final import Finalized
+from meshnode.mesh.pipeline import PipelineFailedError, PipelineUnavailableError, Step
+from meshnode.serve.errors import EngineFailedError, EngineUnavailableError
 from meshnode.serve.scheduler import BatchScheduler
 
 
@@ -91,3 +92,45 @@ def test_a_withdrawn_step_never_runs():
     # one session's steps travel in separate batches, in order; the withdrawn one not at all
     assert [sorted(b) for b, _, _ in batches] == [[1], [1]]
     assert batches[0][1] <= batches[1][1]
+
+
+class _FailingPipeline(_RecordingPipeline):
+    def __init__(self, exc: Exception) -> None:
+        super().__init__(1)
+        self.exc = exc
+
+    async def run(self, steps):
+        raise self.exc
+
+
+@pytest.mark.parametrize(("raised", "seen", "status"), [
+    (PipelineUnavailableError("link lost"), EngineUnavailableError, 503),
+    (PipelineFailedError("stage on b failed: boom"), EngineFailedError, 500),
+])
+def test_pipeline_errors_reach_the_waiters_as_serve_errors(raised, seen, status):
+    """The pipeline (mesh) fails with mesh errors; a waiting request sees serve's typed
+    error with the same message, so the OpenAI layer answers 503 / 500 as before."""
+    from meshnode.serve.errors import error_spec
+
+    async def main() -> BaseException:
+        sched = BatchScheduler(_FailingPipeline(raised))
+        with pytest.raises(seen) as info:
+            await sched.submit(Step(1, 0, np.asarray([1], dtype=np.int32)))
+        await sched.close()
+        return info.value
+
+    err = asyncio.run(main())
+    assert str(err) == str(raised) and err.__cause__ is raised
+    assert error_spec(err).status == status
+
+
+def test_other_pipeline_errors_pass_through_unchanged():
+    async def main() -> None:
+        boom = RuntimeError("boom")
+        sched = BatchScheduler(_FailingPipeline(boom))
+        with pytest.raises(RuntimeError) as info:
+            await sched.submit(Step(1, 0, np.asarray([1], dtype=np.int32)))
+        assert info.value is boom
+        await sched.close()
+
+    asyncio.run(main())

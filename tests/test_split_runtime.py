@@ -19,21 +19,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshnode.mesh.coordinator import CoordinatorRuntime
 from meshnode.mesh.fabric import MeshFabric
+from meshnode.mesh.pipeline import LocalPipeline, MeshPipeline, Step
 from meshnode.mesh.planner import PlanError
 from meshnode.mesh.runtime import (
-    CoordinatorRuntime,
     NegotiationError,
     ServeOptions,
-    StageServerRuntime,
     TermStore,
     model_shape,
     node_capabilities,
 )
 from meshnode.mesh.stage_control_coordinator import CoordinatorState
+from meshnode.mesh.stage_server import StageServerRuntime
 from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
-from meshnode.serve.pipeline import LocalPipeline, MeshPipeline, Step
 from meshnode.state import StageChanged, StageState
 from nodeproc import until
 
@@ -251,7 +251,7 @@ async def test_split3_matches_whole_model(homes, reference, prompt_tokens):
 
 async def test_lost_lane_frames_are_resent_and_the_tokens_stay_exact(homes, reference, prompt_tokens,
                                                                    monkeypatch):
-    import meshnode.serve.pipeline as pipeline_mod
+    import meshnode.mesh.pipeline as pipeline_mod
 
     monkeypatch.setattr(pipeline_mod, "LANE_RETRY_MIN_S", 0.1)
     async with _mesh(homes, "ab") as (a, b):
@@ -340,7 +340,7 @@ def test_model_shape_of_smollm2(smollm2):
 
 
 async def test_stage_node_lost_fails_the_plan(homes):
-    from meshnode.serve.errors import EngineUnavailableError
+    from meshnode.mesh.pipeline import PipelineUnavailableError
 
     async with _mesh(homes, "ab") as (a, b):
         sm = await a.coord.start_model(coord_model(homes["a"]), _opts(split=2))
@@ -352,9 +352,9 @@ async def test_stage_node_lost_fails_the_plan(homes):
         await until(lambda: sm.state is CoordinatorState.FAILED, 5.0)
         assert sm.stages()[1].state is StageState.FAILED and "link lost" in sm.failure
         assert sm.stages()[0].state is StageState.STOPPED
-        with pytest.raises(EngineUnavailableError):
+        with pytest.raises(PipelineUnavailableError):
             await waiting
-        with pytest.raises(EngineUnavailableError, match="link lost"):   # stage 0 was freed too
+        with pytest.raises(PipelineUnavailableError, match="link lost"):   # stage 0 was freed too
             await pipe.run([Step(4, 0, np.asarray([1], np.int32))])
         # b lost its coordinator (its own links closed): its stage fails and frees the engine
         await until(lambda: b.server.stages()[0].state is StageState.FAILED, 5.0)

@@ -36,7 +36,7 @@ TEXT = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshnode.cli import non_negative_float
+    from meshnode.argtypes import non_negative_float
 
     parser.add_argument("model", nargs="?", default=None,
                         help="a GGUF path or a model name in the store (default: the default model)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshnode.cli import non_negative_float, positive_int
+from meshnode.argtypes import non_negative_float, positive_int
 
 HELP = "QUIC round trip (decode-sized activations) and bulk throughput, f32 vs f16, on loopback"
 

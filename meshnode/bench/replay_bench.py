@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshnode.cli import non_negative_float, positive_int
+from meshnode.argtypes import non_negative_float, positive_int
 
 MEASURED_DRAFTS = (0, 1, 2, 3, 4, 6, 8, 12, 16)   # the cost model interpolates between them
 HELP = "replay the spec benchmark's answers through the n-gram proposer, offline (deterministic)"
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from meshnode.engine.tokenizer import Tokenizer
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
-    from meshnode.serve.model_server import MIN_NGRAM_MATCH
+    from meshnode.spec.ngram import MIN_NGRAM_MATCH
     from meshnode.spec.cost_model import CostModel
 
     paths = NodePaths.resolve(args.home).ensure()

@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 
-from meshnode.cli import positive_int
+from meshnode.argtypes import positive_int
 
 HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model on a 2-stage split"
 
@@ -306,7 +306,7 @@ def _differences(raw: dict, strategies: list[str]) -> list[str]:
 def _derived(ref, paths, quant: str, role: str, n_layers: int | None = None):
     """``ref``'s model requantized to ``quant`` (made once into the cache), cut to its
     first ``n_layers`` blocks plus head when given (also once), vocab checked."""
-    from meshnode.models.derive import requantize, truncate_layers
+    from meshnode.spec.derive import requantize, truncate_layers
     from meshnode.spec.draft import check_vocab
 
     dest = paths.cache / "bench" / f"{ref.path.stem}-{role}-{quant}.gguf"

@@ -34,53 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1, with a one-line error otherwise."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {v}")
-    return v
-
-
-def non_negative_float(text: str) -> float:
-    """argparse type: a number >= 0, with a one-line error otherwise."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v >= 0:   # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return v
-
-
-def size(text: str) -> int:
-    """argparse type: a byte size such as ``6GB`` or ``512MiB`` (:func:`meshnode.config.parse_size`)."""
-    from meshnode.config import ConfigError, parse_size
-    try:
-        return parse_size(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def cpu_list(text: str) -> frozenset[int]:
-    """argparse type: CPU numbers like ``0``, ``0,2`` or ``0-3`` (``taskset -c`` syntax)."""
-    cpus: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, sep, hi = part.strip().partition("-")
-            first, last = int(lo), int(hi) if sep else int(lo)
-            if first < 0 or last < first:
-                raise ValueError
-            cpus.update(range(first, last + 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected CPU numbers like 0, 0,2 or 0-3, got {text!r}") from None
-    return frozenset(cpus)
-
-
 def add_common_options(parser: argparse.ArgumentParser) -> None:
     """Options every command accepts (before or after the command name)."""
     parser.add_argument(

@@ -8,7 +8,8 @@ import logging
 import signal
 import sys
 
-from meshnode.cli import add_common_options, cpu_list, positive_int, size
+from meshnode.argtypes import cpu_list, positive_int, size
+from meshnode.cli import add_common_options
 
 log = logging.getLogger(__name__)
 

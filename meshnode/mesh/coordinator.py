@@ -33,13 +33,13 @@ from typing import Any
 
 from meshnode import wire
 from meshnode.errors import MeshnodeError
+from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.planner import Candidate, Plan, PlanError, plan as make_plan
 from meshnode.mesh.runtime import (
     NegotiationError, Outbox, Publish, ServeOptions, TermStore, drain, model_shape,
 )
 from meshnode.mesh.stage_control import LoadParams, LocalLoadRequested, PlanFailed, PlanReady
 from meshnode.mesh.stage_control_coordinator import CoordinatorControl, CoordinatorState
-from meshnode.net import caps as capsmod
 from meshnode.paths import NodePaths
 from meshnode.state import StageChanged, StageInfo, StageState
 
@@ -182,7 +182,7 @@ class ServingModel:
         self._pump()
 
     def _on_ready(self) -> None:
-        from meshnode.serve.pipeline import LocalPipeline, MeshPipeline
+        from meshnode.mesh.pipeline import LocalPipeline, MeshPipeline
 
         if self.plan.n_stages == 1:
             self.pipeline = LocalPipeline(self._worker)
@@ -246,7 +246,7 @@ class ServingModel:
         worker, self._worker = self._worker, None
         if self.pipeline is not None:
             # Fails waiting steps and closes the worker; later runs raise
-            # EngineUnavailableError(reason). Idempotent.
+            # PipelineUnavailableError(reason). Idempotent.
             await self.pipeline.close(reason)
         elif worker is not None:
             await worker.close()
@@ -320,7 +320,7 @@ class CoordinatorRuntime:
 
     def make_plan(self, model: Any, shape: Any, options: ServeOptions) -> Plan:
         """The plan for ``model`` over the current peers (raises :class:`PlanError`)."""
-        me = capsmod.local_capabilities()
+        me = local_capabilities()
         cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes,
                            budget=options.max_memory, speed=me.speed or None, is_coordinator=True)]
         skipped = []

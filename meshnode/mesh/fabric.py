@@ -28,6 +28,7 @@ from typing import Any
 
 from meshnode import PROTOCOL_VERSION
 from meshnode.errors import MeshnodeError
+from meshnode.mesh.local_caps import local_capabilities
 from meshnode.net import caps as capsmod
 from meshnode.net.auth import AuthHandshake
 from meshnode.net.discovery import DiscoveredPeer, Discovery
@@ -96,7 +97,7 @@ class MeshFabric:
         self._port = port
         self._bind_host = bind_host
         self._interfaces = interfaces
-        self._caps: dict[str, Any] = capabilities if capabilities is not None else capsmod.to_dict(capsmod.local_capabilities())
+        self._caps: dict[str, Any] = capabilities if capabilities is not None else capsmod.to_dict(local_capabilities())
         self._static = [_parse_hostport(p) for p in static_peers]
         self._static_ids: dict[str, str] = {}  # "host:port" -> node id seen there
         self._use_discovery = discovery

@@ -10,9 +10,6 @@ Theory of operation. Stage negotiation is split in three modules:
   coordinates a model (stage 0): plans, feeds :class:`CoordinatorControl`, loads stage 0
   and builds the pipeline.
 
-``CoordinatorRuntime``, ``ServingModel`` and ``StageServerRuntime`` can be imported from
-here too (lazily: their modules import this one).
-
 Both drivers are thin, like aioquic's asyncio layer: feed the machine, drain its
 messages into an :class:`Outbox` (one ordered sender task), handle its events, re-arm
 its one timer. This module holds what both need: :class:`ServeOptions`, the persistent
@@ -31,6 +28,7 @@ from typing import Any
 
 from meshnode.errors import MeshnodeError
 from meshnode.fsutil import atomic_write
+from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.planner import ModelShape
 from meshnode.mesh.stage_control import Timeouts
 from meshnode.models.errors import ModelFileError
@@ -39,14 +37,11 @@ from meshnode.paths import NodePaths
 from meshnode.state import HeldModel, NodeEvent
 
 __all__ = [
-    "CoordinatorRuntime",
     "DEFAULT_STAGE_OVERHEAD",
     "NegotiationError",
     "Outbox",
     "Publish",
     "ServeOptions",
-    "ServingModel",
-    "StageServerRuntime",
     "TermStore",
     "find_held_model",
     "held_models",
@@ -173,7 +168,7 @@ def node_capabilities(paths: NodePaths, *, max_memory: int | None = None,
 
     Blocking when ``models`` is None (lists the store)."""
     held = tuple(held_models(paths) if models is None else models)
-    caps = capsmod.to_dict(capsmod.local_capabilities(held))
+    caps = capsmod.to_dict(local_capabilities(held))
     if max_memory is not None:
         caps["free_ram"] = min(int(caps["free_ram"]), int(max_memory))
     return caps
@@ -297,15 +292,3 @@ class Outbox:
             finally:
                 queue.task_done()
 
-
-def __getattr__(name: str) -> Any:
-    """Lazy re-exports (PEP 562): the driver modules import this one."""
-    if name in ("CoordinatorRuntime", "ServingModel"):
-        from meshnode.mesh import coordinator
-
-        return getattr(coordinator, name)
-    if name == "StageServerRuntime":
-        from meshnode.mesh import stage_server
-
-        return stage_server.StageServerRuntime
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,7 @@ import numpy as np
 from meshnode import wire
 from meshnode.engine import EngineError, Segment
 from meshnode.engine.worker import EngineWorker
-from meshnode.serve.final import FinalSampler, Sampling
+from meshnode.mesh.final import FinalSampler, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class StageHost:
         self._verified: dict[int, int] = {}
         # Per session, the newest batch computed here. Batch ids grow at stage 0, so a
         # frame older than that is a copy that took the other path (a lane step resent
-        # over the stream, meshnode.serve.pipeline) and arrived late: computing it would
+        # over the stream, meshnode.mesh.pipeline) and arrived late: computing it would
         # rewind the session past newer rows.
         self._newest: dict[int, int] = {}
         # Sessions ended here lately. SessionEnd travels the QUIC stream, a decode step

@@ -3,12 +3,13 @@
 Dict form (JSON-safe, stable): ``{"free_ram": int, "free_vram": int, "backend": str,
 "cores": int, "models": [{"name", "sha256", "layers", "size"}, ...]}``. Unknown keys
 are ignored on read, so later versions can add fields.
+
+The network only carries capabilities as data; measuring this machine's is the mesh's
+business (:mod:`meshnode.mesh.local_caps`).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Any
 
 from meshnode.state import Capabilities, HeldModel
@@ -46,73 +47,3 @@ def from_dict(d: dict[str, Any] | None) -> Capabilities | None:
         )
     except (KeyError, TypeError, ValueError):
         return None
-
-
-def local_capabilities(models: tuple[HeldModel, ...] = ()) -> Capabilities:
-    """This machine's summary now (free RAM rounded to 64 MiB so the record is stable)."""
-    return Capabilities(
-        free_ram_bytes=_free_ram() // (64 << 20) * (64 << 20),
-        free_vram_bytes=0,
-        backend="cpu",
-        cores=usable_cores(),
-        models=models,
-        speed=measured_speed(),
-    )
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (``meshnode serve --cpus`` narrows them): what the
-    node advertises and what its speed figure scales by. The engine counts its default
-    threads the same way (``engine.stage.default_threads``)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
-
-
-SPEED_TRIALS = 7          # best of: a trial that shared its core is thrown away
-SPEED_TRIAL_S = 0.015
-
-
-@functools.cache
-def measured_speed() -> float:
-    """This machine's decode speed as the planner weighs it: single-core GFLOP/s of a
-    small float32 matmul times the core count, measured once per process (~0.1 s).
-
-    A relative figure is all the planner needs, but it must not depend on what else the
-    machine is doing at start-up: nodes start next to a loading model, another node or
-    a benchmark. A matmul big enough for BLAS to use every core collapses when one core
-    is busy (its threads wait on each other): on the 2-core VM of DESIGN.md a 384 x 384
-    matmul measured 60-84 quiet and 5-25 next to one busy process, and the planner gave
-    one node 1 layer of 30. A 64 x 64 matmul stays on one thread, and the best of several
-    short trials skips the ones that shared their core (38-60 busy against 59-63 quiet).
-    """
-    import time
-
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((64, 64), dtype=np.float32)
-    b = rng.standard_normal((64, 64), dtype=np.float32)
-    a @ b  # warm-up
-    best = 0.0
-    for _ in range(SPEED_TRIALS):
-        n, t0 = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - t0) < SPEED_TRIAL_S:
-            a @ b
-            n += 1
-        best = max(best, n / elapsed)
-    return 2 * 64**3 * best / 1e9 * usable_cores()
-
-
-def _free_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0

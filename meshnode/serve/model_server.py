@@ -51,12 +51,12 @@ from meshnode.serve.client import (
     Usage,
 )
 from meshnode.serve.errors import ContextOverflowError, EngineFailedError, ServeError, UnknownModelError
-from meshnode.serve.final import Sampling
-from meshnode.serve.pipeline import Pipeline, Step
+from meshnode.mesh.final import Sampling
+from meshnode.mesh.pipeline import Pipeline, Step
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.spec.cost_model import CostModel
 from meshnode.spec.lookahead import LookaheadGate
-from meshnode.spec.ngram import NGramProposer
+from meshnode.spec.ngram import MIN_NGRAM_MATCH, NGramProposer
 from meshnode.spec.policy import AutoPolicy
 from meshnode.spec.stats import SpecTelemetry
 from meshnode.spec.strategy import Proposer, SpecConfig
@@ -66,10 +66,6 @@ from meshnode.state import DraftVerified, RequestInfo, RequestUpdated
 log = logging.getLogger(__name__)
 
 MAX_DRAFT = 16          # rows per verify stay well inside batch invariance (<= 32)
-# n-gram drafts only continue a suffix of at least this many tokens seen before: a 1- or
-# 2-token match in prose is mostly a coincidence, and its verify rows are paid for
-# nothing (measured with `meshnode bench spec`, docs/speculative.md "Proposers").
-MIN_NGRAM_MATCH = 3
 RECENT_REQUESTS = 50
 
 

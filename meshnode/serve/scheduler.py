@@ -16,6 +16,9 @@ a returning batch's sessions submit together and leave together again.
 
 Batches stay small enough for batch invariance (DESIGN.md §3: identical logits up to
 32 rows); a prefill chunk larger than that travels alone, exactly as on a single node.
+
+The pipeline belongs to the mesh and fails with the mesh's errors; this is where the
+serving layer meets it, so they become serve's typed errors here (see :func:`serve_error`).
 """
 
 from __future__ import annotations
@@ -24,12 +27,28 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from meshnode.serve.final import Finalized
-from meshnode.serve.pipeline import Pipeline, Step
+from meshnode.mesh.final import Finalized
+from meshnode.mesh.pipeline import Pipeline, PipelineFailedError, PipelineUnavailableError, Step
+from meshnode.serve.errors import EngineFailedError, EngineUnavailableError
 
 log = logging.getLogger(__name__)
 
 GATHER_S = 0.002   # longest wait for the other decoding sessions to submit
+
+
+def serve_error(exc: BaseException) -> BaseException:
+    """``exc`` as the OpenAI layer knows it: a pipeline that has no route now is
+    :class:`EngineUnavailableError` (503), one whose stage failed is
+    :class:`EngineFailedError` (500), with the same message. Anything else is returned
+    as it is."""
+    if isinstance(exc, PipelineUnavailableError):
+        err: BaseException = EngineUnavailableError(str(exc))
+    elif isinstance(exc, PipelineFailedError):
+        err = EngineFailedError(str(exc))
+    else:
+        return exc
+    err.__cause__ = exc
+    return err
 
 
 class BatchScheduler:
@@ -143,9 +162,10 @@ class BatchScheduler:
                 if not fut.done():
                     fut.set_result(res)
         except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
+            err = serve_error(exc)
             for _, fut in batch:
                 if not fut.done():
-                    fut.set_exception(exc)
+                    fut.set_exception(err)
         finally:
             self._in_flight.difference_update(s.session for s in steps)
             self._inflight.release()

@@ -48,7 +48,7 @@ class ServiceOptions:
     config: object | None = None        # meshnode.config.MeshnodeConfig
 
 
-class _Unavailable:
+class UnavailableClient:
     """The EngineClient while no model is ready: every request gets a 503 with why."""
 
     def __init__(self, reason: Callable[[], str]) -> None:
@@ -73,8 +73,8 @@ class ModelService:
         self.serving = None      # the runtime's ServingModel (plan, stages, stop)
         self._transfers: dict[str, TransferInfo] = {}
         self._task: asyncio.Task | None = None
-        self._unavailable = _Unavailable(lambda: f"model not ready: {self.state}"
-                                         + (f" ({self.detail})" if self.detail else ""))
+        self._unavailable = UnavailableClient(lambda: f"model not ready: {self.state}"
+                                              + (f" ({self.detail})" if self.detail else ""))
 
     @property
     def engine_client(self):

@@ -38,11 +38,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["NGramProposer", "NGramDrafter"]
+__all__ = ["MIN_NGRAM_MATCH", "NGramProposer", "NGramDrafter"]
 
 BASE_N = 4            # n-grams up to this length are indexed; longer matches extend them
 MAX_CANDIDATES = 64   # occurrences of a BASE_N-gram compared per lookup (the latest ones)
 DEFAULT_MAX_N = 12
+# n-gram drafts only continue a suffix of at least this many tokens seen before: a 1- or
+# 2-token match in prose is mostly a coincidence, and its verify rows are paid for
+# nothing (measured with `meshnode bench spec`, docs/speculative.md "Proposers").
+# The serving loop passes it as ``min_match``; the offline replay benchmark does too.
+MIN_NGRAM_MATCH = 3
 
 
 class NGramProposer:

@@ -4,6 +4,10 @@ One function for every topology: a single node runs it right after its whole-mod
 forward, a split runs it on the last stage, which then returns the tokens straight to
 stage 0. Random state lives here, per session, seeded by the request's seed, so a split
 samples exactly what a single node would.
+
+It is part of the mesh's data plane: the stage host of a final stage
+(:mod:`meshnode.mesh.stage_host`) and the pipelines at stage 0
+(:mod:`meshnode.mesh.pipeline`) both run it.
 """
 
 from __future__ import annotations

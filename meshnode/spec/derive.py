@@ -15,8 +15,10 @@ a half-written model. The tokenizer metadata is carried over untouched; check th
 with :func:`meshnode.spec.draft.check_vocab` anyway.
 
 Requantization runs llama.cpp's quantizer, so it lives in the engine
-(:func:`meshnode.engine.quantize.requantize`, re-exported here for callers that think of
-it as a model operation).
+(:func:`meshnode.engine.quantize.requantize`, wrapped here and imported only when called,
+so importing this module loads no llama_cpp). Deriving a draft composes the model slicer
+with the engine's quantizer, which is speculation's business rather than the model
+store's: the ``models`` package does not depend on the engine.
 """
 
 from __future__ import annotations

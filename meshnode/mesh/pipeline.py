@@ -4,7 +4,7 @@ A *step* is some rows of one session: a prefill chunk (``n_logits == 0`` unless 
 the last chunk), a decode step (one row, ``n_logits == 1``) or a verify window
 (``[last, d1..dk]``, ``n_logits == k + 1``). A pipeline runs a batch of steps of
 different sessions through every stage and returns, per step that wanted logits, the
-final stage's :class:`~meshnode.serve.final.Finalized` tokens.
+final stage's :class:`~meshnode.mesh.final.Finalized` tokens.
 
 * :class:`LocalPipeline`: one node, whole model; forward and finalize on one thread.
 * :class:`MeshPipeline`: stage 0 runs its slice locally, sends the hidden states to
@@ -15,6 +15,12 @@ Rejected draft rows are never trimmed by a separate message: the next step of th
 session starts at an earlier position and every stage rewinds its KV to it first.
 Steps that want no logits (non-final prefill chunks) return at once once sent, which is
 what lets stage 0 compute chunk i+1 while stage 1 works on chunk i.
+
+This is the data plane between stages, so it lives in the mesh beside the stage host
+(:mod:`meshnode.mesh.stage_host`, stages 1..n-1); the serving layer drives it through
+its scheduler. A failure is a :class:`PipelineUnavailableError` (no route right now:
+retry later) or a :class:`PipelineFailedError` (a stage failed computing the step); the
+serving layer maps them to its own errors.
 """
 
 from __future__ import annotations
@@ -28,11 +34,11 @@ from typing import Protocol
 
 import numpy as np
 
+from meshnode import wire
 from meshnode.engine import EngineError, Segment
 from meshnode.engine.worker import EngineWorker
-from meshnode.serve.errors import EngineFailedError, EngineUnavailableError
-from meshnode.serve.final import GREEDY, FinalSampler, Finalized, Sampling
-from meshnode import wire
+from meshnode.errors import MeshnodeError
+from meshnode.mesh.final import GREEDY, FinalSampler, Finalized, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,15 @@ DATA_STREAM = "data"
 # Long enough that a step queued behind another session's prefill chunk is not resent.
 LANE_RETRY_MIN_S = 1.0
 LANE_RETRY_RTTS = 8
+
+
+class PipelineUnavailableError(MeshnodeError):
+    """No route to the model's stages right now (closed, a stage unreachable or silent):
+    a later request may succeed."""
+
+
+class PipelineFailedError(MeshnodeError):
+    """A stage failed while computing a step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +106,7 @@ class LocalPipeline:
 
     async def run(self, steps: Sequence[Step]) -> list[Finalized | None]:
         if self.closed is not None:
-            raise EngineUnavailableError(self.closed)
+            raise PipelineUnavailableError(self.closed)
         return await self.worker.step(sum(int(s.tokens.shape[0]) for s in steps), self._run_sync, steps)
 
     async def end_session(self, session: int) -> None:
@@ -107,7 +122,7 @@ class LocalPipeline:
 
 def _time_out(fut: asyncio.Future) -> None:
     if not fut.done():
-        fut.set_exception(EngineUnavailableError("the final stage did not answer in time"))
+        fut.set_exception(PipelineUnavailableError("the final stage did not answer in time"))
 
 
 class MeshPipeline:
@@ -142,7 +157,7 @@ class MeshPipeline:
         if isinstance(msg, wire.DataError):
             fut = self._pending.pop(msg.batch_id, None)
             if fut is not None and not fut.done():
-                fut.set_exception(EngineFailedError(f"stage on {peer} failed: {msg.message}"))
+                fut.set_exception(PipelineFailedError(f"stage on {peer} failed: {msg.message}"))
             return True
         return False
 
@@ -150,16 +165,16 @@ class MeshPipeline:
         """A stage vanished: every waiting step fails now rather than at its timeout."""
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(EngineUnavailableError(reason))
+                fut.set_exception(PipelineUnavailableError(reason))
         self._pending.clear()
 
     async def run(self, steps: Sequence[Step]) -> list[Finalized | None]:
         if self.closed is not None:
-            raise EngineUnavailableError(self.closed)
+            raise PipelineUnavailableError(self.closed)
         try:
             hidden = await self.worker.forward(_segments(steps, False), rewind=True)
         except EngineError as exc:
-            raise EngineFailedError(f"stage 0: {exc}") from exc
+            raise PipelineFailedError(f"stage 0: {exc}") from exc
         act = np.concatenate(hidden, axis=0)
         if act.dtype != self.wire_dtype:
             act = act.astype(self.wire_dtype)
@@ -234,7 +249,7 @@ class MeshPipeline:
         try:
             await self.fabric.send_data(self.route[0], msg, DATA_STREAM)
         except Exception as exc:
-            raise EngineUnavailableError(f"cannot reach stage 1 ({exc})") from exc
+            raise PipelineUnavailableError(f"cannot reach stage 1 ({exc})") from exc
 
     def _resend_after(self) -> float:
         return max(LANE_RETRY_MIN_S, LANE_RETRY_RTTS * (self._lane_rtt or 0.0))
@@ -253,7 +268,7 @@ class MeshPipeline:
         try:
             self.fabric.send_data_now(self.route[0], self._forward(steps, batch_id, act, False), DATA_STREAM)
         except Exception as exc:  # noqa: BLE001 - the waiting step fails with it
-            fut.set_exception(EngineUnavailableError(f"cannot reach stage 1 ({exc})"))
+            fut.set_exception(PipelineUnavailableError(f"cannot reach stage 1 ({exc})"))
 
     def _decode_frame(self, steps: Sequence[Step], batch_id: int, act: np.ndarray,
                       lane: bool) -> memoryview | None:
