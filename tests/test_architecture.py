@@ -14,6 +14,7 @@ It finds the packages to analyse through ``importlib``, so each run points ``sys
 from __future__ import annotations
 
 import ast
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -37,7 +38,15 @@ def _lint(root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFix
     for name in ("meshnode", "ui"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     capsys.readouterr()
-    status = lint_imports(config_filename=str(root / "pyproject.toml"), no_cache=True)
+    # import-linter configures logging with dictConfig, which disables every logger that
+    # exists already (meshnode's among them): later tests' caplog would see nothing.
+    loggers = [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    disabled = {lg: lg.disabled for lg in loggers}
+    try:
+        status = lint_imports(config_filename=str(root / "pyproject.toml"), no_cache=True)
+    finally:
+        for lg, was in disabled.items():
+            lg.disabled = was
     return status == 0, capsys.readouterr().out
 
 
