@@ -27,7 +27,7 @@ from meshnode.serve.client import (
     Timings,
     Usage,
 )
-from meshnode.serve.errors import ContextOverflowError, EngineFailedError, EngineUnavailableError, UnknownModelError
+from meshnode.serve.errors import EngineFailedError, EngineUnavailableError, PromptTooLongError, UnknownModelError
 from meshnode.serve.openai_routes import make_openai_router
 
 MODEL = "fake-model"
@@ -70,7 +70,7 @@ class FakeEngine:
         if "offline" in prompt:
             raise EngineUnavailableError("No route to the model's stages.")
         if prompt_tokens > N_CTX:
-            raise ContextOverflowError(prompt_tokens, N_CTX)
+            raise PromptTooLongError(prompt_tokens, N_CTX)
         outcome = "closed"
         try:
             yield Admitted(prompt_tokens)
