@@ -1,5 +1,6 @@
 """The OpenAI layer end to end: real uvicorn on 127.0.0.1:0, the official ``openai`` client
-and raw httpx, in front of a small deterministic fake engine client."""
+and raw httpx, in front of a small deterministic fake engine client (and, for the engine's
+and the mesh's failures, the real ModelServer over a fake pipeline)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from meshnode.engine.errors import ContextOverflowError
+from meshnode.mesh.fabric import PeerUnavailableError
 from meshnode.serve.client import (
     Admitted,
     EngineClient,
@@ -27,7 +30,9 @@ from meshnode.serve.client import (
     Timings,
     Usage,
 )
-from meshnode.serve.errors import ContextOverflowError, EngineFailedError, EngineUnavailableError, UnknownModelError
+from meshnode.serve.errors import EngineFailedError, EngineUnavailableError, PromptTooLongError, UnknownModelError
+from meshnode.mesh.final import Finalized
+from meshnode.serve.model_server import ModelServer, ServeSettings
 from meshnode.serve.openai_routes import make_openai_router
 
 MODEL = "fake-model"
@@ -70,7 +75,7 @@ class FakeEngine:
         if "offline" in prompt:
             raise EngineUnavailableError("No route to the model's stages.")
         if prompt_tokens > N_CTX:
-            raise ContextOverflowError(prompt_tokens, N_CTX)
+            raise PromptTooLongError(prompt_tokens, N_CTX)
         outcome = "closed"
         try:
             yield Admitted(prompt_tokens)
@@ -130,10 +135,7 @@ def engine() -> FakeEngine:
     return FakeEngine()
 
 
-@pytest.fixture(scope="module")
-def base_url(engine: FakeEngine) -> Iterator[str]:
-    app = FastAPI()
-    app.include_router(make_openai_router(lambda: engine, keepalive_s=0.1))
+def _uvicorn(app: FastAPI) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -145,6 +147,13 @@ def base_url(engine: FakeEngine) -> Iterator[str]:
     yield f"http://127.0.0.1:{port}/v1"
     server.should_exit = True
     thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def base_url(engine: FakeEngine) -> Iterator[str]:
+    app = FastAPI()
+    app.include_router(make_openai_router(lambda: engine, keepalive_s=0.1))
+    yield from _uvicorn(app)
 
 
 @pytest.fixture
@@ -433,3 +442,96 @@ def test_client_disconnect_non_streaming_cancels_generation(base_url: str, engin
         httpx.post(base_url + "/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
     req = engine.last_request("slow nonstream")
     assert engine.outcome(req.request_id) in ("cancelled", "closed")
+
+
+# --- the real ModelServer: failures of the engine and the mesh ---------------------------
+
+SERVED_CTX = 256    # the model server's context per request
+STAGE_CTX = 48      # ... but a stage holds less: a long answer overflows it mid-decode
+
+
+class _CharTokenizer:
+    eog_ids: frozenset[int] = frozenset()
+
+    def encode(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode_bytes(self, tokens: list[int]) -> bytes:
+        return "".join(chr(t) for t in tokens).encode()
+
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(chr(t) for t in tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> tuple[list[int], list[str]]:
+        return self.encode("".join(m["content"] for m in messages)), []
+
+
+class _FailingStages:
+    """A one-token-at-a-time "model" (it always says ``a``) whose stage holds
+    ``STAGE_CTX`` positions and raises as the engine does past them; a prompt saying
+    ``gone`` loses its peer instead."""
+
+    n_stages = 2
+
+    async def run(self, steps):
+        for s in steps:
+            if s.pos == 0 and "gone" in "".join(map(chr, s.tokens)):
+                raise PeerUnavailableError("no link to peer n2")
+            if s.pos + len(s.tokens) > STAGE_CTX:
+                raise ContextOverflowError(s.pos + len(s.tokens), STAGE_CTX)
+        return [Finalized((ord("a"),), 0, 0) if s.n_logits else None for s in steps]
+
+    async def end_session(self, session: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@pytest.fixture(scope="module")
+def served_url() -> Iterator[str]:
+    servers: list[ModelServer] = []
+
+    def get_client() -> ModelServer:
+        if not servers:   # built on uvicorn's loop: the scheduler's task lives there
+            servers.append(ModelServer(ServeSettings(MODEL, n_ctx=SERVED_CTX), _CharTokenizer(),
+                                       _FailingStages()))
+        return servers[0]
+
+    app = FastAPI()
+    app.include_router(make_openai_router(get_client, keepalive_s=0.1))
+    yield from _uvicorn(app)
+
+
+def test_model_server_answers_within_the_stage_context(served_url: str) -> None:
+    resp = _post(served_url, "/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "aaaaa"
+
+
+def test_engine_context_overflow_is_400_with_a_clear_message(served_url: str) -> None:
+    # the prompt fits the model server's context; the answer outgrows the stage's
+    body = {"model": MODEL, "prompt": "overflow " * 2, "max_tokens": 100}
+    err = _error(_post(served_url, "/completions", body), 400)
+    assert (err["type"], err["code"]) == ("invalid_request_error", "context_length_exceeded")
+    assert str(STAGE_CTX) in str(err["message"]) and "context" in str(err["message"])
+    # streaming: the stream had started, so the same error arrives in-band
+    resp = _post(served_url, "/completions", {**body, "stream": True})
+    assert resp.status_code == 200
+    events = _sse_lines(resp.text)
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert err["code"] == "context_length_exceeded" and str(STAGE_CTX) in err["message"]
+
+
+def test_prompt_longer_than_the_served_context_is_400_before_prefill(served_url: str) -> None:
+    long = "x" * SERVED_CTX
+    for stream in (False, True):
+        err = _error(_post(served_url, "/chat/completions",
+                           {"model": MODEL, "messages": _user(long), "stream": stream}), 400)
+        assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+        assert str(SERVED_CTX) in str(err["message"])
+
+
+def test_lost_peer_is_503(served_url: str) -> None:
+    err = _error(_post(served_url, "/completions", {"model": MODEL, "prompt": "gone", "max_tokens": 5}), 503)
+    assert (err["type"], err["code"]) == ("server_error", "engine_unavailable")
+    assert "n2" in str(err["message"])

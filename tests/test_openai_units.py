@@ -8,15 +8,23 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from meshnode.engine.errors import (
+    ContextOverflowError,
+    DecodeError,
+    EngineBusyError,
+    EngineError,
+    EngineInputError,
+)
 from meshnode.errors import MeshnodeError
+from meshnode.mesh.fabric import PeerUnavailableError
 from meshnode.serve.client import ChatMessage, GenerationRequest, StopMatcher, Timings
 from meshnode.serve.errors import (
     ERROR_TABLE,
-    ContextOverflowError,
     EngineFailedError,
     EngineUnavailableError,
     InvalidRequestError,
     MalformedRequestError,
+    PromptTooLongError,
     ServeError,
     UnknownModelError,
     UnsupportedValueError,
@@ -83,7 +91,7 @@ def test_stop_matcher_never_emits_a_held_prefix_early() -> None:
         (UnsupportedValueError("n", "only 1"), 400, "invalid_request_error", "unsupported_value", "n"),
         (MalformedRequestError("not json"), 400, "invalid_request_error", "invalid_json", None),
         (UnknownModelError("m"), 404, "invalid_request_error", "model_not_found", "model"),
-        (ContextOverflowError(100, 64), 400, "invalid_request_error", "context_length_exceeded", None),
+        (PromptTooLongError(100, 64), 400, "invalid_request_error", "context_length_exceeded", None),
         (EngineUnavailableError("no route"), 503, "server_error", "engine_unavailable", None),
         (EngineFailedError("boom"), 500, "server_error", "engine_failed", None),
     ],
@@ -99,14 +107,56 @@ def test_error_table_lookup_follows_subclasses() -> None:
         pass
 
     assert error_spec(NoRouteError("x")).status == 503
-    assert set(ERROR_TABLE) >= {InvalidRequestError, UnknownModelError, ContextOverflowError,
+    assert set(ERROR_TABLE) >= {InvalidRequestError, UnknownModelError, PromptTooLongError,
                                 EngineUnavailableError, EngineFailedError}
 
 
 def test_context_overflow_carries_numbers() -> None:
-    e = ContextOverflowError(9000, 8192)
+    e = PromptTooLongError(9000, 8192)
     assert (e.prompt_tokens, e.n_ctx) == (9000, 8192)
     assert "8192" in e.message and "9000" in e.message
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "type_", "code"),
+    [
+        # the session outgrew a stage's context: the request was too long, not our failure
+        (ContextOverflowError(130, 128), 400, "invalid_request_error", "context_length_exceeded"),
+        # passing: the same request may succeed later
+        (EngineBusyError("every slot is in use"), 503, "server_error", "engine_unavailable"),
+        (PeerUnavailableError("no link to peer n2"), 503, "server_error", "engine_unavailable"),
+        # ours
+        (DecodeError("llama_decode returned -3"), 500, "server_error", "engine_failed"),
+        (EngineInputError("rows of the wrong width"), 500, "server_error", "engine_failed"),
+        (EngineError("anything else the engine raises"), 500, "server_error", "engine_failed"),
+    ],
+)
+def test_error_table_maps_lower_layer_failures(exc: Exception, status: int, type_: str, code: str) -> None:
+    spec = error_spec(exc)
+    assert spec is not None and spec.status == status
+    # a lower layer's failure names no request field; its message is its own
+    assert error_body(exc) == {"error": {"message": str(exc), "type": type_, "param": None, "code": code}}
+
+
+def test_error_table_classifies_by_type_never_by_message() -> None:
+    # the same words in another type change nothing; another type with no row has no spec
+    assert error_spec(EngineFailedError("context overflow: 130 positions needed")).status == 500
+    assert error_spec(RuntimeError("context overflow: 130 positions needed")) is None
+    assert error_spec(ValueError("no link to peer n2")) is None
+    with pytest.raises(TypeError):
+        error_body(RuntimeError("a bug"))
+
+
+def test_serve_errors_do_not_reuse_engine_names() -> None:
+    # one class per name: the serve layer's prompt check is not the engine's overflow
+    import meshnode.engine.errors as engine_errors
+    import meshnode.serve.errors as serve_errors
+
+    def defined(module) -> set[str]:
+        return {n for n, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__}
+
+    assert not defined(serve_errors) & defined(engine_errors)
+    assert error_spec(PromptTooLongError(9000, 8192)) == error_spec(ContextOverflowError(9000, 8192))
 
 
 # --- timings, requests ----------------------------------------------------------------

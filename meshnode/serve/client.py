@@ -9,12 +9,14 @@ async iterator of :data:`GenerationEvent` s:
 Contract for implementations (the real pipeline driver and test fakes alike):
 
 * ``generate`` is an async generator function (``async def ... yield``). Problems with the
-  request itself (``UnknownModelError``, ``ContextOverflowError``, ``InvalidRequestError``)
+  request itself (``UnknownModelError``, ``PromptTooLongError``, ``InvalidRequestError``)
   and ``EngineUnavailableError`` must be raised *before* the first event: the layer pulls
   the first event before it commits to an HTTP 200, so these become proper 4xx/503
   responses even for ``stream=true``. Yielding :class:`Admitted` right after tokenizing
   and admission (before prefill) lets a streaming response start early; it is optional.
-* Errors after the first event become in-band SSE errors (or a 500 for non-streaming).
+* Errors after the first event become in-band SSE errors (or, for non-streaming, the
+  status of their row in :data:`~meshnode.serve.errors.ERROR_TABLE`: engine and mesh
+  failures such as a context overflow or a lost peer may be raised as they are).
 * The engine client owns tokenization, the chat template *and stop strings*: it knows
   tokens, can stop decoding the moment a stop string completes and free the session,
   and reports usage/timings that match what it actually computed. Text in
@@ -201,8 +203,9 @@ class EngineClient(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Start generating; implement as ``async def generate(...)`` with ``yield``.
 
-        Raises (before the first event): UnknownModelError, ContextOverflowError,
-        InvalidRequestError, EngineUnavailableError. Later failures: EngineFailedError.
+        Raises (before the first event): UnknownModelError, PromptTooLongError,
+        InvalidRequestError, EngineUnavailableError. Later failures: EngineFailedError
+        or any exception with a row in ERROR_TABLE (the engine's, the mesh's).
         The caller must exhaust or ``aclose()`` the iterator.
         """
         ...

@@ -2,11 +2,16 @@
 
 Theory of operation: whoever detects a problem raises the matching subclass of
 :class:`ServeError` (the request parser raises :class:`InvalidRequestError`, the engine
-client raises :class:`ContextOverflowError`, :class:`EngineUnavailableError` ...). The HTTP
-edge turns it into ``{"error": {"message", "type", "param", "code"}}`` with the status
-code from :data:`ERROR_TABLE`, or, once an SSE stream has started, into an in-band error
-chunk followed by ``data: [DONE]``. Classification is by type only (walking the MRO),
-never by message text.
+client raises :class:`PromptTooLongError`, :class:`EngineUnavailableError` ...). Failures
+of the layers below that surface while a request is served keep their own types (the
+engine's :class:`~meshnode.engine.ContextOverflowError`, a lost peer's
+:class:`~meshnode.mesh.fabric.PeerUnavailableError` ...): :data:`ERROR_TABLE` has rows for
+them too, so a session outgrowing its context is the caller's 400 and a peer gone is a
+503, not one undifferentiated 500. The HTTP edge turns any exception with a row into
+``{"error": {"message", "type", "param", "code"}}`` with the row's status code, or, once
+an SSE stream has started, into an in-band error chunk followed by ``data: [DONE]``; an
+exception without a row is a bug, reported as an internal error. Classification is by
+type only (walking the MRO), never by message text.
 
 The error shape follows OpenAI's API reference ("Error codes" and the error object):
 ``type`` is ``invalid_request_error`` for the caller's mistakes and ``server_error`` for
@@ -18,16 +23,19 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from meshnode.engine.errors import ContextOverflowError, EngineBusyError, EngineError
 from meshnode.errors import MeshnodeError
+from meshnode.mesh.fabric import PeerUnavailableError
+from meshnode.mesh.pipeline import PipelineFailedError, PipelineUnavailableError
 
 __all__ = [
     "ERROR_TABLE",
-    "ContextOverflowError",
     "EngineFailedError",
     "EngineUnavailableError",
     "ErrorSpec",
     "InvalidRequestError",
     "MalformedRequestError",
+    "PromptTooLongError",
     "ServeError",
     "UnknownModelError",
     "UnsupportedValueError",
@@ -74,8 +82,9 @@ class UnknownModelError(ServeError):
         self.model = model
 
 
-class ContextOverflowError(ServeError):
-    """The prompt (plus the requested completion, when the engine checks it) does not fit.
+class PromptTooLongError(ServeError):
+    """The prompt does not fit the context: refused before prefill. (A session that
+    outgrows its context later is the engine's :class:`~meshnode.engine.ContextOverflowError`.)
 
     ``param`` may stay None: the route fills in its prompt field (``messages``/``prompt``).
     """
@@ -107,30 +116,51 @@ class ErrorSpec(NamedTuple):
     code: str | None
 
 
-# The one table. Lookup walks the exception's MRO, so a subclass without its own row
-# inherits its parent's; the most specific row wins.
-ERROR_TABLE: dict[type[ServeError], ErrorSpec] = {
+# The one table, keyed by exception type: the serving layer's own errors and the failures
+# of the layers below that can surface while a request is served. Lookup walks the
+# exception's MRO, so a subclass without its own row inherits its parent's; the most
+# specific row wins.
+ERROR_TABLE: dict[type[Exception], ErrorSpec] = {
+    # the caller's mistakes
     MalformedRequestError: ErrorSpec(400, "invalid_request_error", "invalid_json"),
     UnsupportedValueError: ErrorSpec(400, "invalid_request_error", "unsupported_value"),
     InvalidRequestError: ErrorSpec(400, "invalid_request_error", "invalid_value"),
     UnknownModelError: ErrorSpec(404, "invalid_request_error", "model_not_found"),
+    PromptTooLongError: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
+    # prompt + completion (+ drafts) grew past a stage's context: too long a request
     ContextOverflowError: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
+    # ours, and passing: the same request may succeed later
     EngineUnavailableError: ErrorSpec(503, "server_error", "engine_unavailable"),
+    EngineBusyError: ErrorSpec(503, "server_error", "engine_unavailable"),
+    PeerUnavailableError: ErrorSpec(503, "server_error", "engine_unavailable"),
+    PipelineUnavailableError: ErrorSpec(503, "server_error", "engine_unavailable"),
+    # ours
     EngineFailedError: ErrorSpec(500, "server_error", "engine_failed"),
+    PipelineFailedError: ErrorSpec(500, "server_error", "engine_failed"),
+    EngineError: ErrorSpec(500, "server_error", "engine_failed"),
     ServeError: ErrorSpec(500, "server_error", None),
 }
 
 
-def error_spec(exc: ServeError) -> ErrorSpec:
-    """The table row for ``exc`` (most specific class first)."""
+def error_spec(exc: BaseException) -> ErrorSpec | None:
+    """The table row for ``exc`` (most specific class first); None when no row covers it
+    (a bug: the HTTP edge reports it as an internal error)."""
     for cls in type(exc).__mro__:
-        spec = ERROR_TABLE.get(cls)  # type: ignore[arg-type]
+        spec = ERROR_TABLE.get(cls)
         if spec is not None:
             return spec
-    raise TypeError(f"{type(exc).__name__} is not a ServeError")  # unreachable for ServeError
+    return None
 
 
-def error_body(exc: ServeError) -> dict[str, Any]:
-    """OpenAI's error object for ``exc``: ``{"error": {message, type, param, code}}``."""
+def error_body(exc: Exception) -> dict[str, Any]:
+    """OpenAI's error object for ``exc``, which has a row in :data:`ERROR_TABLE`:
+    ``{"error": {message, type, param, code}}``. A failure of a lower layer has no
+    request field to name; its message is its own."""
     spec = error_spec(exc)
-    return {"error": {"message": exc.message, "type": spec.type, "param": exc.param, "code": spec.code}}
+    if spec is None:
+        raise TypeError(f"{type(exc).__name__} has no row in ERROR_TABLE")
+    if isinstance(exc, ServeError):
+        message, param = exc.message, exc.param
+    else:
+        message, param = str(exc), None
+    return {"error": {"message": message, "type": spec.type, "param": param, "code": spec.code}}

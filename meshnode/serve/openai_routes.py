@@ -25,7 +25,9 @@ In every case the engine's generator is closed (cancelled and ``aclose()``d, shi
 from the surrounding cancellation) so the engine frees the session.
 
 All errors map through :data:`meshnode.serve.errors.ERROR_TABLE`; the custom route class
-turns any :class:`ServeError` into ``{"error": {...}}`` with the table's status code.
+turns any exception with a row there (every :class:`ServeError`, and the engine's and the
+mesh's failures) into ``{"error": {...}}`` with the row's status code; anything else is
+logged as a bug and answered as a 500.
 """
 
 from __future__ import annotations
@@ -46,10 +48,9 @@ from starlette.types import Receive, Scope, Send
 
 from meshnode.serve.client import Admitted, EngineClient, Finished, GenerationEvent, TextDelta, TimingsJSON, Usage
 from meshnode.serve.errors import (
-    ContextOverflowError,
     EngineFailedError,
     InvalidRequestError,
-    ServeError,
+    PromptTooLongError,
     UnknownModelError,
     error_body,
     error_spec,
@@ -81,9 +82,15 @@ DEFAULT_KEEPALIVE_S = 10.0
 _T = TypeVar("_T")
 
 
-def error_response(exc: ServeError) -> JSONResponse:
-    """The HTTP response for ``exc``: OpenAI's error JSON with the table's status code."""
-    return JSONResponse(error_body(exc), status_code=error_spec(exc).status)
+def error_response(exc: Exception) -> JSONResponse:
+    """The HTTP response for ``exc``: OpenAI's error JSON with the table's status code
+    (an exception without a row in the table is a bug: a 500 that says so)."""
+    spec = error_spec(exc)
+    if spec is None:
+        exc = EngineFailedError("Internal server error.")
+        spec = error_spec(exc)
+    assert spec is not None
+    return JSONResponse(error_body(exc), status_code=spec.status)
 
 
 class OpenAIRoute(APIRoute):
@@ -95,18 +102,18 @@ class OpenAIRoute(APIRoute):
         async def guarded(request: Request) -> Response:
             try:
                 return await handler(request)
-            except ServeError as e:
-                log.info("%s %s -> %s: %s", request.method, request.url.path, type(e).__name__, e.message)
-                return error_response(e)
             except RequestValidationError as e:  # path/query params; bodies are parsed by hand
                 first = e.errors()[0] if e.errors() else {}
                 param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
                 return error_response(InvalidRequestError(param, str(first.get("msg", "invalid request"))))
             except HTTPException:
                 raise
-            except Exception:
-                log.exception("unexpected error serving %s %s", request.method, request.url.path)
-                return error_response(EngineFailedError("Internal server error."))
+            except Exception as e:
+                if error_spec(e) is None:
+                    log.exception("unexpected error serving %s %s", request.method, request.url.path)
+                else:
+                    log.info("%s %s -> %s: %s", request.method, request.url.path, type(e).__name__, e)
+                return error_response(e)
 
         return guarded
 
@@ -157,7 +164,7 @@ def make_openai_router(
             first = await _unless_disconnected(request, _first_event(pump))
             handed_over = True
             return _SSEResponse(_stream(request, pump, first, chunks), pump.aclose)
-        except ContextOverflowError as e:
+        except PromptTooLongError as e:
             if e.param is None:
                 e.param = prompt_param
             raise
@@ -289,13 +296,13 @@ async def _stream(
     except StopAsyncIteration:
         yield sse_data(error_body(EngineFailedError("The engine ended the request without a result.")))
         yield DONE
-    except ServeError as e:
-        log.info("%s: in-band error %s: %s", chunks.id, type(e).__name__, e.message)
+    except Exception as e:
+        if error_spec(e) is None:
+            log.exception("%s: engine failed mid-stream", chunks.id)
+            e = EngineFailedError("Internal server error.")
+        else:
+            log.info("%s: in-band error %s: %s", chunks.id, type(e).__name__, e)
         yield sse_data(error_body(e))
-        yield DONE
-    except Exception:
-        log.exception("%s: engine failed mid-stream", chunks.id)
-        yield sse_data(error_body(EngineFailedError("Internal server error.")))
         yield DONE
     finally:
         with anyio.CancelScope(shield=True):

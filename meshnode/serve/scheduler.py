@@ -14,11 +14,11 @@ of every session would leave each stage idle while the others work (a lone strea
 cannot be pipelined: its next token needs the last one). Lanes form by themselves:
 a returning batch's sessions submit together and leave together again.
 
-Batches stay small enough for batch invariance (DESIGN.md §3: identical logits up to
+Batches stay small enough for batch invariance (docs/engine.md: identical logits up to
 32 rows); a prefill chunk larger than that travels alone, exactly as on a single node.
 
-The pipeline belongs to the mesh and fails with the mesh's errors; this is where the
-serving layer meets it, so they become serve's typed errors here (see :func:`serve_error`).
+The pipeline belongs to the mesh and fails with the mesh's errors; every waiter of a
+failed batch gets that error as it is, and serve/errors.py's table gives it its HTTP status.
 """
 
 from __future__ import annotations
@@ -27,32 +27,17 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from meshnode.limits import MAX_VERIFY_WINDOW
 from meshnode.mesh.final import Finalized
-from meshnode.mesh.pipeline import Pipeline, PipelineFailedError, PipelineUnavailableError, Step
-from meshnode.serve.errors import EngineFailedError, EngineUnavailableError
+from meshnode.mesh.pipeline import Pipeline, Step
 
 log = logging.getLogger(__name__)
 
 GATHER_S = 0.002   # longest wait for the other decoding sessions to submit
 
 
-def serve_error(exc: BaseException) -> BaseException:
-    """``exc`` as the OpenAI layer knows it: a pipeline that has no route now is
-    :class:`EngineUnavailableError` (503), one whose stage failed is
-    :class:`EngineFailedError` (500), with the same message. Anything else is returned
-    as it is."""
-    if isinstance(exc, PipelineUnavailableError):
-        err: BaseException = EngineUnavailableError(str(exc))
-    elif isinstance(exc, PipelineFailedError):
-        err = EngineFailedError(str(exc))
-    else:
-        return exc
-    err.__cause__ = exc
-    return err
-
-
 class BatchScheduler:
-    def __init__(self, pipeline: Pipeline, *, max_rows: int = 32, max_inflight: int | None = None) -> None:
+    def __init__(self, pipeline: Pipeline, *, max_rows: int = MAX_VERIFY_WINDOW, max_inflight: int | None = None) -> None:
         self.pipeline = pipeline
         self.max_rows = max_rows
         self._pending: list[tuple[Step, asyncio.Future]] = []
@@ -162,10 +147,9 @@ class BatchScheduler:
                 if not fut.done():
                     fut.set_result(res)
         except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
-            err = serve_error(exc)
             for _, fut in batch:
                 if not fut.done():
-                    fut.set_exception(err)
+                    fut.set_exception(exc)
         finally:
             self._in_flight.difference_update(s.session for s in steps)
             self._inflight.release()

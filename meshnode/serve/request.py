@@ -1,0 +1,123 @@
+"""One request in the model server, from admission to cleanup.
+
+Theory of operation
+-------------------
+:class:`ActiveRequest` is everything the model server knows about one admitted request:
+its session (the id every stage keys its KV by), prompt, sampling, limits and stop
+strings; where its KV ends (``pos``) and the tokens generated so far; its telemetry
+snapshot; and its speculation state (the n-gram proposer over its context and a
+lookahead window in flight, both driven by :mod:`meshnode.serve.speculation`).
+
+It holds no engine and does no I/O. The model server drives its life cycle; the
+speculative decoder its decode steps. :meth:`ActiveRequest.take` turns the tokens a step
+produced into text (UTF-8 safe, stop strings held back until they can no longer match)
+and decides when the request is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from meshnode.engine.tokenizer import Tokenizer
+from meshnode.serve.client import StopMatcher, TextDelta
+from meshnode.mesh.final import Sampling
+from meshnode.mesh.pipeline import Step
+from meshnode.spec.ngram import NGramProposer
+from meshnode.state import RequestInfo
+
+
+@dataclass
+class SentStep:
+    """A decode step handed to the scheduler, its result not yet taken."""
+
+    step: Step
+    result: asyncio.Future
+    lookahead: bool = False
+
+    @property
+    def pos(self) -> int:
+        return self.step.pos
+
+    @property
+    def last(self) -> int:
+        return int(self.step.tokens[0])
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return self.step.drafts
+
+    def withdraw(self) -> None:
+        """Give the step up: not run if it has not left the scheduler, its result (or
+        failure) ignored if it has."""
+        if not self.result.done():
+            self.result.cancel()
+        elif not self.result.cancelled():
+            self.result.exception()   # retrieved: asyncio does not log it as lost
+
+
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    # a token may end inside a multi-byte character: its bytes wait for the next token's
+    return codecs.getincrementaldecoder("utf-8")("replace")
+
+
+@dataclass(eq=False)
+class ActiveRequest:
+    """One admitted request. See the module docstring."""
+
+    id: str
+    session: int
+    prompt: list[int]
+    sampling: Sampling
+    max_tokens: int              # the request's limit, capped by the context left
+    stops: StopMatcher
+    info: RequestInfo            # the snapshot published to the UI (replaced, never mutated)
+    t0: float = field(default_factory=time.perf_counter)
+    first_token_t: float | None = None
+    pos: int = 0                 # the session's KV holds positions [0, pos)
+    generated: list[int] = field(default_factory=list)
+    finish: str = "length"       # OpenAI's finish_reason once done
+    done: bool = False
+    # speculation state, driven by meshnode.serve.speculation
+    ngram: NGramProposer | None = None   # the whole context: prompt + every generated token
+    ahead: SentStep | None = None        # a lookahead window in flight
+    _utf8: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder, repr=False)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the request may still generate."""
+        return self.max_tokens - len(self.generated)
+
+    def take(self, tokens: Sequence[int], tokenizer: Tokenizer) -> list[TextDelta]:
+        """Add the tokens a step produced; return the text they release. Sets ``done``
+        (and ``finish``) at an end-of-generation token, a completed stop string or
+        ``max_tokens``; the tokens after that one are not taken."""
+        deltas: list[TextDelta] = []
+        for tok in tokens:
+            self.generated.append(tok)
+            if tok in tokenizer.eog_ids:
+                self.finish, self.done = "stop", True
+                break
+            text = self.stops.feed(self._utf8.decode(tokenizer.decode_bytes([tok])))
+            if text:
+                deltas.append(TextDelta(text, (tok,)))
+            if self.stops.stopped:
+                self.finish, self.done = "stop", True
+                break
+            if len(self.generated) >= self.max_tokens:
+                self.finish, self.done = "length", True
+                break
+        return deltas
+
+    def tail(self) -> str:
+        """The text still held back when generation ends (none after a stop string)."""
+        tail = self.stops.flush() + self._utf8.decode(b"", final=True)
+        return "" if self.stops.stopped else tail
+
+    def withdraw_lookahead(self) -> None:
+        """The request ends: a lookahead window still in flight is given up."""
+        if self.ahead is not None:
+            self.ahead.withdraw()

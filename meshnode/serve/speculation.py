@@ -1,0 +1,199 @@
+"""Driving speculation: the decode steps of a request, plain or with drafts.
+
+Theory of operation
+-------------------
+One :class:`SpeculativeDecoder` per served model holds the machinery its requests share:
+the :class:`~meshnode.spec.policy.AutoPolicy` (cold observation, enabled, cooling down),
+the window controller and the cost model it learns the route's verify cost in, the
+draft-model proposer (if any, on its own thread), the lookahead gate and the telemetry.
+The model server calls :meth:`~SpeculativeDecoder.start` once a request's prefill is
+done and :meth:`~SpeculativeDecoder.step` for every decode step after that; the request's
+own state (position, n-gram proposer, the lookahead in flight) lives on its
+:class:`~meshnode.serve.request.ActiveRequest`.
+
+A step sends ``[last]`` (plain) or ``[last, d1..dk]`` (a verify window; drafts from the
+n-gram proposer or the draft model, ``k`` from the window controller, capped by the
+tokens and context left) to the scheduler. The final stage returns the accepted drafts
+plus one bonus token; rejected rows are dropped by every stage when the next step starts
+at an earlier position. Every outcome feeds the policy, the window, the cost model, the
+gate and the telemetry. On a split, a lone greedy n-gram stream may send the next window
+before this one returns (a *lookahead*, :mod:`meshnode.spec.lookahead`): taken as the
+next step when its guess held (full acceptance, bonus guessed), dropped otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from meshnode.engine.tokenizer import Tokenizer
+from meshnode.mesh.pipeline import Step
+from meshnode.serve.errors import EngineFailedError
+from meshnode.serve.request import ActiveRequest, SentStep
+from meshnode.serve.scheduler import BatchScheduler
+from meshnode.spec.cost_model import CostModel
+from meshnode.spec.lookahead import LookaheadGate
+from meshnode.spec.ngram import NGramProposer
+from meshnode.spec.policy import AutoPolicy
+from meshnode.spec.stats import SpecTelemetry
+from meshnode.spec.strategy import Proposer, SpecConfig
+from meshnode.spec.window import WindowController, WindowPolicy, make_window
+from meshnode.state import DraftVerified
+
+log = logging.getLogger(__name__)
+
+MAX_DRAFT = 16          # rows per verify stay well inside batch invariance (<= 32)
+
+
+class SpeculativeDecoder:
+    """One model's speculation machinery, shared by its requests, and the decode steps
+    that drive it. See the module docstring."""
+
+    def __init__(self, config: SpecConfig | None, draft: Proposer | None, *,
+                 scheduler: BatchScheduler, tokenizer: Tokenizer, n_ctx: int, min_match: int,
+                 publish: Callable[[object], None]) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.n_ctx = n_ctx
+        self.min_match = min_match   # shortest suffix match an n-gram draft continues
+        self._publish = publish
+        strategy = "none" if config is None or not config.enabled else (
+            "draft" if config.type == "draft-model" else "ngram")
+        mode = "off" if config is None or not config.enabled else config.mode
+        if config is not None and config.type == "draft-model" and draft is None:
+            strategy, mode = "none", "off"   # the caller already warned why
+        self.config = config
+        self.cost = CostModel(hop_s=0.0)
+        self.policy = AutoPolicy(mode, name=strategy, cost=self.cost, observes=strategy != "draft",
+                                 on_transition=lambda old, new, why: self.telemetry.set_state(new))
+        self.window: WindowController = make_window(
+            config.window if config is not None and config.enabled else WindowPolicy(), self.cost)
+        self.telemetry = SpecTelemetry(strategy, state=self.policy.state)
+        self.draft = draft
+        self.draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft") if draft else None
+        self.draft_lock = asyncio.Lock()
+        self.gate = LookaheadGate()
+
+    async def start(self, req: ActiveRequest, first: int) -> None:
+        """The request's prefill gave ``first``: the proposers take its context."""
+        req.ngram = NGramProposer(req.prompt)
+        req.ngram.observe([first])
+        self.policy.on_prompt(req.prompt)
+        if self.draft is not None:
+            # prefill the draft now only if it will draft (not while cooling down)
+            await self._draft_call(functools.partial(self.draft.reset, list(req.prompt),
+                                                     sync=self.policy.should_draft))
+            await self._draft_call(self.draft.accept, [first])
+        self.gate.window_done(0, 0)   # a new text: no run to continue yet
+
+    async def step(self, req: ActiveRequest, last: int) -> list[int]:
+        """One decode step of ``last`` at ``req.pos``: the tokens it produced (the
+        accepted drafts and the bonus token). ``req.ahead``, the lookahead sent during
+        the previous step, is taken as this step when its guess held, dropped
+        otherwise; afterwards it is the lookahead sent behind this step (if any)."""
+        ngram, ahead = req.ngram, req.ahead
+        assert ngram is not None, "start() first"
+        t0 = time.perf_counter()
+        step = None
+        if ahead is not None:
+            used = ahead.pos == req.pos and ahead.last == last   # full acceptance, bonus guessed
+            self.gate.outcome(used)
+            self.telemetry.record_lookahead(req.id, used)
+            if used:
+                step = ahead
+            else:
+                log.debug("step %s: lookahead at %d dropped", req.id, ahead.pos)
+                ahead.withdraw()
+        if step is None:
+            drafts: list[int] = []
+            room = min(req.remaining - 1, self.n_ctx - req.pos - 2, MAX_DRAFT)
+            if self.policy.should_draft and room > 0:
+                k = min(self.window.next_window(), room)
+                if self.draft is not None:
+                    drafts = await self._draft_call(self.draft.propose, [], k)
+                else:
+                    drafts = ngram.propose(k, min_match=self.min_match)
+                drafts = [int(t) for t in drafts[:k]]
+                self.telemetry.set_window(k)
+            step = self._send(req, req.pos, last, drafts)
+        nxt = self._look_ahead(req, step, ngram)
+        try:
+            res = await step.result
+        except BaseException:
+            if nxt is not None:
+                nxt.withdraw()   # the caller never sees it
+            raise
+        dt = time.perf_counter() - t0  # drafting included: it is part of what a step costs
+        assert res is not None
+        tokens, drafts = list(res.tokens), step.drafts
+        if not step.lookahead:
+            # a lookahead's wait overlapped the step before it: not what a window costs
+            self.cost.observe(len(drafts), dt)
+        self.gate.window_done(len(drafts), res.n_accepted)   # a plain step ends any run
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %s: %d draft(s), %d accepted, %.1f ms (state %s, window %s%s)", req.id,
+                      len(drafts), res.n_accepted, 1e3 * dt, self.policy.state.value,
+                      self.window.size, ", lookahead" if step.lookahead else "")
+        if drafts:
+            self.policy.record_verify(len(drafts), res.n_accepted, dt)
+            self.window.update(len(drafts), res.n_accepted)
+            self.telemetry.record_window(req.id, drafts, res.n_accepted, tokens[-1], dt)
+            self._publish(DraftVerified(
+                req.id, self.telemetry.strategy,
+                tuple(self.tokenizer.decode([t]) for t in drafts), res.n_accepted,
+                self.tokenizer.decode([tokens[-1]]), time.time()))
+        else:
+            if self.policy.should_observe:
+                self.policy.record_cold(ngram.would_hit(tokens[0], min_match=self.min_match))
+            self.telemetry.record_plain(req.id, dt, len(tokens))
+        ngram.observe(tokens)
+        if self.draft is not None:
+            await self._draft_call(self.draft.accept, tokens)
+        self.policy.on_generated(len(tokens))
+        req.ahead = nxt
+        return tokens
+
+    def _send(self, req: ActiveRequest, pos: int, last: int, drafts: list[int], *,
+              lookahead: bool = False) -> SentStep:
+        step = Step(req.session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
+                    tuple(drafts), req.sampling)
+        return SentStep(step, self.scheduler.enqueue(step), lookahead)
+
+    def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: NGramProposer) -> SentStep | None:
+        """Send the window that follows ``step`` if it is fully accepted and its bonus is
+        the proposer's next token (see :mod:`meshnode.spec.lookahead` for when)."""
+        if (not step.drafts or self.scheduler.pipeline.n_stages < 2 or not req.sampling.greedy
+                or self.draft is not None or not self.policy.should_draft
+                or self.scheduler.decoding != 1 or not self.gate.allow()):
+            return None
+        k = len(step.drafts)
+        pos2, remaining2 = step.pos + k + 1, req.remaining - (k + 1)
+        room = min(remaining2 - 1, self.n_ctx - pos2 - 2, MAX_DRAFT)
+        if room < 1:
+            return None
+        k2 = min(self.window.next_window(), room)
+        # the proposer's context ends at step.last: guess what follows the drafts in flight
+        cont = ngram.propose(1 + k2, min_match=self.min_match, after=step.drafts)
+        if not cont:
+            return None
+        return self._send(req, pos2, cont[0], cont[1:], lookahead=True)
+
+    async def _draft_call(self, fn, *args):
+        async with self.draft_lock:
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self.draft_pool, fn, *args)
+            except Exception as exc:
+                # The draft model only helps: its failures (its own context overflowing
+                # included) are not the request's fault, whatever their type.
+                log.exception("the draft model failed")
+                raise EngineFailedError(f"generation failed: {exc}") from exc
+
+    def close(self) -> None:
+        if self.draft_pool is not None:
+            self.draft_pool.shutdown(wait=False)

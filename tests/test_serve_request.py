@@ -1,0 +1,59 @@
+"""ActiveRequest (meshnode.serve.request): a step's tokens -> text deltas and the end of
+the request, without a model server."""
+
+from __future__ import annotations
+
+from meshnode.serve.client import StopMatcher
+from meshnode.mesh.final import GREEDY
+from meshnode.serve.request import ActiveRequest
+from meshnode.state import RequestInfo
+
+EOG = 0
+SPLIT = {1: b"\xc3", 2: b"\xa9"}   # two tokens that together make "é"
+
+
+class ByteTokenizer:
+    eog_ids = frozenset({EOG})
+
+    def decode_bytes(self, tokens: list[int]) -> bytes:
+        return b"".join(SPLIT.get(t, bytes([t])) for t in tokens)
+
+
+def _req(max_tokens: int = 100, stops: tuple[str, ...] = ()) -> ActiveRequest:
+    info = RequestInfo("r", "m", "queued", 3, 0, 0.0, None, 0.0)
+    return ActiveRequest("r", 1, [5, 6, 7], GREEDY, max_tokens, StopMatcher(stops), info)
+
+
+def _text(deltas) -> str:
+    return "".join(d.text for d in deltas)
+
+
+def test_tokens_become_text_and_max_tokens_ends_with_length() -> None:
+    r, tok = _req(max_tokens=4), ByteTokenizer()
+    assert _text(r.take(list(b"ab"), tok)) == "ab" and not r.done and r.remaining == 2
+    # a step may bring more tokens than the request may take: the rest is not taken
+    assert _text(r.take(list(b"cdef"), tok)) == "cd"
+    assert (r.done, r.finish, r.generated) == (True, "length", list(b"abcd"))
+
+
+def test_end_of_generation_token_ends_with_stop_and_has_no_text() -> None:
+    r = _req()
+    assert _text(r.take([*b"hi", EOG, *b"x"], ByteTokenizer())) == "hi"
+    assert (r.done, r.finish, r.generated) == (True, "stop", [*b"hi", EOG])
+
+
+def test_stop_string_is_held_back_then_dropped() -> None:
+    r, tok = _req(stops=("END",)), ByteTokenizer()
+    assert _text(r.take(list(b"ok E"), tok)) == "ok "
+    assert not r.done
+    assert _text(r.take(list(b"ND more"), tok)) == ""
+    assert (r.done, r.finish) == (True, "stop") and r.tail() == ""
+
+
+def test_a_character_split_across_steps_waits_for_its_second_byte() -> None:
+    r, tok = _req(stops=("zz",)), ByteTokenizer()
+    deltas = r.take([*b"caf", 1], tok)
+    assert _text(deltas) == "caf" and [d.token_ids for d in deltas] == [(99,), (97,), (102,)]
+    assert _text(r.take([2], tok)) == "é"
+    assert _text(r.take(list(b"!z"), tok)) == "!"
+    assert r.tail() == "z"   # a partial stop string is released when generation ends
