@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshnode.engine import EngineSpec, Segment, StageEngine
+from meshnode.engine import EngineConfig, Segment, StageEngine
 from meshnode.engine.tokenizer import Tokenizer
 from meshnode.errors import MeshnodeError
 
@@ -100,14 +100,14 @@ def certify(
     n_ctx = max(256, len(tokens) + n_decode + 8)
 
     common = dict(n_ctx=n_ctx, n_batch=n_batch, n_seq_max=1, n_threads=n_threads)
-    whole = StageEngine(EngineSpec(model_path, taps=tuple(b - 1 for b in splits), **common))
+    whole = StageEngine(EngineConfig(model_path, taps=tuple(b - 1 for b in splits), **common))
     n_layers = whole.n_layer
     bounds = [0, *splits, n_layers]
     ranges = list(zip(bounds[:-1], bounds[1:]))
     stages: list[StageEngine] = []
     try:
         for i, (a, b) in enumerate(ranges):
-            stages.append(StageEngine(EngineSpec(
+            stages.append(StageEngine(EngineConfig(
                 slice_for(a, b), takes_tokens=(i == 0), has_head=(i == len(ranges) - 1), **common)))
         report = CertifyReport(model=model_path.name, n_layers=n_layers, splits=list(splits),
                                boundaries=[Boundary(layer=b) for b in splits])

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from meshnode.engine import EngineSpec, Segment, StageEngine  # noqa: E402
+from meshnode.engine import EngineConfig, Segment, StageEngine  # noqa: E402
 from meshnode.spec.derive import requantize, truncate_layers  # noqa: E402
 from meshnode.engine.errors import ModelLoadError  # noqa: E402
 from meshnode.models.errors import SliceRangeError  # noqa: E402
@@ -28,7 +28,7 @@ CODE_PROMPT = (
 
 
 def _engine(path: Path, n_seq_max: int = 1) -> StageEngine:
-    return StageEngine(EngineSpec(path, n_ctx=512, n_batch=N_BATCH, n_seq_max=n_seq_max, n_threads=1))
+    return StageEngine(EngineConfig(path, n_ctx=512, n_batch=N_BATCH, n_seq_max=n_seq_max, n_threads=1))
 
 
 def _greedy(engine: StageEngine, prompt: list[int], n: int, session: int = 0) -> tuple[list[int], float]:

@@ -21,7 +21,7 @@ from meshnode.engine import (
     ContextOverflowError,
     EngineBusyError,
     EngineInputError,
-    EngineSpec,
+    EngineConfig,
     ModelLoadError,
     Segment,
     StageEngine,
@@ -40,7 +40,7 @@ class Chain:
     def __init__(self, paths: Sequence[Path], **kw) -> None:
         n = len(paths)
         self.stages = [
-            StageEngine(EngineSpec(p, takes_tokens=(i == 0), has_head=(i == n - 1), **{**COMMON, **kw}))
+            StageEngine(EngineConfig(p, takes_tokens=(i == 0), has_head=(i == n - 1), **{**COMMON, **kw}))
             for i, p in enumerate(paths)
         ]
 
@@ -259,8 +259,8 @@ def test_rollback_then_redecode_equals_fresh_run(smol_chains, prompts, layout):
 def smol_stages(smol_chains):
     """A loaded first and middle stage of SmolLM2 for input checks."""
     first, middle, _final = smol_chains["3-stages"]
-    a = StageEngine(EngineSpec(first, takes_tokens=True, has_head=False, **COMMON))
-    b = StageEngine(EngineSpec(middle, takes_tokens=False, has_head=False, **COMMON))
+    a = StageEngine(EngineConfig(first, takes_tokens=True, has_head=False, **COMMON))
+    b = StageEngine(EngineConfig(middle, takes_tokens=False, has_head=False, **COMMON))
     yield a, b
     a.close()
     b.close()
@@ -320,7 +320,7 @@ def test_positions_rows_and_sessions_are_checked(smol_stages):
 
 
 def test_session_slots_run_out(smollm2):
-    with StageEngine(EngineSpec(smollm2.path, **{**COMMON, "n_seq_max": 2})) as eng:
+    with StageEngine(EngineConfig(smollm2.path, **{**COMMON, "n_seq_max": 2})) as eng:
         eng.forward([Segment(1, 0, tokens=_toks(1)), Segment(2, 0, tokens=_toks(1))])
         with pytest.raises(EngineBusyError):
             eng.forward([Segment(3, 0, tokens=_toks(1))])
@@ -332,9 +332,9 @@ def test_engine_refuses_a_text_file(tmp_path):
     junk = tmp_path / "notes.gguf"
     junk.write_text("this is a text file, not a model\n" * 100)
     with pytest.raises(ModelLoadError, match="notes.gguf"):
-        StageEngine(EngineSpec(junk, n_threads=THREADS))
+        StageEngine(EngineConfig(junk, n_threads=THREADS))
     with pytest.raises(ModelLoadError, match="not found"):
-        StageEngine(EngineSpec(tmp_path / "missing.gguf", n_threads=THREADS))
+        StageEngine(EngineConfig(tmp_path / "missing.gguf", n_threads=THREADS))
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.999])
@@ -344,13 +344,13 @@ def test_engine_refuses_a_truncated_gguf(synthetic_gguf, tmp_path, keep):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(ModelLoadError, match="cut.gguf"):
-        StageEngine(EngineSpec(cut, n_threads=THREADS))
+        StageEngine(EngineConfig(cut, n_threads=THREADS))
 
 
 def test_engine_refuses_an_unknown_architecture(synthetic_gguf):
     src = synthetic_gguf("odd.gguf", architecture="not-an-arch")
     with pytest.raises(ModelLoadError, match="odd.gguf"):
-        StageEngine(EngineSpec(src, n_threads=THREADS))
+        StageEngine(EngineConfig(src, n_threads=THREADS))
 
 
 def test_slicer_refuses_unsupported_architecture_and_leaves_nothing(synthetic_gguf, tmp_path):
@@ -402,7 +402,7 @@ def _one_row_steps_vs_windows(model: Path, n_threads: int, decode_threads: int |
     tail = rng.integers(100, 30000, 20).astype(np.int32)
     outs = []
     for window in (1, 5):
-        with StageEngine(EngineSpec(model, n_ctx=1024, n_batch=64, n_seq_max=1,
+        with StageEngine(EngineConfig(model, n_ctx=1024, n_batch=64, n_seq_max=1,
                                     n_threads=n_threads, decode_threads=decode_threads)) as e:
             for s in range(0, len(prompt), 64):
                 e.forward([Segment(0, s, tokens=prompt[s:s + 64], n_logits=0 if s + 64 < len(prompt) else 1)])

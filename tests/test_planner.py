@@ -13,7 +13,7 @@ from meshnode.mesh.planner import (
     Candidate,
     ModelShape,
     PlanError,
-    StageSpec,
+    StageAssignment,
     format_size,
     parse_explicit,
     parse_size,
@@ -192,7 +192,7 @@ def test_split_that_does_not_fit_says_how_much_is_missing():
 
 
 def test_parse_explicit():
-    assert parse_explicit("nodeA=0:10, nodeB=10:30") == (StageSpec("nodeA", 0, 10), StageSpec("nodeB", 10, 30))
+    assert parse_explicit("nodeA=0:10, nodeB=10:30") == (StageAssignment("nodeA", 0, 10), StageAssignment("nodeB", 10, 30))
     for bad in ("nodeA", "nodeA=0-10", "=0:3", "a=x:3", ""):
         with pytest.raises(PlanError):
             parse_explicit(bad)

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from meshnode.engine import EngineSpec, Segment, StageEngine  # noqa: E402
+from meshnode.engine import EngineConfig, Segment, StageEngine  # noqa: E402
 from meshnode.spec.acceptance import verify_greedy  # noqa: E402
 from meshnode.spec.draft import (  # noqa: E402
     DraftModelProposer,
@@ -28,7 +28,7 @@ CODE_PROMPT = (
 
 
 def _engine(path: Path, n_seq_max: int = 1) -> StageEngine:
-    return StageEngine(EngineSpec(path, n_ctx=512, n_batch=N_BATCH, n_seq_max=n_seq_max, n_threads=1))
+    return StageEngine(EngineConfig(path, n_ctx=512, n_batch=N_BATCH, n_seq_max=n_seq_max, n_threads=1))
 
 
 def _greedy(engine: StageEngine, prompt: list[int], n: int, session: int = 7) -> list[int]:
@@ -117,7 +117,7 @@ def test_partial_acceptance_keeps_kv_consistent_real_model(smol_path: Path, smol
 def _check_consistency(path: Path, prompt: list[int], *, cycles: int, seed: int) -> None:
     """Random partial acceptances; after each, proposals equal a fresh draft's on the context."""
     rng = random.Random(seed)
-    shared = StageEngine(EngineSpec(path, n_ctx=512, n_batch=N_BATCH, n_seq_max=2, n_threads=1))
+    shared = StageEngine(EngineConfig(path, n_ctx=512, n_batch=N_BATCH, n_seq_max=2, n_threads=1))
     with shared:
         draft = DraftModelProposer(shared, session=0)
         fresh = DraftModelProposer(shared, session=1)
@@ -195,7 +195,7 @@ def test_stop_ids_and_empty_context(synthetic_gguf):
 
 def test_propose_stops_at_the_drafts_context_size(synthetic_gguf):
     path = synthetic_gguf(n_layer=2, vocab=320)
-    eng = StageEngine(EngineSpec(path, n_ctx=16, n_batch=16, n_seq_max=1, n_threads=1))
+    eng = StageEngine(EngineConfig(path, n_ctx=16, n_batch=16, n_seq_max=1, n_threads=1))
     with DraftModelProposer(eng, owns_engine=True) as draft:
         draft.reset(list(range(3, 15)))           # 12 of 16 positions
         assert len(draft.propose([], 10)) == 5     # d1 + 4 fed rows fill positions 12..15
@@ -255,7 +255,7 @@ def test_constructed_from_a_path_owns_its_engine(synthetic_gguf):
     with DraftModelProposer(_engine(path), owns_engine=True) as b:
         b.reset([5, 6, 7])
         assert b.propose([], 4) == from_path
-    with StageEngine(EngineSpec(path, n_ctx=64, n_batch=16, n_seq_max=1, n_threads=1,
+    with StageEngine(EngineConfig(path, n_ctx=64, n_batch=16, n_seq_max=1, n_threads=1,
                                 has_head=False)) as stage:
         with pytest.raises(ValueError, match="whole model"):
             DraftModelProposer(stage)

@@ -101,12 +101,12 @@ def prompt_tokens(smollm2) -> list[int]:
 @pytest.fixture(scope="module")
 def reference(smollm2, prompt_tokens) -> list[int]:
     """Greedy tokens of the whole model on one node (LocalPipeline), same batch schedule."""
-    from meshnode.engine import EngineSpec
+    from meshnode.engine import EngineConfig
     from meshnode.engine.worker import EngineWorker
 
     async def run() -> list[int]:
-        spec = EngineSpec(smollm2.path, n_ctx=N_CTX, n_batch=N_BATCH, n_seq_max=1, n_threads=1)
-        pipe = LocalPipeline(await EngineWorker.load(spec))
+        config = EngineConfig(smollm2.path, n_ctx=N_CTX, n_batch=N_BATCH, n_seq_max=1, n_threads=1)
+        pipe = LocalPipeline(await EngineWorker.load(config))
         try:
             return await _greedy(pipe, prompt_tokens)
         finally:

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from meshnode.certify import parse_splits
-    from meshnode.engine import EngineSpec, Segment, StageEngine
+    from meshnode.engine import EngineConfig, Segment, StageEngine
     from meshnode.engine.stage import default_threads
     from meshnode.engine.tokenizer import Tokenizer
     from meshnode.errors import MeshnodeError
@@ -92,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
     n_ctx = max(args.prefill, 32 + args.warmup + 2 * args.tokens) + 8
     common = dict(n_ctx=n_ctx, n_batch=args.batch, n_seq_max=1, n_threads=threads)
-    whole = StageEngine(EngineSpec(ref.path, **common))
+    whole = StageEngine(EngineConfig(ref.path, **common))
     stages = [
-        StageEngine(EngineSpec(p, takes_tokens=(i == 0), has_head=(i == len(ranges) - 1), **common))
+        StageEngine(EngineConfig(p, takes_tokens=(i == 0), has_head=(i == len(ranges) - 1), **common))
         for i, p in enumerate(slice_paths)
     ]
     stage_times: list[list[float]] = [[] for _ in stages]

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from meshnode.bench.spec_bench import CODE_EDIT, MIXED_CHAT
-    from meshnode.engine import EngineSpec, StageEngine
+    from meshnode.engine import EngineConfig, StageEngine
     from meshnode.engine.tokenizer import Tokenizer
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = {w: [tok.apply_chat_template([{"role": "user", "content": p}])[0] for p in ps]
                for w, ps in workloads.items()}
     n_ctx = max(len(t) for ps in prompts.values() for t in ps) + args.tokens + MEASURED_DRAFTS[-1] + 8
-    engine = StageEngine(EngineSpec(ref.path, n_ctx=n_ctx, n_batch=64, n_seq_max=1, n_threads=args.threads))
+    engine = StageEngine(EngineConfig(ref.path, n_ctx=n_ctx, n_batch=64, n_seq_max=1, n_threads=args.threads))
     answers: dict[str, list[list[int]]] = {}
     try:
         for w, ps in prompts.items():

@@ -89,9 +89,9 @@ class _Ceiling:
     continuous batching could reach at best. Loaded once, measured in every round."""
 
     def __init__(self, model_path, threads: int, max_b: int) -> None:
-        from meshnode.engine import EngineSpec, StageEngine
+        from meshnode.engine import EngineConfig, StageEngine
 
-        self.engine = StageEngine(EngineSpec(model_path, n_ctx=256, n_batch=64, n_seq_max=max_b,
+        self.engine = StageEngine(EngineConfig(model_path, n_ctx=256, n_batch=64, n_seq_max=max_b,
                                              n_threads=threads))
 
     def tok_s(self, b: int, steps: int = 16) -> float:

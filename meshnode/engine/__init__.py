@@ -11,9 +11,9 @@ from .errors import (
     EngineInputError,
     ModelLoadError,
 )
-from .stage import EngineSpec, Segment, StageEngine
+from .stage import EngineConfig, Segment, StageEngine
 
 __all__ = [
     "ContextOverflowError", "DecodeError", "EngineBusyError",
-    "EngineError", "EngineInputError", "EngineSpec", "ModelLoadError", "Segment", "StageEngine",
+    "EngineError", "EngineInputError", "EngineConfig", "ModelLoadError", "Segment", "StageEngine",
 ]

@@ -72,7 +72,7 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineSpec:
+class EngineConfig:
     """How to load a stage. ``takes_tokens``: slice holds the token embedding (first
     stage or whole model). ``has_head``: slice ends with norm + lm_head (final stage or
     whole model)."""
@@ -102,19 +102,19 @@ def default_threads() -> int:
 class StageEngine:
     """A loaded slice with its own llama.cpp context. Use as a context manager or close()."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         install_log_bridge()
-        self.spec = spec
+        self.config = config
         self._model = None
         self._ctx = None
-        path = Path(spec.path)
+        path = Path(config.path)
         if not path.is_file():
             raise ModelLoadError(f"model file not found: {path}")
-        if spec.n_batch < 1 or spec.n_ctx < 1 or spec.n_seq_max < 1:
+        if config.n_batch < 1 or config.n_ctx < 1 or config.n_seq_max < 1:
             raise EngineInputError("n_batch, n_ctx and n_seq_max must be positive")
 
         mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = spec.gpu_layers
+        mparams.n_gpu_layers = config.gpu_layers
         # No "extra" weight buffers (llama.cpp's CPU repacking and AMX tiles). On a VM whose
         # CPU advertises AMX without the hypervisor enabling its tile state, the AMX matmul
         # faults on its first `ldtilecfg` and takes the process down (seen on Sapphire
@@ -132,22 +132,22 @@ class StageEngine:
         self.n_embd = int(llama_cpp.llama_model_n_embd(model))
         self.n_layer = int(llama_cpp.llama_model_n_layer(model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)))
-        self.takes_tokens = spec.takes_tokens
-        self.has_head = spec.has_head
-        self.n_batch = spec.n_batch
-        self.n_ctx = spec.n_ctx
+        self.takes_tokens = config.takes_tokens
+        self.has_head = config.has_head
+        self.n_batch = config.n_batch
+        self.n_ctx = config.n_ctx
 
-        stop = None if spec.has_head else self.n_layer - 1
-        self._tap = (LayerTap(self.n_embd, spec.n_batch, stop, spec.taps)
-                     if (stop is not None or spec.taps) else None)
+        stop = None if config.has_head else self.n_layer - 1
+        self._tap = (LayerTap(self.n_embd, config.n_batch, stop, config.taps)
+                     if (stop is not None or config.taps) else None)
 
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = spec.n_ctx * spec.n_seq_max
-        cparams.n_batch = spec.n_batch
-        cparams.n_ubatch = spec.n_batch
-        cparams.n_seq_max = spec.n_seq_max
-        threads = spec.n_threads or default_threads()
-        cparams.n_threads = spec.decode_threads or threads   # llama.cpp: one-token batches
+        cparams.n_ctx = config.n_ctx * config.n_seq_max
+        cparams.n_batch = config.n_batch
+        cparams.n_ubatch = config.n_batch
+        cparams.n_seq_max = config.n_seq_max
+        threads = config.n_threads or default_threads()
+        cparams.n_threads = config.decode_threads or threads   # llama.cpp: one-token batches
         cparams.n_threads_batch = threads
         cparams.kv_unified = True
         cparams.swa_full = True   # exact rollback inside sliding-window layers
@@ -164,7 +164,7 @@ class StageEngine:
         self._mem = llama_cpp.llama_get_memory(ctx)
         self._alloc_batch()
         self._seq_of: dict[int, int] = {}     # session -> llama seq id
-        self._free_seqs = list(range(spec.n_seq_max - 1, -1, -1))
+        self._free_seqs = list(range(config.n_seq_max - 1, -1, -1))
         self._next_pos: dict[int, int] = {}   # session -> next position expected
 
     # ---- batch buffers (owned by numpy, referenced by one llama_batch struct) ----------
@@ -198,7 +198,7 @@ class StageEngine:
         seq = self._seq_of.get(session)
         if seq is None:
             if not self._free_seqs:
-                raise EngineBusyError(f"all {self.spec.n_seq_max} session slots are in use")
+                raise EngineBusyError(f"all {self.config.n_seq_max} session slots are in use")
             seq = self._free_seqs.pop()
             self._seq_of[session] = seq
             self._next_pos[session] = 0

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from .stage import EngineSpec, Segment, StageEngine
+from .stage import EngineConfig, Segment, StageEngine
 
 T = TypeVar("T")
 
@@ -47,10 +47,10 @@ class EngineWorker:
         self.inline_steps = 0                   # telemetry: steps run on the caller's thread
 
     @classmethod
-    async def load(cls, spec: EngineSpec, name: str = "engine", **kwargs) -> "EngineWorker":
+    async def load(cls, config: EngineConfig, name: str = "engine", **kwargs) -> "EngineWorker":
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         try:
-            engine = await asyncio.get_running_loop().run_in_executor(pool, StageEngine, spec)
+            engine = await asyncio.get_running_loop().run_in_executor(pool, StageEngine, config)
         except BaseException:
             pool.shutdown(wait=False)
             raise

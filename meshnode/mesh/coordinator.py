@@ -218,18 +218,18 @@ class ServingModel:
         return await asyncio.to_thread(SliceCache(self.runtime.paths).get, self.model, 0, end)
 
     async def _load_local(self, ev: LocalLoadRequested) -> None:
-        from meshnode.engine import EngineError, EngineSpec
+        from meshnode.engine import EngineError, EngineConfig
         from meshnode.engine.worker import EngineWorker
 
         t0 = time.perf_counter()
         p = ev.params
         try:
             path = await self._slice_task
-            spec = EngineSpec(path, takes_tokens=True, has_head=ev.layer_end == self.model.n_layers,
-                              n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
-                              n_threads=self.runtime.n_threads,
-                              decode_threads=self.runtime.decode_threads)
-            worker = await EngineWorker.load(spec, name="stage0")
+            config = EngineConfig(path, takes_tokens=True, has_head=ev.layer_end == self.model.n_layers,
+                                  n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
+                                  n_threads=self.runtime.n_threads,
+                                  decode_threads=self.runtime.decode_threads)
+            worker = await EngineWorker.load(config, name="stage0")
         except asyncio.CancelledError:
             raise
         except (EngineError, MeshnodeError, OSError) as exc:

@@ -42,7 +42,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlannedStage",
-    "StageSpec",
+    "StageAssignment",
     "format_size",
     "parse_explicit",
     "parse_size",
@@ -150,7 +150,7 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
-class StageSpec:
+class StageAssignment:
     """One entry of an explicit plan: ``node`` (node id or name) runs [start, end)."""
 
     node: str
@@ -206,13 +206,13 @@ def format_size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def parse_explicit(text: str) -> tuple[StageSpec, ...]:
-    """``"nodeA=0:10,nodeB=10:30"`` -> stage specs in that order.
+def parse_explicit(text: str) -> tuple[StageAssignment, ...]:
+    """``"nodeA=0:10,nodeB=10:30"`` -> stage assignments in that order.
 
     Only the syntax is checked here; coverage, overlaps and bounds are checked by
     :func:`plan`, which knows the model. Raises :class:`PlanError`.
     """
-    specs = []
+    assignments = []
     for part in text.split(","):
         part = part.strip()
         if not part:
@@ -221,10 +221,10 @@ def parse_explicit(text: str) -> tuple[StageSpec, ...]:
         lo, colon, hi = rng.partition(":")
         if not sep or not node.strip() or not colon or not lo.strip().isdigit() or not hi.strip().isdigit():
             raise PlanError(f"cannot read stage {part!r} (expected NODE=START:END, e.g. nodeA=0:10)")
-        specs.append(StageSpec(node.strip(), int(lo), int(hi)))
-    if not specs:
+        assignments.append(StageAssignment(node.strip(), int(lo), int(hi)))
+    if not assignments:
         raise PlanError("empty explicit plan (expected e.g. nodeA=0:10,nodeB=10:30)")
-    return tuple(specs)
+    return tuple(assignments)
 
 
 # ---- the planner ---------------------------------------------------------------
@@ -235,7 +235,7 @@ def plan(
     candidates: Sequence[Candidate],
     *,
     split: int | None = None,
-    explicit: Sequence[StageSpec] | str | None = None,
+    explicit: Sequence[StageAssignment] | str | None = None,
     headroom: float = DEFAULT_HEADROOM,
 ) -> Plan:
     """Choose stages for ``model`` over ``candidates`` (exactly one is the coordinator).
@@ -426,13 +426,13 @@ class _Context:
 
     # -- explicit plans
 
-    def explicit(self, specs: Sequence[StageSpec]) -> Plan:
+    def explicit(self, assignments: Sequence[StageAssignment]) -> Plan:
         by_id = {c.node_id: c for c in self.cands}
         by_name: dict[str, list[Candidate]] = {}
         for c in self.cands:
             by_name.setdefault(c.name, []).append(c)
         arr, pos = [], 0
-        for i, sp in enumerate(specs):
+        for i, sp in enumerate(assignments):
             c = by_id.get(sp.node)
             if c is None:
                 named = by_name.get(sp.node, [])

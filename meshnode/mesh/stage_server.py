@@ -222,7 +222,7 @@ class StageServerRuntime:
             self._pump()
 
     async def _load(self, ev: LoadRequested, claim: _Claim) -> None:
-        from meshnode.engine import EngineError, EngineSpec
+        from meshnode.engine import EngineError, EngineConfig
         from meshnode.engine.worker import EngineWorker
         from meshnode.mesh.stage_host import StageHost, StageRoute
 
@@ -234,10 +234,10 @@ class StageServerRuntime:
                 raise MeshnodeError("no prepared slice for this load")
             _, path, n_total = self._slice
             p = ev.params
-            spec = EngineSpec(path, takes_tokens=ev.layer_start == 0, has_head=ev.layer_end == n_total,
-                              n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
-                              n_threads=self.n_threads, decode_threads=self.decode_threads)
-            worker = await EngineWorker.load(spec, name=f"stage{ev.stage_index}")
+            config = EngineConfig(path, takes_tokens=ev.layer_start == 0, has_head=ev.layer_end == n_total,
+                                  n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
+                                  n_threads=self.n_threads, decode_threads=self.decode_threads)
+            worker = await EngineWorker.load(config, name=f"stage{ev.stage_index}")
             host = StageHost(self.fabric, worker,
                              StageRoute(ev.coordinator, ev.downstream or None, p.wire_dtype))
         except asyncio.CancelledError:

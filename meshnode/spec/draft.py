@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshnode.engine import EngineSpec, Segment, StageEngine
+from meshnode.engine import EngineConfig, Segment, StageEngine
 from meshnode.errors import MeshnodeError
 
 __all__ = [
@@ -117,7 +117,7 @@ class DraftModelProposer:
         if isinstance(model, StageEngine):
             engine = model
         else:
-            engine = StageEngine(EngineSpec(
+            engine = StageEngine(EngineConfig(
                 Path(model), takes_tokens=True, has_head=True, n_ctx=n_ctx, n_batch=n_batch,
                 n_seq_max=1, n_threads=n_threads, gpu_layers=gpu_layers))
             owns_engine = True
