@@ -2,12 +2,13 @@
 
 Two tiers. A test marked ``slow`` may do anything: load real models into llama.cpp, start
 node processes, run the ``meshnode`` command. Every other test is the fast tier
-(``pytest -m "not slow"``, well under a minute): it starts no process, loads no model
-into llama.cpp and uses no real model file. That rule is enforced here, not just
-intended: while a fast test (its fixtures included) runs, starting a process or loading
-a llama.cpp model fails the test with "mark this test slow: ...", even where the code
-under test catches the exception; asking for a real-model fixture (``smollm2``,
-``gemma3_270m``) fails the same way. Random-weight GGUF files (``synthetic_gguf``) are
+(``pytest -m "not slow"``, under a minute on two idle cores): it starts no process, loads
+no model into llama.cpp and uses no real model file. That rule is enforced here, not just
+intended: while a fast test's setup (its fixtures) or body runs, starting a process or
+loading a llama.cpp model fails the test with "mark this test slow: ...", even where the
+code under test catches the exception; asking for a real-model fixture (``smollm2``,
+``gemma3_270m``) fails the same way. Teardown is not watched: it may finish fixtures
+that slow tests started. Random-weight GGUF files (``synthetic_gguf``) are
 fine in the fast tier as long as nothing loads them into llama.cpp.
 
 Real models are fetched through the store's normal code path and cached between runs in
@@ -34,8 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 REAL_MODEL_FIXTURES = ("smollm2", "gemma3_270m")
 
-# The fast test running now (its setup, call and teardown), or None: slow tests, and the
-# time between tests, are not restricted.
+# The fast test whose setup or body runs now, or None: slow tests, teardowns and the
+# time between tests are not restricted.
 _fast_test: pytest.Item | None = None
 # What the running fast test was refused, kept so that a refusal the code under test
 # caught and swallowed (``except BaseException``, a thread, a task) still fails it.
@@ -77,9 +78,11 @@ def pytest_configure(config: pytest.Config) -> None:
         _guard(os, name, "starts a process")
     # Every llama.cpp model load: StageEngine calls the package's binding, Llama (and so
     # the Tokenizer) the module's; both names refer to the same function until wrapped.
-    import llama_cpp
-    import llama_cpp.llama_cpp
-
+    try:
+        import llama_cpp
+        import llama_cpp.llama_cpp
+    except ImportError:   # nothing can load a model then
+        return
     for name in ("llama_model_load_from_file", "llama_load_model_from_file", "llama_model_load_from_splits"):
         for module in (llama_cpp, llama_cpp.llama_cpp):
             _guard(module, name, "loads a model into llama.cpp")
@@ -110,12 +113,6 @@ def pytest_runtest_setup(item: pytest.Item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    with _tier_of(item):
-        return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     with _tier_of(item):
         return (yield)
 
