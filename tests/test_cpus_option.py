@@ -1,4 +1,8 @@
-"""`--cpus`: a node keeps itself (every thread) on the CPUs it is given."""
+"""`--cpus`: a node keeps itself (every thread) on the CPUs it is given.
+
+The option checks run :func:`meshnode.cli.main` in this process (they fail before a node
+starts); the pinned node, and one bad value given to the real command, are ``slow``.
+"""
 
 from __future__ import annotations
 
@@ -15,20 +19,32 @@ linux_only = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CP
 
 
 @pytest.mark.parametrize("value", ["x", "3-1", "-2", "0,,1"])
-def test_malformed_cpu_lists_are_refused_up_front(tmp_path, value):
-    r = meshnode_cmd("--home", str(tmp_path), "serve", "--headless", "--no-model", "--cpus", value)
+def test_malformed_cpu_lists_are_refused_up_front(tmp_path, value, meshnode_main):
+    r = meshnode_main("--home", str(tmp_path), "serve", "--headless", "--no-model", "--cpus", value)
     assert r.returncode == 2
     assert "argument --cpus" in r.stderr and "Traceback" not in r.stderr
 
 
 @linux_only
-def test_a_cpu_this_process_cannot_use_is_named(tmp_path):
+def test_a_cpu_this_process_cannot_use_is_named(tmp_path, meshnode_main):
     missing = max(os.sched_getaffinity(0)) + 1
-    r = meshnode_cmd("--home", str(tmp_path), "serve", "--headless", "--no-model", "--cpus", str(missing))
+    r = meshnode_main("--home", str(tmp_path), "serve", "--headless", "--no-model", "--cpus", str(missing))
     assert r.returncode != 0
     assert f"CPU {missing} not available here" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
+@linux_only
+def test_the_meshnode_command_names_a_cpu_it_cannot_use(tmp_path):
+    missing = max(os.sched_getaffinity(0)) + 1
+    r = meshnode_cmd("--home", str(tmp_path), "serve", "--headless", "--no-model", "--cpus", str(missing))
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("meshnode: error:"), r.stderr   # one line, no traceback
+    assert f"CPU {missing} not available here" in err[0]
+
+
+@pytest.mark.slow
 @linux_only
 def test_every_thread_of_a_pinned_node_stays_on_its_cpus(tmp_path):
     cpu = min(os.sched_getaffinity(0))

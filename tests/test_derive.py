@@ -93,8 +93,9 @@ def _speculative_acceptance(target_path: Path, draft_path: Path, prompt: list[in
     return accepted / max(1, proposed), (len(out) - 1) / max(1, steps)
 
 
-# ---- fast: synthetic models ------------------------------------------------------------------
+# ---- synthetic models (seconds, but llama.cpp loads them: slow) ------------------------------
 
+@pytest.mark.slow
 def test_requantize_synthetic(synthetic_gguf, tmp_path: Path):
     src = synthetic_gguf(n_layer=2, n_embd=64, vocab=320)
     dest = requantize(src, tmp_path / "q.gguf", "Q4_0")
@@ -119,6 +120,7 @@ def test_requantize_errors_leave_nothing(tmp_path: Path, synthetic_gguf):
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
 
 
+@pytest.mark.slow
 def test_truncate_layers_synthetic(synthetic_gguf, tmp_path: Path):
     src = synthetic_gguf(n_layer=4, vocab=320)
     dest = truncate_layers(src, tmp_path / "t.gguf", 2)
@@ -185,6 +187,7 @@ def test_truncated_smollm2(smol, tmp_path: Path, n_keep: int):
     _report(f"truncate to {n_keep}/30 layers", smol, dest)
 
 
+@pytest.mark.slow
 def test_importing_derive_does_not_load_llama_cpp():
     import subprocess
     import sys

@@ -137,6 +137,7 @@ def _assert_same(got: list[list[np.ndarray]], ref: list[list[np.ndarray]]) -> No
             assert np.array_equal(g, r), f"session {i} step {step}: max diff {np.max(np.abs(g - r))}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["whole", "3-stages"])
 def test_concurrent_sessions_do_not_disturb_each_other(smol_chains, prompts, layout):
     paths = smol_chains[layout]
@@ -161,6 +162,7 @@ def test_concurrent_sessions_do_not_disturb_each_other(smol_chains, prompts, lay
     _assert_same(run.got, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["whole", "3-stages"])
 def test_session_slots_are_reused_after_drop(smol_chains, prompts, layout):
     """A dropped session's slot and KV cells serve a new session that equals a fresh run."""
@@ -195,6 +197,7 @@ def _drop_while_others_run(paths, prompts) -> list[list[np.ndarray]]:
     return [run.got[0], run.got[2]]
 
 
+@pytest.mark.slow
 def test_dropping_a_session_under_others_chain_equals_whole_model(smol_chains, prompts):
     """Whatever llama.cpp does with the hole, every stage does the same: the chain still
     equals the whole model run with the same schedule, bit for bit."""
@@ -203,6 +206,7 @@ def test_dropping_a_session_under_others_chain_equals_whole_model(smol_chains, p
     _assert_same(chain, whole)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "llama.cpp's unified KV cache moves its search head back to the first freed cell "
     "(llama_kv_cache::seq_rm), so the next tokens of the surviving sessions land in the "
@@ -215,6 +219,7 @@ def test_dropping_a_session_under_others_equals_alone(smol_chains, prompts):
     _assert_same(got, [r[: len(g)] for g, r in zip(got, ref)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["whole", "3-stages"])
 def test_rollback_then_redecode_equals_fresh_run(smol_chains, prompts, layout):
     paths = smol_chains[layout]
@@ -266,6 +271,7 @@ def smol_stages(smol_chains):
     b.close()
 
 
+@pytest.mark.slow
 def test_hidden_states_of_wrong_width_or_dtype(smol_stages):
     first, middle = smol_stages
     assert middle.n_embd == 576
@@ -289,6 +295,7 @@ def test_hidden_states_of_wrong_width_or_dtype(smol_stages):
     middle.drop(1)
 
 
+@pytest.mark.slow
 def test_positions_rows_and_sessions_are_checked(smol_stages):
     first, _ = smol_stages
     first.forward([Segment(5, 0, tokens=_toks(1, 2))])
@@ -319,6 +326,7 @@ def test_positions_rows_and_sessions_are_checked(smol_stages):
     first.drop(5)
 
 
+@pytest.mark.slow
 def test_session_slots_run_out(smollm2):
     with StageEngine(EngineConfig(smollm2.path, **{**COMMON, "n_seq_max": 2})) as eng:
         eng.forward([Segment(1, 0, tokens=_toks(1)), Segment(2, 0, tokens=_toks(1))])
@@ -328,6 +336,7 @@ def test_session_slots_run_out(smollm2):
         assert eng.forward([Segment(3, 0, tokens=_toks(1), n_logits=1)])[0].shape == (1, eng.n_vocab)
 
 
+@pytest.mark.slow
 def test_engine_refuses_a_text_file(tmp_path):
     junk = tmp_path / "notes.gguf"
     junk.write_text("this is a text file, not a model\n" * 100)
@@ -337,6 +346,7 @@ def test_engine_refuses_a_text_file(tmp_path):
         StageEngine(EngineConfig(tmp_path / "missing.gguf", n_threads=THREADS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [0.5, 0.999])
 def test_engine_refuses_a_truncated_gguf(synthetic_gguf, tmp_path, keep):
     src = synthetic_gguf("whole.gguf", architecture="qwen3")
@@ -347,6 +357,7 @@ def test_engine_refuses_a_truncated_gguf(synthetic_gguf, tmp_path, keep):
         StageEngine(EngineConfig(cut, n_threads=THREADS))
 
 
+@pytest.mark.slow
 def test_engine_refuses_an_unknown_architecture(synthetic_gguf):
     src = synthetic_gguf("odd.gguf", architecture="not-an-arch")
     with pytest.raises(ModelLoadError, match="odd.gguf"):
@@ -414,5 +425,6 @@ def _one_row_steps_vs_windows(model: Path, n_threads: int, decode_threads: int |
     return float(np.abs(outs[0] - outs[1]).max())
 
 
+@pytest.mark.slow
 def test_one_token_steps_on_one_thread_equal_verify_windows_at_long_context(smollm2):
     assert _one_row_steps_vs_windows(smollm2.path, n_threads=2, decode_threads=1) == 0.0

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 
 from meshnode.cli import main
 from meshnode.cli.models import parse_range
 from meshnode.models.gguf_info import open_gguf
 
 
+@pytest.mark.slow
 def test_list_info_slice(smollm2, model_store_paths, test_model_cache, tmp_path: Path, capsys):
     home = str(test_model_cache / "home")
     assert main(["models", "list", "--home", home, "--json"]) == 0

@@ -11,6 +11,7 @@ from meshnode.models.errors import ModelFileError
 from meshnode.models.gguf_info import block_index, read_model_info
 
 
+@pytest.mark.slow
 def test_smollm2_info(smollm2):
     info = read_model_info(smollm2.path)
     assert info.architecture == "llama"

@@ -38,6 +38,7 @@ def wheel(smollm2, model_source_dir: Path) -> Path:
     return p
 
 
+@pytest.mark.slow
 def test_default_model_record(smollm2, model_store_paths):
     assert smollm2.name == DEFAULT_MODEL.name
     assert smollm2.sha256 == DEFAULT_MODEL.gguf_sha256
@@ -48,6 +49,7 @@ def test_default_model_record(smollm2, model_store_paths):
     assert smollm2.path.is_relative_to(model_store_paths.models)
 
 
+@pytest.mark.slow
 def test_fetch_from_local_wheel_and_no_rehash(wheel, tmp_path: Path, monkeypatch):
     paths = NodePaths.resolve(tmp_path / "home")
     monkeypatch.setenv("MESHNODE_MODEL_SOURCE_DIR", str(wheel.parent))
@@ -89,6 +91,7 @@ def test_corrupted_wheel_is_refused(tmp_path: Path):
     assert _files(paths.models) == []
 
 
+@pytest.mark.slow
 def test_download_checks_sha_and_is_atomic(wheel, tmp_path: Path):
     url = wheel.as_uri()  # urllib serves file:// like http://
     dest = tmp_path / "dl" / "w.whl"
@@ -102,6 +105,7 @@ def test_download_checks_sha_and_is_atomic(wheel, tmp_path: Path):
     assert seen[-1] == ("download", DEFAULT_MODEL.wheel_size, DEFAULT_MODEL.wheel_size)
 
 
+@pytest.mark.slow
 def test_fetch_downloads_into_source_dir_when_missing(wheel, tmp_path: Path, monkeypatch):
     # No wheel locally: the store downloads it (here from a file:// URL) into the source dir.
     monkeypatch.setattr(catalog_mod, "DEFAULT_MODEL", catalog_mod.DEFAULT_MODEL)
@@ -117,6 +121,7 @@ def test_fetch_downloads_into_source_dir_when_missing(wheel, tmp_path: Path, mon
     assert (cache / DEFAULT_MODEL.wheel_filename).is_file()
 
 
+@pytest.mark.slow
 def test_interrupted_extraction_leaves_nothing(wheel, tmp_path: Path):
     paths = NodePaths.resolve(tmp_path / "home")
 
@@ -129,6 +134,7 @@ def test_interrupted_extraction_leaves_nothing(wheel, tmp_path: Path):
     assert _files(paths.models) == []
 
 
+@pytest.mark.slow
 def test_resolve_paths_and_errors(smollm2, tmp_path: Path, synthetic_gguf):
     paths = NodePaths.resolve(tmp_path / "home")
     p = synthetic_gguf("tiny.gguf", n_layer=3)

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from meshnode.bench.replay_bench import replay
 from meshnode.spec.cost_model import CostModel
 
@@ -36,6 +38,7 @@ def test_an_unrelated_answer_is_decoded_plainly_at_no_cost():
     assert r["predicted_speedup"] == 1.0
 
 
+@pytest.mark.slow
 def test_bench_replay_runs_on_the_default_model(smollm2, tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "meshnode", "--home", str(tmp_path), "bench", "replay",

@@ -47,6 +47,7 @@ def smol_slices(smollm2, tmp_path_factory):
     return paths
 
 
+@pytest.mark.slow
 def test_smollm2_slices_renumber_and_copy_raw(smollm2, smol_slices):
     src = open_gguf(smollm2.path)
     st = _tensors(src)
@@ -74,6 +75,7 @@ def test_smollm2_slices_renumber_and_copy_raw(smollm2, smol_slices):
             assert kv[key] == value, key
 
 
+@pytest.mark.slow
 def test_smollm2_first_and_final_keep_tokenizer(smollm2, smol_slices):
     src = open_gguf(smollm2.path)
     for role in ("first", "final"):
@@ -88,6 +90,7 @@ def test_smollm2_first_and_final_keep_tokenizer(smollm2, smol_slices):
         assert np.array_equal(np.asarray(emb.data), np.asarray(_tensors(src)["token_embd.weight"].data))
 
 
+@pytest.mark.slow
 def test_smollm2_middle_has_tiny_vocab(smol_slices, smollm2):
     r = open_gguf(smol_slices["middle"])
     kv = _kv(r)
@@ -101,6 +104,7 @@ def test_smollm2_middle_has_tiny_vocab(smol_slices, smollm2):
     assert smol_slices["middle"].stat().st_size < smollm2.path.stat().st_size / 4
 
 
+@pytest.mark.slow
 def test_slice_cache(smollm2, tmp_path: Path):
     from meshnode.paths import NodePaths
 

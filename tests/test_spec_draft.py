@@ -112,7 +112,7 @@ def test_partial_acceptance_keeps_kv_consistent_real_model(smol_path: Path, smol
     _check_consistency(smol_path, smol_prompt, cycles=10, seed=1)
 
 
-# ---- with a random-weight model (fast) ---------------------------------------------------------
+# ---- with a random-weight model (seconds, but llama.cpp loads it: slow) ----------------------
 
 def _check_consistency(path: Path, prompt: list[int], *, cycles: int, seed: int) -> None:
     """Random partial acceptances; after each, proposals equal a fresh draft's on the context."""
@@ -148,12 +148,14 @@ def _check_consistency(path: Path, prompt: list[int], *, cycles: int, seed: int)
         draft.close()
 
 
+@pytest.mark.slow
 def test_partial_acceptance_keeps_kv_consistent(synthetic_gguf):
     path = synthetic_gguf(n_layer=2, n_embd=64, vocab=320, weight_scale=0.5, seed=3)
     prompt = list(range(3, 40))
     _check_consistency(path, prompt, cycles=12, seed=2)
 
 
+@pytest.mark.slow
 def test_propose_never_redecodes_cached_tokens(synthetic_gguf):
     path = synthetic_gguf(n_layer=2, vocab=320, weight_scale=0.5)
     with DraftModelProposer(_engine(path), owns_engine=True) as draft:
@@ -180,6 +182,7 @@ def test_propose_never_redecodes_cached_tokens(synthetic_gguf):
         assert s5.rows - s4.rows == 2
 
 
+@pytest.mark.slow
 def test_stop_ids_and_empty_context(synthetic_gguf):
     path = synthetic_gguf(n_layer=2, vocab=320, weight_scale=0.5)
     with DraftModelProposer(_engine(path), owns_engine=True) as draft:
@@ -193,6 +196,7 @@ def test_stop_ids_and_empty_context(synthetic_gguf):
         assert got == full[: full.index(full[1]) + 1]
 
 
+@pytest.mark.slow
 def test_propose_stops_at_the_drafts_context_size(synthetic_gguf):
     path = synthetic_gguf(n_layer=2, vocab=320)
     eng = StageEngine(EngineConfig(path, n_ctx=16, n_batch=16, n_seq_max=1, n_threads=1))
@@ -247,6 +251,7 @@ def test_check_vocab_real_model(smol_path: Path, synthetic_gguf):
     print(f"\nmismatch message: {info.value}")
 
 
+@pytest.mark.slow
 def test_constructed_from_a_path_owns_its_engine(synthetic_gguf):
     path = synthetic_gguf(n_layer=2, vocab=320, weight_scale=0.5)
     with DraftModelProposer(path, n_ctx=64, n_batch=N_BATCH, n_threads=1) as a:
@@ -261,6 +266,7 @@ def test_constructed_from_a_path_owns_its_engine(synthetic_gguf):
             DraftModelProposer(stage)
 
 
+@pytest.mark.slow
 def test_a_lazy_reset_prefills_at_the_first_proposal(synthetic_gguf):
     # While the auto policy cools down a request never drafts: reset(sync=False) must cost
     # the draft nothing, and the first proposal must equal an eager reset's.

@@ -508,6 +508,7 @@ def test_decode_template_accepts_2d_row_and_refuses_bad_input():
         DecodeTemplate(1, 4, n_logits=2)  # n_logits > n_rows (1)
 
 
+@pytest.mark.slow
 def test_wire_is_sans_io():
     # in a fresh interpreter: importing wire pulls in no I/O and no other meshnode package
     import subprocess
