@@ -34,6 +34,7 @@ from meshnode.net import caps as capsmod
 from meshnode.paths import NodePaths
 from meshnode.state import (
     LogEmitted,
+    ModelStatus,
     NodeEvent,
     NodeInfo,
     NodeSnapshot,
@@ -42,6 +43,7 @@ from meshnode.state import (
     PeerLost,
     TelemetryPoint,
 )
+from meshnode.wire import Message
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +205,7 @@ class Node:
             telemetry=tuple(self._telemetry),
             models=svc.model_infos() if svc is not None else (),
             transfers=svc.transfers() if svc is not None else (),
-            status=svc.state if svc is not None else "no model",
+            status=svc.state if svc is not None else ModelStatus.NO_MODEL,
             status_detail=svc.detail if svc is not None else "",
         )
 
@@ -230,7 +232,7 @@ class Node:
         except Exception:  # noqa: BLE001 - stale capabilities are better than a dead node
             log.debug("capability refresh failed", exc_info=True)
 
-    def _dispatch(self, node_id: str, msg: Any) -> None:
+    def _dispatch(self, node_id: str, msg: Message) -> None:
         """Route a fabric message to whichever part of the node owns it.
 
         Synchronous: the fabric calls it inside the datagram's callback, so an

@@ -25,6 +25,30 @@ class StageState(enum.Enum):
     STOPPED = "stopped"
 
 
+class ModelStatus(enum.StrEnum):
+    """Where the model this node coordinates stands (``NodeSnapshot.status``)."""
+
+    UNKNOWN = ""             # nothing reported yet
+    NO_MODEL = "no model"    # the node coordinates no model (it may serve peers' stages)
+    STARTING = "starting"
+    FETCHING = "fetching"    # the model file is being downloaded
+    PLANNING = "planning"    # the stages are being placed and loaded
+    WAITING_FOR_PEERS = "waiting for peers"  # the plan needs more nodes than the mesh has
+    READY = "ready"
+    FAILED = "failed"
+
+
+class RequestStatus(enum.StrEnum):
+    """The life of one request (``RequestInfo.status``)."""
+
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODING = "decoding"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
 class SpecState(enum.Enum):
     OFF = "off"              # speculation disabled for this model / run
     COLD = "cold"            # observing: counting would-be hits, no verify cost
@@ -100,7 +124,7 @@ class TransferInfo:
 class RequestInfo:
     request_id: str
     model: str
-    status: str             # queued | prefill | decoding | done | cancelled | error
+    status: RequestStatus
     prompt_tokens: int
     generated_tokens: int
     tokens_per_s: float
@@ -160,7 +184,7 @@ class NodeSnapshot:
     telemetry: tuple[TelemetryPoint, ...]  # recent history, oldest first
     models: tuple[ModelInfo, ...]
     transfers: tuple[TransferInfo, ...]
-    status: str = ""                  # model service: starting | fetching | planning | ready | failed ...
+    status: ModelStatus = ModelStatus.UNKNOWN   # the model service
     status_detail: str = ""           # why, for failed; what, while fetching
 
 

@@ -84,11 +84,11 @@ def make_snapshot() -> NodeSnapshot:
         StageInfo(2, "n-charlie", "charlie", 20, 30, StageState.LOADING, "loading 62%"),
     )
     requests = (
-        RequestInfo("req-0007", MODEL, "decoding", 412, 87, 51.3, 184.0, T0 + 110.0, None, "ngram"),
-        RequestInfo("req-0006", MODEL, "prefill", 1900, 0, 0.0, None, T0 + 118.5, None, ""),
-        RequestInfo("req-0005", MODEL, "done", 96, 256, 63.8, 142.5, T0 + 60.0, T0 + 64.2, "ngram"),
-        RequestInfo("req-0004", MODEL, "error", 50, 3, 12.0, 201.0, T0 + 40.0, T0 + 40.5, ""),
-        RequestInfo("req-0003", MODEL, "cancelled", 33, 12, 44.1, 150.2, T0 + 20.0, T0 + 21.0, "draft"),
+        RequestInfo("req-0007", MODEL, RequestStatus.DECODING, 412, 87, 51.3, 184.0, T0 + 110.0, None, "ngram"),
+        RequestInfo("req-0006", MODEL, RequestStatus.PREFILL, 1900, 0, 0.0, None, T0 + 118.5, None, ""),
+        RequestInfo("req-0005", MODEL, RequestStatus.DONE, 96, 256, 63.8, 142.5, T0 + 60.0, T0 + 64.2, "ngram"),
+        RequestInfo("req-0004", MODEL, RequestStatus.ERROR, 50, 3, 12.0, 201.0, T0 + 40.0, T0 + 40.5, ""),
+        RequestInfo("req-0003", MODEL, RequestStatus.CANCELLED, 33, 12, 44.1, 150.2, T0 + 20.0, T0 + 21.0, "draft"),
     )
     spec = (
         SpecStats("ngram", SpecState.ENABLED, 1840, 1214, 310, 6, 31.4, 96, 71),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from meshnode.serve.client import StopMatcher
 from meshnode.mesh.final import GREEDY
 from meshnode.serve.request import ActiveRequest
-from meshnode.state import RequestInfo
+from meshnode.state import RequestInfo, RequestStatus
 
 EOG = 0
 SPLIT = {1: b"\xc3", 2: b"\xa9"}   # two tokens that together make "é"
@@ -20,7 +20,7 @@ class ByteTokenizer:
 
 
 def _req(max_tokens: int = 100, stops: tuple[str, ...] = ()) -> ActiveRequest:
-    info = RequestInfo("r", "m", "queued", 3, 0, 0.0, None, 0.0)
+    info = RequestInfo("r", "m", RequestStatus.QUEUED, 3, 0, 0.0, None, 0.0)
     return ActiveRequest("r", 1, [5, 6, 7], GREEDY, max_tokens, StopMatcher(stops), info)
 
 

@@ -19,7 +19,7 @@ from meshnode.spec.draft import (  # noqa: E402
     read_gguf_vocab,
 )
 
-N_BATCH = 32  # batch invariance (DESIGN.md section 3): identical logits whatever the schedule
+N_BATCH = 32  # batch invariance (docs/engine.md): identical logits whatever the schedule
 
 CODE_PROMPT = (
     "<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci number "

@@ -386,11 +386,11 @@ async def test_every_screen_copes_with_an_empty_node():
 
 
 def _status_snap(status: str, detail: str = "", **changes):
-    from meshnode.state import TransferInfo
+    from meshnode.state import ModelStatus, TransferInfo
 
     base = FakeNode().snapshot()
     changes.setdefault("transfers", (TransferInfo("default model (extract)", 45, 100, "extract"),))
-    return replace(base, status=status, status_detail=detail, **changes)
+    return replace(base, status=ModelStatus(status), status_detail=detail, **changes)
 
 
 @pytest.mark.parametrize("status, detail, bar, mesh", [

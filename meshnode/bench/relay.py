@@ -1,6 +1,6 @@
 """A UDP relay that delays every datagram: network latency for nodes on one machine.
 
-The kernel here has no netem (DESIGN.md section 6), so benchmarks emulate a slower link
+Many kernels have no netem (docs/testing.md), so benchmarks emulate a slower link
 by pointing one node at this relay instead of at its peer. QUIC runs over UDP, so the
 relay sees every packet of the connection.
 

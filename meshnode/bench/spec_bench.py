@@ -6,8 +6,8 @@ Topology (all on this machine, real node processes with their own homes)::
 
 B runs with ``--no-discovery --quic-port P``; the relay listens on R and forwards to
 127.0.0.1:P; A runs with ``--no-discovery --peer 127.0.0.1:R --split 2``, so every
-packet between the stages crosses the relay. The kernel here has no netem (DESIGN.md
-section 6), so the relay is the latency emulation; the output says so.
+packet between the stages crosses the relay. Kernels without netem are
+common (docs/testing.md), so the relay is the latency emulation; the output says so.
 
 Strategies, each on a split of its own (all up for the whole run): ``baseline``
 (``--spec-mode off``), ``ngram_auto`` (``--spec ngram --spec-mode auto``) and ``draft``

@@ -7,7 +7,7 @@ The first stage feeds token ids; later stages feed the previous stage's hidden s
 through ``batch.embd``. A non-final stage reads the residual stream after its last layer
 (``l_out-{n_layer-1}``) with a :class:`~meshnode.engine.ggml.LayerTap` and stops the graph
 there; a final stage returns logits, computed only for the rows that will be sampled.
-Chaining slices this way is bit-identical to the whole model (DESIGN.md §3) provided:
+Chaining slices this way is bit-identical to the whole model (docs/engine.md) provided:
 
 * every row of a non-final stage is marked as an output (llama.cpp prunes the last
   layer to output rows otherwise, and an unmarked row never reaches ``l_out``);

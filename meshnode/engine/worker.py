@@ -4,7 +4,7 @@ llama_decode blocks for milliseconds to seconds; on the event loop a long call w
 stall QUIC, HTTP and the TUI, so calls run on one dedicated thread, which also
 serialises access to the llama context (it is not thread-safe).
 
-A handoff to that thread and back is not free, though: on the 2-core VM of DESIGN.md
+A handoff to that thread and back is not free, though: on a 2-core VM
 the loop -> worker -> loop round trip around a 7 ms call costs ~0.43 ms, because both
 threads sleep and each wake-up of an idle (virtual) CPU is slow. A split decode step
 pays it on every stage, which was a sixth of a SmolLM2 step. So :meth:`EngineWorker.step`

@@ -33,6 +33,7 @@ from typing import Any
 
 from meshnode import wire
 from meshnode.errors import MeshnodeError
+from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.planner import Candidate, Plan, PlanError, plan as make_plan
 from meshnode.mesh.runtime import (
@@ -134,7 +135,7 @@ class ServingModel:
 
     # ---- feeding -----------------------------------------------------------------
 
-    def receive(self, node_id: str, msg: Any) -> None:
+    def receive(self, node_id: str, msg: wire.Message) -> None:
         if (self.control.state is CoordinatorState.STOPPED and isinstance(msg, wire.Status)
                 and msg.state is wire.StageStatus.STOPPED and msg.term == self.term):
             self._stop_waiting.discard(node_id)
@@ -259,7 +260,7 @@ class CoordinatorRuntime:
     each :class:`StageChanged`. ``n_threads``: llama.cpp threads of stage 0.
     """
 
-    def __init__(self, fabric: Any, paths: NodePaths, *, n_threads: int | None = None,
+    def __init__(self, fabric: Fabric, paths: NodePaths, *, n_threads: int | None = None,
                  decode_threads: int | None = None,
                  publish: Publish | None = None) -> None:
         self.fabric = fabric
@@ -351,7 +352,7 @@ class CoordinatorRuntime:
 
     # ---- feeding -----------------------------------------------------------------
 
-    def handle(self, node_id: str, msg: Any) -> bool:
+    def handle(self, node_id: str, msg: wire.Message) -> bool:
         """Take ``msg`` if it is for the model this node coordinates; False otherwise.
 
         Stage-control answers (Status, Inventory, Ready, Error) from a node of the

@@ -23,11 +23,12 @@ import dataclasses
 import inspect
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from meshnode import PROTOCOL_VERSION
 from meshnode.errors import MeshnodeError
+from meshnode.mesh.fabric_api import MessageCallback, PeerChangeCallback
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.net import caps as capsmod
 from meshnode.net.auth import AuthHandshake
@@ -39,12 +40,10 @@ from meshnode.net.quic import QuicListener, dial, listen
 from meshnode.net.secret import SecretStore, mesh_id
 from meshnode.paths import NodePaths
 from meshnode.state import PeerInfo
-from meshnode.wire import Error, Hello
+from meshnode.wire import Error, Hello, Message
 
 log = logging.getLogger(__name__)
 
-MessageCallback = Callable[[str, Any], "Awaitable[None] | None"]
-PeerChangeCallback = Callable[[str, "PeerInfo | None", str], "Awaitable[None] | None"]
 
 DIAL_GRACE_S = 1.0      # the higher node id waits this long for the lower one to dial
 RETRY_MIN_S = 0.5
@@ -191,7 +190,7 @@ class MeshFabric:
     def next_ref(self, node_id: str) -> int:
         return self._link(node_id).next_ref()
 
-    async def send(self, node_id: str, msg: Any) -> None:
+    async def send(self, node_id: str, msg: Message) -> None:
         """Queue ``msg`` on the control stream to ``node_id``.
 
         Raises :class:`PeerUnavailableError` when there is no authenticated link."""
@@ -201,7 +200,7 @@ class MeshFabric:
         except ConnectionError as exc:
             raise PeerUnavailableError(f"peer {node_id}: {exc}") from exc
 
-    def send_lane(self, node_id: str, msg: Any) -> bool:
+    def send_lane(self, node_id: str, msg: Message) -> bool:
         """Send ``msg`` to ``node_id`` on the fast lane (meshnode.net.lane): lossy, for
         per-token frames whose loss the caller notices. False, sending nothing, when
         there is no ready lane to that peer: use :meth:`send_data` then."""
@@ -219,12 +218,12 @@ class MeshFabric:
         if link is not None:
             link.lane_missed()
 
-    async def send_data(self, node_id: str, msg: Any, stream_key: Any) -> None:
+    async def send_data(self, node_id: str, msg: Message, stream_key: Hashable) -> None:
         """Queue ``msg`` on the data stream ``stream_key`` to ``node_id`` (one QUIC
         stream per (peer, key): ordered within a key, independent of control)."""
         self.send_data_now(node_id, msg, stream_key)
 
-    def send_data_now(self, node_id: str, msg: Any, stream_key: Any) -> None:
+    def send_data_now(self, node_id: str, msg: Message, stream_key: Hashable) -> None:
         """:meth:`send_data` for callers that cannot await (timer callbacks)."""
         link = self._link(node_id)
         try:
@@ -232,12 +231,13 @@ class MeshFabric:
         except ConnectionError as exc:
             raise PeerUnavailableError(f"peer {node_id}: {exc}") from exc
 
-    def close_data_stream(self, node_id: str, stream_key: Any) -> None:
+    def close_data_stream(self, node_id: str, stream_key: Hashable) -> None:
         link = self._links.get(node_id)
         if link is not None:
             link.close_data_stream(stream_key)
 
-    async def request(self, node_id: str, msg: Any, timeout: float = 5.0, *, data_stream: Any = None) -> Any:
+    async def request(self, node_id: str, msg: Message, timeout: float = 5.0, *,
+                      data_stream: Hashable | None = None) -> Message:
         """Send ``msg`` and wait for the reply with the same ref.
 
         A ``msg.ref`` of 0 is replaced by a fresh ref. Returns the reply message; raises
@@ -311,7 +311,7 @@ class MeshFabric:
         log.info("peer %s (%s) at %s authenticated", node_id, info.name if info else "?", link.address)
         self._emit_peer(node_id, info, "authenticated")
 
-    def link_message(self, link: PeerLink, msg: Any) -> None:
+    def link_message(self, link: PeerLink, msg: Message) -> None:
         node_id = link.peer_node_id or ""
         fut = self._pending.get((node_id, msg.ref)) if msg.ref else None
         if fut is not None and not fut.done():

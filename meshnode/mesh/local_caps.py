@@ -46,7 +46,7 @@ def measured_speed() -> float:
     A relative figure is all the planner needs, but it must not depend on what else the
     machine is doing at start-up: nodes start next to a loading model, another node or
     a benchmark. A matmul big enough for BLAS to use every core collapses when one core
-    is busy (its threads wait on each other): on the 2-core VM of DESIGN.md a 384 x 384
+    is busy (its threads wait on each other): on a 2-core VM a 384 x 384
     matmul measured 60-84 quiet and 5-25 next to one busy process, and the planner gave
     one node 1 layer of 30. A 64 x 64 matmul stays on one thread, and the best of several
     short trials skips the ones that shared their core (38-60 busy against 59-63 quiet).

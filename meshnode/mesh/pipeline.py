@@ -38,6 +38,7 @@ from meshnode import wire
 from meshnode.engine import EngineError, Segment
 from meshnode.engine.worker import EngineWorker
 from meshnode.errors import MeshnodeError
+from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.final import GREEDY, FinalSampler, Finalized, Sampling
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def _time_out(fut: asyncio.Future) -> None:
 class MeshPipeline:
     """Stage 0 here; stages 1..n-1 on peers (``route``), reached through the fabric."""
 
-    def __init__(self, worker: EngineWorker, fabric, route: Sequence[str], *,
+    def __init__(self, worker: EngineWorker, fabric: Fabric, route: Sequence[str], *,
                  wire_dtype: str = "f32", reply_timeout: float = 60.0) -> None:
         self.worker = worker
         self.fabric = fabric
@@ -148,7 +149,7 @@ class MeshPipeline:
         self.closed: str | None = None   # why, once closed: later runs fail with it
 
     # Called by the node's message dispatcher for TokenReturn / DataError frames.
-    def on_data(self, peer: str, msg: object) -> bool:
+    def on_data(self, peer: str, msg: wire.Message) -> bool:
         if isinstance(msg, wire.TokenReturn):
             fut = self._pending.pop(msg.batch_id, None)
             if fut is not None and not fut.done():
@@ -241,7 +242,7 @@ class MeshPipeline:
             for s in steps)
         return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
 
-    async def _send(self, msg: object, lane: bool) -> None:
+    async def _send(self, msg: wire.Message, lane: bool) -> None:
         if lane:
             self.lane_steps += 1
             if self.fabric.send_lane(self.route[0], msg):

@@ -1,8 +1,10 @@
 """What the asyncio drivers of stage negotiation share: options, results, helpers.
 
-Theory of operation. Stage negotiation is split in three modules:
+Theory of operation. Stage negotiation is split in these modules:
 
-* :mod:`meshnode.mesh.stage_control` -- the sans-IO state machines (no I/O, no clock);
+* the sans-IO state machines (no I/O, no clock): :mod:`meshnode.mesh.stage_control_coordinator`
+  and :mod:`meshnode.mesh.stage_control_server`, over the events and parameters both share
+  in :mod:`meshnode.mesh.stage_control`;
 * :mod:`meshnode.mesh.stage_server` -- :class:`StageServerRuntime`, run by every node:
   feeds its :class:`StageServerControl` and does the host work (find the model, slice
   it, load an engine, serve the data plane with a :class:`StageHost`);
@@ -28,6 +30,7 @@ from typing import Any
 
 from meshnode.errors import MeshnodeError
 from meshnode.fsutil import atomic_write
+from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.planner import ModelShape
 from meshnode.mesh.stage_control import Timeouts
@@ -35,6 +38,7 @@ from meshnode.models.errors import ModelFileError
 from meshnode.net import caps as capsmod
 from meshnode.paths import NodePaths
 from meshnode.state import HeldModel, NodeEvent
+from meshnode.wire import Message
 
 __all__ = [
     "DEFAULT_STAGE_OVERHEAD",
@@ -253,13 +257,13 @@ class Outbox:
     peer is reported through ``on_peer_change`` instead.
     """
 
-    def __init__(self, fabric: Any, name: str) -> None:
+    def __init__(self, fabric: Fabric, name: str) -> None:
         self.fabric = fabric
         self.name = name
         self._queue: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
 
-    def put(self, node_id: str, msg: Any) -> None:
+    def put(self, node_id: str, msg: Message) -> None:
         if self._task is None or self._task.done():
             self._queue = asyncio.Queue()
             self._task = asyncio.get_running_loop().create_task(self._run(self._queue), name=self.name)

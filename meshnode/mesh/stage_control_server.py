@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any
 
 from meshnode.mesh.stage_control import (
     Claimed,
@@ -226,7 +225,7 @@ class StageServerControl:
     def _reply(self, node_id: str, msg: Message) -> None:
         self._out.append((node_id, msg))
 
-    def _fence(self, node_id: str, msg: Any) -> str:
+    def _fence(self, node_id: str, msg: Message) -> str:
         """Why ``msg`` is refused as FENCED ('' when it is not)."""
         if msg.term < self.term:
             return f"stale term {msg.term}: this node is at term {self.term} (coordinator {self.coordinator_id})"

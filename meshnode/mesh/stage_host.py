@@ -19,6 +19,7 @@ import numpy as np
 from meshnode import wire
 from meshnode.engine import EngineError, Segment
 from meshnode.engine.worker import EngineWorker
+from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.final import FinalSampler, Sampling
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class StageRoute:
 
 
 class StageHost:
-    def __init__(self, fabric, worker: EngineWorker, route: StageRoute) -> None:
+    def __init__(self, fabric: Fabric, worker: EngineWorker, route: StageRoute) -> None:
         self.fabric = fabric
         self.worker = worker
         self.route = route
@@ -61,7 +62,7 @@ class StageHost:
         # session's end, and must not bring the session back.
         self._ended: OrderedDict[int, None] = OrderedDict()
 
-    def accept(self, peer: str, msg: object) -> bool:
+    def accept(self, peer: str, msg: wire.Message) -> bool:
         """Queue a data-plane message; False if it is not one."""
         if isinstance(msg, (wire.Forward, wire.Trim, wire.SessionEnd)):
             self._queue.put_nowait(msg)
@@ -174,7 +175,7 @@ class StageHost:
             await self._send(self.route.coordinator,
                              wire.TokenReturn(ref=0, batch_id=msg.batch_id, results=tuple(out)), lane)
 
-    async def _send(self, node: str | None, msg: object, lane: bool = False) -> None:
+    async def _send(self, node: str | None, msg: wire.Message, lane: bool = False) -> None:
         if node is None or (lane and self.fabric.send_lane(node, msg)):
             return
         try:

@@ -33,11 +33,12 @@ from typing import Any
 
 from meshnode import wire
 from meshnode.errors import MeshnodeError
+from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.runtime import Outbox, Publish, drain, find_held_model
 from meshnode.mesh.stage_control import LoadRequested, PrepareRequested, StopRequested
 from meshnode.mesh.stage_control_server import StageServerControl
 from meshnode.paths import NodePaths
-from meshnode.state import StageChanged, StageInfo, StageState
+from meshnode.state import PeerInfo, StageChanged, StageInfo, StageState
 
 __all__ = ["StageServerRuntime"]
 
@@ -65,7 +66,7 @@ class StageServerRuntime:
     ``n_threads``: llama.cpp threads of the stage engine (None: every core).
     """
 
-    def __init__(self, fabric: Any, paths: NodePaths, *, n_threads: int | None = None,
+    def __init__(self, fabric: Fabric, paths: NodePaths, *, n_threads: int | None = None,
                  decode_threads: int | None = None,
                  publish: Publish | None = None) -> None:
         self.fabric = fabric
@@ -102,7 +103,7 @@ class StageServerRuntime:
 
     # ---- feeding -----------------------------------------------------------------
 
-    def handle(self, node_id: str, msg: Any) -> bool:
+    def handle(self, node_id: str, msg: wire.Message) -> bool:
         """Take ``msg`` from ``node_id`` if it is for the stage server; False otherwise.
 
         Stage-control requests always are; Inventory only from the claiming coordinator
@@ -265,7 +266,7 @@ class StageServerRuntime:
 
     # ---- data plane and peers ---------------------------------------------------------
 
-    def _on_data(self, node_id: str, msg: Any) -> None:
+    def _on_data(self, node_id: str, msg: wire.Message) -> None:
         if self._host is not None and self.control.state is StageState.READY:
             self._host.accept(node_id, msg)
             return
@@ -278,13 +279,13 @@ class StageServerRuntime:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _send_data(self, node_id: str, msg: Any) -> None:
+    async def _send_data(self, node_id: str, msg: wire.Message) -> None:
         from meshnode.mesh.stage_host import DATA_STREAM
 
         with contextlib.suppress(Exception):
             await self.fabric.send_data(node_id, msg, DATA_STREAM)
 
-    def _on_peer_change(self, node_id: str, info: Any, reason: str) -> None:
+    def _on_peer_change(self, node_id: str, info: PeerInfo | None, reason: str) -> None:
         c = self.control
         if info is None and node_id == c.coordinator_id and c.state in (
                 StageState.ASSIGNED, StageState.PREPARING, StageState.LOADING, StageState.READY):

@@ -9,7 +9,7 @@ block count, e.g. per-layer head counts) cut to [start, end). Tensors are copied
 quantized data is copied byte for byte with its ggml type (see :func:`_add_raw_tensor`),
 so a slice computes exactly what the same layers compute inside the whole model.
 
-What else a slice keeps depends on its role in the pipeline (DESIGN.md section 3):
+What else a slice keeps depends on its role in the pipeline (docs/engine.md):
 
 - first stage (start == 0): token_embd and the full tokenizer; no ``output.weight``
   (llama.cpp then ties a head to token_embd that the engine never runs).

@@ -32,7 +32,7 @@ import hmac
 import logging
 from dataclasses import dataclass
 
-from meshnode.wire import AuthChallenge, AuthProof, AuthResult, Error, ErrorCode, Hello
+from meshnode.wire import AuthChallenge, AuthProof, AuthResult, Error, ErrorCode, Hello, Message
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class AuthHandshake:
             self._out += [self._hello, AuthChallenge(ref=0, nonce=self._nonce)]
             self._set_state(AuthState.HANDSHAKING)
 
-    def receive(self, msg: object) -> None:
+    def receive(self, msg: Message) -> None:
         """Feed one message received on the control stream before authentication."""
         if self.state in (AuthState.FAILED, AuthState.AUTHENTICATED):
             return

@@ -2,7 +2,7 @@
 
 Why: a decode step crosses every hop of a split once per token, as one small frame (a
 2.3 KB activation, a 30-byte token). Through aioquic each crossing costs ~0.4 ms of
-Python on the 2-core VM of DESIGN.md (stream bookkeeping, packet building, header
+Python on a 2-core VM (stream bookkeeping, packet building, header
 protection, parsing, an ACK timer), against ~0.05 ms for sealing the frame ourselves:
 the two hops of a 2-stage SmolLM2 step spent ~0.7 ms of a ~22 ms token there
 (docs/mesh.md, "The fast lane").
@@ -22,7 +22,7 @@ one byte. One packet carries exactly one wire frame.
 The lane is *ordered and lossy*: a receiver accepts only counters above the highest it
 has accepted (a late or replayed packet is dropped, never processed out of order), and
 nothing is retransmitted. Whoever puts a frame on the lane must cope with its loss:
-stage 0 resends a lost decode step over the QUIC stream (``meshnode.serve.pipeline``).
+stage 0 resends a lost decode step over the QUIC stream (``meshnode.mesh.pipeline``).
 
 This module is sans-IO: :class:`LaneSender` seals, :class:`LaneReceiver` opens;
 :mod:`meshnode.net.link` moves the bytes.

@@ -45,7 +45,7 @@ import ipaddress
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -59,7 +59,7 @@ from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
 from meshnode.net.lane import LaneDrop, LaneReceiver, LaneSender, is_lane_packet
 from meshnode.net.lane_control import LaneControl
 from meshnode.net.liveness import AuthTimedOut, Liveness, PeerSilent, SendHeartbeat
-from meshnode.wire import (HEADER_SIZE, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey,
+from meshnode.wire import (HEADER_SIZE, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey, Message,
                            RemoteProtocolError, TokenReturn, WireError, decode, encode, parse_header)
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class LinkOwner(Protocol):
     def make_auth(self, link: "PeerLink", **kwargs: Any) -> AuthHandshake: ...
     def link_created(self, link: "PeerLink") -> None: ...
     def link_authenticated(self, link: "PeerLink") -> None: ...
-    def link_message(self, link: "PeerLink", msg: Any) -> None: ...
+    def link_message(self, link: "PeerLink", msg: Message) -> None: ...
     def lane_receiver(self, link: "PeerLink") -> LaneReceiver: ...
     def lane_datagram(self, data: bytes, addr: Any) -> None: ...
     def link_closed(self, link: "PeerLink", reason: str) -> None: ...
@@ -203,11 +203,11 @@ class PeerLink(QuicConnectionProtocol):
 
     # ---- sending -------------------------------------------------------------
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: Message) -> None:
         """Queue ``msg`` on the control stream (raises ConnectionError when closed)."""
         self._send_on(self._control_stream(), encode(msg))
 
-    def send_data(self, msg: Any, stream_key: Any) -> None:
+    def send_data(self, msg: Message, stream_key: Hashable) -> None:
         """Queue ``msg`` on the data stream for ``stream_key`` (opened on first use).
 
         ``msg`` may also be an already encoded frame (the per-session decode template)."""
@@ -345,7 +345,7 @@ class PeerLink(QuicConnectionProtocol):
         QUIC must fit the path MTU (1350 B is safe on a LAN), but loopback's MTU is
         64 KiB: there a 16 KB datagram is never fragmented. Two nodes on one machine (the
         benchmarks, a workstation splitting a model across its own processes) then carry
-        a decode step in one datagram, not two: on the 2-core VM of DESIGN.md the first
+        a decode step in one datagram, not two: on a 2-core VM the first
         of two datagrams took 0.53 ms to process before the second was read (aioquic's
         decrypt, frame parsing and an empty transmit), all on the critical path of the
         step. The handshake ran at the configured size; only 1-RTT packets grow.
@@ -389,7 +389,7 @@ class PeerLink(QuicConnectionProtocol):
         if err.fatal:
             self.close_with(f"protocol error: {err.code.name}", delay=0.05)
 
-    def _on_auth_message(self, sid: int, msg: Any) -> None:
+    def _on_auth_message(self, sid: int, msg: Message) -> None:
         if self.auth is None or sid != self._control_sid:
             return self.close_with("message before authentication")
         self.auth.receive(msg)
@@ -412,7 +412,7 @@ class PeerLink(QuicConnectionProtocol):
 
     # ---- the fast lane (meshnode.net.lane) ------------------------------------------
 
-    def send_lane(self, msg: Any) -> bool:
+    def send_lane(self, msg: Message) -> bool:
         """Send ``msg`` (a message or an encoded frame) as one lane packet; False, sending
         nothing, when the lane is not ready (the caller uses :meth:`send_data`). The
         lane is lossy: the caller must notice a lost frame (see :meth:`lane_missed`)."""

@@ -57,7 +57,7 @@ from meshnode.serve.scheduler import BatchScheduler
 from meshnode.serve.speculation import SpeculativeDecoder
 from meshnode.spec.ngram import MIN_NGRAM_MATCH
 from meshnode.spec.strategy import Proposer, SpecConfig
-from meshnode.state import RequestInfo, RequestUpdated
+from meshnode.state import RequestInfo, RequestStatus, RequestUpdated
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class ModelServer:
                             top_p=req.top_p, seed=req.seed if req.seed is not None else
                             int.from_bytes(np.random.default_rng().bytes(4), "little"))
         rid = req.request_id
-        info = RequestInfo(rid, self.settings.name, "queued", len(prompt), 0, 0.0, None, time.time(),
+        info = RequestInfo(rid, self.settings.name, RequestStatus.QUEUED, len(prompt), 0, 0.0, None, time.time(),
                            strategy=self._decoder.telemetry.strategy)
         ar = ActiveRequest(rid, next(self._sessions), prompt, sampling, max_tokens,
                            StopMatcher(tuple(req.stop) + tuple(template_stops)), info)
@@ -158,9 +158,9 @@ class ModelServer:
         try:
             await self._slots.acquire()
         except BaseException:
-            self._finish(ar, "cancelled")
+            self._finish(ar, RequestStatus.CANCELLED)
             raise
-        ar.info = replace(ar.info, status="prefill")
+        ar.info = replace(ar.info, status=RequestStatus.PREFILL)
         decoder = self._decoder
         try:
             # ---- prefill -----------------------------------------------------------------
@@ -188,7 +188,7 @@ class ModelServer:
                 events.put_nowait(TextDelta(tail, ()))
             decode_s = time.perf_counter() - t_decode
             counters, now = decoder.telemetry.counters(ar.id), decoder.telemetry.snapshot()
-            self._finish(ar, "done")
+            self._finish(ar, RequestStatus.DONE)
             n_prompt, n_gen = len(ar.prompt), len(ar.generated)
             events.put_nowait(Finished(ar.finish, Usage(n_prompt, n_gen), Timings(
                 prompt_n=n_prompt, prompt_ms=1e3 * prefill_s, predicted_n=n_gen,
@@ -199,10 +199,10 @@ class ModelServer:
                 spec_strategy=now.strategy, spec_state=now.state.value,
                 spec_window=now.current_window)))
         except asyncio.CancelledError:
-            self._finish(ar, "cancelled")
+            self._finish(ar, RequestStatus.CANCELLED)
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, typed
-            self._finish(ar, "error")
+            self._finish(ar, RequestStatus.ERROR)
             if error_spec(exc) is None:
                 log.exception("request %s failed", ar.id)
                 exc = EngineFailedError(f"generation failed: {exc}")
@@ -252,9 +252,9 @@ class ModelServer:
         self.last_ttft_ms = ttft if ttft is not None else self.last_ttft_ms
         if tps:
             self.last_tpot_ms = 1e3 / tps
-        ar.info = replace(ar.info, status="decoding", generated_tokens=n, tokens_per_s=tps, ttft_ms=ttft)
+        ar.info = replace(ar.info, status=RequestStatus.DECODING, generated_tokens=n, tokens_per_s=tps, ttft_ms=ttft)
 
-    def _finish(self, ar: ActiveRequest, status: str) -> None:
+    def _finish(self, ar: ActiveRequest, status: RequestStatus) -> None:
         if ar.id not in self._active:
             return
         del self._active[ar.id]

@@ -23,7 +23,7 @@ from pathlib import Path
 from meshnode.errors import MeshnodeError
 from meshnode.serve.client import GenerationEvent, GenerationRequest, ModelCard
 from meshnode.serve.errors import EngineUnavailableError
-from meshnode.state import ModelInfo, TransferInfo
+from meshnode.state import ModelInfo, ModelStatus, TransferInfo
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class ModelService:
     def __init__(self, node, options: ServiceOptions) -> None:
         self.node = node
         self.options = options
-        self.state = "starting"
+        self.state = ModelStatus.STARTING
         self.detail = ""
         self.model_ref = None
         self.server = None       # ModelServer once ready
@@ -111,7 +111,7 @@ class ModelService:
 
         o = self.options
         try:
-            self._set("fetching", o.model or "default model")
+            self._set(ModelStatus.FETCHING, o.model or "default model")
             ref = await asyncio.to_thread(resolve_model, o.model, self.node.paths,
                                           progress=self._progress(o.model or "default model"))
             self._transfers.clear()
@@ -120,7 +120,7 @@ class ModelService:
             tokenizer = await asyncio.to_thread(Tokenizer, ref.path)
             spec = self._spec_config(ref)
             draft = await self._load_draft(spec, ref) if spec is not None else None
-            self._set("planning", "")
+            self._set(ModelStatus.PLANNING, "")
             from meshnode.mesh.runtime import ServeOptions
 
             serving = await self._plan_and_load(ref, ServeOptions(
@@ -131,16 +131,16 @@ class ModelService:
                 ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch, parallel=o.parallel,
                               aliases=tuple(o.aliases) + (ref.path.name, ref.path.stem), spec=spec),
                 tokenizer, serving.pipeline, publish=self.node.publish, draft=draft)
-            self._set("ready", f"{serving.pipeline.n_stages} stage(s)")
+            self._set(ModelStatus.READY, f"{serving.pipeline.n_stages} stage(s)")
             log.info("model %s ready on %d stage(s): %s/chat/completions", ref.name,
                      serving.pipeline.n_stages, self.node.http_url)
         except asyncio.CancelledError:
             raise
         except MeshnodeError as exc:
-            self._set("failed", str(exc))
+            self._set(ModelStatus.FAILED, str(exc))
             log.error("cannot serve %s: %s", o.model or "the default model", exc)
         except Exception as exc:  # noqa: BLE001 - a start-up bug must not kill the node
-            self._set("failed", f"{type(exc).__name__}: {exc}")
+            self._set(ModelStatus.FAILED, f"{type(exc).__name__}: {exc}")
             log.exception("cannot serve %s", o.model or "the default model")
 
     async def _plan_and_load(self, ref, options):
@@ -154,10 +154,10 @@ class ModelService:
             except PlanError as exc:
                 if time.monotonic() >= deadline:
                     raise
-                self._set("waiting for peers", str(exc))
+                self._set(ModelStatus.WAITING_FOR_PEERS, str(exc))
                 await asyncio.sleep(1.0)
 
-    def _set(self, state: str, detail: str) -> None:
+    def _set(self, state: ModelStatus, detail: str) -> None:
         self.state, self.detail = state, detail
 
     def _spec_config(self, ref):

@@ -1,4 +1,4 @@
-"""Speculative decoding on stage 0 (pure logic: no I/O, no asyncio, no llama_cpp).
+"""Speculative decoding on stage 0 (pure logic: no I/O, no asyncio), plus the draft models.
 
 - ``ngram``      prompt-lookup proposer (incremental n-gram index)
 - ``policy``     auto policy (COLD / ENABLED / COOLING_DOWN / OFF): when to draft
@@ -7,6 +7,9 @@
 - ``acceptance`` sampling and the acceptance rule (runs on the final stage)
 - ``stats``      telemetry counters, ``SpecStats`` snapshots, llama.cpp-style ``timings``
 - ``strategy``   the ``Proposer`` seam and ``resolve_strategy`` (CLI > config > package > built-in)
+- ``draft``      a draft model as a proposer (uses the engine: llama.cpp)
+- ``derive``     drafts derived from the target: requantized, or its first N layers
+- ``lookahead``  the lookahead window sent behind a verify
 
 See docs/speculative.md.
 """

@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, Label, Static
 
-from meshnode.state import NodeSnapshot, PeerInfo
+from meshnode.state import ModelStatus, NodeSnapshot, PeerInfo
 from ui.format import fmt_ms, fmt_size
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
@@ -66,7 +66,7 @@ class MeshScreen(NodeScreen):
         # The model service's start-up (fetch, wait for peers, plan) or failure, in full:
         # the status bar has room for one line only.
         service = self.query_one("#service-status", Static)
-        service.display = snap.status not in ("", "running", "ready")
+        service.display = snap.status not in (ModelStatus.UNKNOWN, ModelStatus.READY)
         if service.display:
             glyph, text, style = service_status(snap)
             service.update(Text(f"{glyph} model: {text}", style=style))

@@ -15,7 +15,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Static
 
-from meshnode.state import NodeSnapshot, StageState, TransferInfo
+from meshnode.state import ModelStatus, NodeSnapshot, StageState, TransferInfo
 
 
 def transfer_progress(t: TransferInfo) -> str:
@@ -27,29 +27,29 @@ def transfer_progress(t: TransferInfo) -> str:
 
 def service_status(snap: NodeSnapshot | None) -> tuple[str, str, str]:
     """(glyph, text, style) of the model service in ``snap``, for the status bar and Mesh."""
-    status = snap.status if snap is not None else ""
+    status = snap.status if snap is not None else ModelStatus.UNKNOWN
     detail = snap.status_detail if snap is not None else ""
     match status:
-        case "" | "running":  # a node that does not report its model service
+        case ModelStatus.UNKNOWN:  # a node that does not report its model service
             return "●", "running", "green"
-        case "ready":
+        case ModelStatus.READY:
             return "●", "ready" + (f" · {detail}" if detail else ""), "green"
-        case "fetching":
+        case ModelStatus.FETCHING:
             text = "fetching" + (f" {detail}" if detail else "")
             if snap is not None and snap.transfers:
                 text += f" · {transfer_progress(snap.transfers[0])}"
             return "◌", text, "yellow"
-        case "planning":
+        case ModelStatus.PLANNING:
             text = "planning"
             if snap is not None and snap.stages:
                 ready = sum(s.state is StageState.READY for s in snap.stages)
                 text += f" · {ready}/{len(snap.stages)} stages ready"
             return "◌", text + (f" · {detail}" if detail else ""), "yellow"
-        case "waiting for peers":
+        case ModelStatus.WAITING_FOR_PEERS:
             return "◌", "waiting for peers" + (f" · {detail}" if detail else ""), "yellow"
-        case "failed":
+        case ModelStatus.FAILED:
             return "✗", "failed" + (f": {detail}" if detail else ""), "bold red"
-        case "no model":
+        case ModelStatus.NO_MODEL:
             return "○", "no model (lending memory)", "dim"
         case _:
             return "◌", status + (f" · {detail}" if detail else ""), "yellow"
@@ -88,7 +88,7 @@ class StatusBar(Horizontal):
         match node_state:
             case "running":
                 glyph, text, style = service_status(snap)
-                if snap is not None and snap.status == "failed":
+                if snap is not None and snap.status is ModelStatus.FAILED:
                     text = "model " + text  # the node itself still runs
                 right.append(f"{glyph} {text}", style=style)
             case "starting":
@@ -98,7 +98,7 @@ class StatusBar(Horizontal):
                     right.append(f" · {t.name} {transfer_progress(t)}")
             case "stopping":
                 right.append("◌ stopping", style="yellow")
-            case "failed":
+            case ModelStatus.FAILED:
                 right.append("✗ failed", style="bold red")
             case _:
                 right.append(node_state)
