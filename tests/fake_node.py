@@ -25,6 +25,7 @@ from meshnode.state import (
     NodeSnapshot,
     PeerInfo,
     RequestInfo,
+    RequestStatus,
     SpecState,
     SpecStats,
     StageInfo,
