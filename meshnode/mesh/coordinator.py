@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -37,7 +38,7 @@ from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.planner import Candidate, Plan, PlanError, plan as make_plan
 from meshnode.mesh.runtime import (
-    NegotiationError, Outbox, Publish, ServeOptions, TermStore, drain, model_shape,
+    NegotiationError, Outbox, Publish, ServeOptions, TermStore, drain, model_shape, trained_context,
 )
 from meshnode.mesh.stage_control import LoadParams, LocalLoadRequested, PlanFailed, PlanReady
 from meshnode.mesh.stage_control_coordinator import CoordinatorControl, CoordinatorState
@@ -303,6 +304,12 @@ class CoordinatorRuntime:
             from meshnode.models.store import resolve_model
 
             model = await asyncio.to_thread(resolve_model, model_ref, self.paths)
+        n_ctx_train = await asyncio.to_thread(trained_context, model.path)
+        if n_ctx_train and options.n_ctx > n_ctx_train:
+            # Stage servers refuse a Load above the trained context: ask for what they take.
+            log.warning("n_ctx %d is above %s's trained context of %d tokens: using %d",
+                        options.n_ctx, model.name, n_ctx_train, n_ctx_train)
+            options = dataclasses.replace(options, n_ctx=n_ctx_train)
         shape = await asyncio.to_thread(model_shape, model.path, options.n_ctx,
                                         overhead_bytes=options.stage_overhead)
         the_plan = self.make_plan(model, shape, options)

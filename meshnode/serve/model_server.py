@@ -27,8 +27,8 @@ and runs it in its own task, which
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -86,7 +86,7 @@ class ModelServer:
         self.pipeline = pipeline
         self.scheduler = BatchScheduler(pipeline, max_rows=settings.max_batch_rows)
         self._publish = publish or (lambda ev: None)
-        self._sessions = itertools.count(1)
+        self._sessions: set[int] = set()   # session ids in use (random, see _new_session)
         # Every stage holds parallel sequence slots; requests beyond that queue here.
         self._slots = asyncio.Semaphore(settings.parallel)
         self._active: dict[str, ActiveRequest] = {}
@@ -99,6 +99,15 @@ class ModelServer:
         self._decoder = SpeculativeDecoder(settings.spec, draft, scheduler=self.scheduler,
                                            tokenizer=tokenizer, n_ctx=settings.n_ctx,
                                            min_match=MIN_NGRAM_MATCH, publish=self._publish)
+
+    def _new_session(self) -> int:
+        """A random 64-bit session id (never 0, never one in use). Every stage keys its KV
+        by it: sequential ids would let a member guess another coordinator's sessions."""
+        while True:
+            session = secrets.randbits(64)
+            if session and session not in self._sessions:
+                self._sessions.add(session)
+                return session
 
     # ---- EngineClient -------------------------------------------------------------------
 
@@ -130,7 +139,7 @@ class ModelServer:
         rid = req.request_id
         info = RequestInfo(rid, self.settings.name, RequestStatus.QUEUED, len(prompt), 0, 0.0, None, time.time(),
                            strategy=self._decoder.telemetry.strategy)
-        ar = ActiveRequest(rid, next(self._sessions), prompt, sampling, max_tokens,
+        ar = ActiveRequest(rid, self._new_session(), prompt, sampling, max_tokens,
                            StopMatcher(tuple(req.stop) + tuple(template_stops)), info)
         self._active[rid] = ar
         self._update(ar)
@@ -237,6 +246,8 @@ class ModelServer:
             await self.pipeline.end_session(session)
         except Exception:  # noqa: BLE001 - freeing must not mask the real outcome
             log.debug("end_session(%s) failed", session, exc_info=True)
+        finally:
+            self._sessions.discard(session)
 
     # ---- telemetry ----------------------------------------------------------------------
 
