@@ -73,6 +73,7 @@ class ServingModel:
         self._ready: asyncio.Future = self._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
         self._worker: Any = None                    # stage 0's engine worker
+        self._pinned: Any = None                    # stage 0's slice, pinned in the slice cache
         self._tasks: set[asyncio.Task] = set()
         self._stop_waiting: set[str] = set()
         self._stopped = asyncio.Event()
@@ -217,7 +218,9 @@ class ServingModel:
         from meshnode.models.slicer import SliceCache
 
         end = self.plan.stages[0].end
-        return await asyncio.to_thread(SliceCache(self.runtime.paths).get, self.model, 0, end)
+        path = await asyncio.to_thread(SliceCache(self.runtime.paths).get, self.model, 0, end, pin=True)
+        self._pinned = path   # kept from the cache's eviction until stage 0 is freed
+        return path
 
     async def _load_local(self, ev: LocalLoadRequested) -> None:
         from meshnode.engine import EngineError, EngineConfig
@@ -245,7 +248,11 @@ class ServingModel:
         self._pump()
 
     async def _free_local(self, reason: str = "stopped") -> None:
+        from meshnode.models.slicer import unpin
+
         worker, self._worker = self._worker, None
+        pinned, self._pinned = self._pinned, None
+        unpin(pinned)
         if self.pipeline is not None:
             # Fails waiting steps and closes the worker; later runs raise
             # PipelineUnavailableError(reason). Idempotent.

@@ -92,6 +92,7 @@ class StageServerRuntime:
         self._host: Any = None                 # StageHost while READY
         self._host_claim: _Claim | None = None
         self._slice: tuple[_Claim, Path, int] | None = None   # claim, slice path, n_layers_total
+        self._pinned: Path | None = None       # the slice kept from the cache's eviction
         self._tasks: set[asyncio.Task] = set()
         self._frees: set[asyncio.Task] = set()
         self._last_progress = 0.0
@@ -165,8 +166,10 @@ class StageServerRuntime:
                 case StageChanged(stage=st):
                     if self.publish is not None:
                         self.publish(ev)
-                    if st.state in (StageState.FAILED, StageState.STOPPED) and self._host is not None:
-                        self._spawn_free(st.detail or st.state.value)
+                    if st.state in (StageState.FAILED, StageState.STOPPED):
+                        self._pin(None)
+                        if self._host is not None:
+                            self._spawn_free(st.detail or st.state.value)
                 case PrepareRequested():
                     self._spawn(self._prepare(ev, self._claim()), "stage-prepare")
                 case LoadRequested():
@@ -210,7 +213,7 @@ class StageServerRuntime:
     # ---- host work -----------------------------------------------------------------
 
     async def _prepare(self, ev: PrepareRequested, claim: _Claim) -> None:
-        from meshnode.models.slicer import SliceCache
+        from meshnode.models.slicer import SliceCache, unpin
 
         c = self.control
         try:
@@ -229,7 +232,11 @@ class StageServerRuntime:
                     loop.call_soon_threadsafe(self._progress, claim, done / total)
 
             path = await asyncio.to_thread(SliceCache(self.paths).get, model, ev.layer_start,
-                                           ev.layer_end, progress=progress)
+                                           ev.layer_end, progress=progress, pin=True)
+            if not self._current(claim, StageState.PREPARING):
+                unpin(path)   # stopped or re-claimed meanwhile
+                return
+            self._pin(path)
             limits = await asyncio.to_thread(self._limits, model.path, path, ev.layer_start, ev.layer_end)
         except asyncio.CancelledError:
             raise
@@ -242,6 +249,14 @@ class StageServerRuntime:
             self._slice = (claim, Path(path), ev.n_layers_total)
             c.slice_present(limits, time.monotonic())
             self._pump()
+
+    def _pin(self, path: Path | None) -> None:
+        """Keep ``path`` (the slice of the current claim) pinned, and only it."""
+        from meshnode.models.slicer import unpin
+
+        old, self._pinned = self._pinned, path
+        if old is not None:
+            unpin(old)
 
     def _limits(self, model_path: Path, slice_path: Path, start: int, end: int) -> LoadLimits:
         """What a Load may ask for here (blocking: reads the GGUF header, /proc/meminfo)."""
