@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -52,7 +51,7 @@ from meshnode.limits import MAX_VERIFY_WINDOW
 from meshnode.mesh.final import Sampling
 from meshnode.mesh.pipeline import Pipeline, Step
 from meshnode.serve.errors import EngineFailedError, PromptTooLongError, ServeError, UnknownModelError, error_spec
-from meshnode.serve.request import ActiveRequest
+from meshnode.serve.request import ActiveRequest, new_session_id
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.serve.speculation import SpeculativeDecoder
 from meshnode.spec.ngram import MIN_NGRAM_MATCH
@@ -86,7 +85,7 @@ class ModelServer:
         self.pipeline = pipeline
         self.scheduler = BatchScheduler(pipeline, max_rows=settings.max_batch_rows)
         self._publish = publish or (lambda ev: None)
-        self._sessions: set[int] = set()   # session ids in use (random, see _new_session)
+        self._sessions: set[int] = set()   # session ids in use (random: new_session_id)
         # Every stage holds parallel sequence slots; requests beyond that queue here.
         self._slots = asyncio.Semaphore(settings.parallel)
         self._active: dict[str, ActiveRequest] = {}
@@ -99,15 +98,6 @@ class ModelServer:
         self._decoder = SpeculativeDecoder(settings.spec, draft, scheduler=self.scheduler,
                                            tokenizer=tokenizer, n_ctx=settings.n_ctx,
                                            min_match=MIN_NGRAM_MATCH, publish=self._publish)
-
-    def _new_session(self) -> int:
-        """A random 64-bit session id (never 0, never one in use). Every stage keys its KV
-        by it: sequential ids would let a member guess another coordinator's sessions."""
-        while True:
-            session = secrets.randbits(64)
-            if session and session not in self._sessions:
-                self._sessions.add(session)
-                return session
 
     # ---- EngineClient -------------------------------------------------------------------
 
@@ -139,7 +129,7 @@ class ModelServer:
         rid = req.request_id
         info = RequestInfo(rid, self.settings.name, RequestStatus.QUEUED, len(prompt), 0, 0.0, None, time.time(),
                            strategy=self._decoder.telemetry.strategy)
-        ar = ActiveRequest(rid, self._new_session(), prompt, sampling, max_tokens,
+        ar = ActiveRequest(rid, new_session_id(self._sessions), prompt, sampling, max_tokens,
                            StopMatcher(tuple(req.stop) + tuple(template_stops)), info)
         self._active[rid] = ar
         self._update(ar)
