@@ -6,7 +6,8 @@ its Load named; the coordinator for stage 1) may send ``Forward``; ``Trim`` and
 stage directly). Data from any other member is dropped with a log: a member of the mesh
 must not be able to rewind or end another coordinator's sessions. The queue in front of
 the engine is bounded (frames and activation bytes); a Forward over the bound is answered
-with ``DataError`` (BUSY) instead of growing memory. Each ``Forward`` runs
+with ``DataError`` (BUSY) instead of growing memory (Trim and SessionEnd have their own,
+larger bound: a full queue never loses the end of a session). Each ``Forward`` runs
 through this stage's slice in one engine call (all its sessions' rows together). A
 middle stage forwards the hidden states downstream; the final stage samples or verifies
 and sends ``TokenReturn`` straight to the coordinator (stage 0), not hop by hop.
@@ -37,6 +38,9 @@ ENDED_KEPT = 1024   # ended sessions remembered (see StageHost._ended)
 # wait for a reply); these bounds only stop an upstream that floods.
 QUEUE_MAX_FRAMES = 256
 QUEUE_MAX_BYTES = 256 * 1024 * 1024
+# Trim and SessionEnd are a few bytes and must not be lost behind a full queue (a lost
+# SessionEnd keeps a KV slot busy): they have their own, larger bound.
+QUEUE_MAX_SMALL = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,7 @@ class StageHost:
         self.sampler = FinalSampler()
         self._queue: asyncio.Queue = asyncio.Queue()   # bounded by accept(), not maxsize
         self._queued_bytes = 0
+        self._queued_frames = 0                      # Forwards among the queued messages
         self.refused = 0                  # data messages dropped: wrong sender or queue full
         self._task = asyncio.get_running_loop().create_task(self._serve(), name="stage-host")
         self._out_dtype = np.float16 if route.wire_dtype == "f16" else np.float32
@@ -95,7 +100,9 @@ class StageHost:
             log.warning("stage: %s from %s dropped: only %s feeds this stage", type(msg).__name__, peer, source)
             return True
         size = _act_bytes(msg)
-        if self._queue.qsize() >= QUEUE_MAX_FRAMES or self._queued_bytes + size > QUEUE_MAX_BYTES:
+        forward = isinstance(msg, wire.Forward)
+        if (self._queued_frames >= QUEUE_MAX_FRAMES or self._queued_bytes + size > QUEUE_MAX_BYTES
+                if forward else self._queue.qsize() - self._queued_frames >= QUEUE_MAX_SMALL):
             self.refused += 1
             log.warning("stage queue full (%d frames, %d bytes): %s from %s refused",
                         self._queue.qsize(), self._queued_bytes, type(msg).__name__, peer)
@@ -105,6 +112,7 @@ class StageHost:
                     code=wire.ErrorCode.BUSY, message="stage queue full: not computed"))
             return True
         self._queued_bytes += size
+        self._queued_frames += forward
         self._queue.put_nowait(msg)
         return True
 
@@ -129,6 +137,7 @@ class StageHost:
         while True:
             msg = await self._queue.get()
             self._queued_bytes -= _act_bytes(msg)
+            self._queued_frames -= isinstance(msg, wire.Forward)
             try:
                 match msg:
                     case wire.Forward():
