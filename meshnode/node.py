@@ -96,7 +96,8 @@ class Node:
         self.fabric.on_peer_change(self._on_peer_change)
         self.max_memory = max_memory
         self.stage_server = StageServerRuntime(self.fabric, self.paths, n_threads=threads,
-                                               decode_threads=decode_threads, publish=self.publish)
+                                               decode_threads=decode_threads, publish=self.publish,
+                                               max_memory=max_memory)
         self.coordinator = CoordinatorRuntime(self.fabric, self.paths, n_threads=threads,
                                               decode_threads=decode_threads, publish=self.publish)
         self.service = ModelService(self, service) if service is not None else None

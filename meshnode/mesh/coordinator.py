@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -37,7 +38,7 @@ from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.planner import Candidate, Plan, PlanError, plan as make_plan
 from meshnode.mesh.runtime import (
-    NegotiationError, Outbox, Publish, ServeOptions, TermStore, drain, model_shape,
+    NegotiationError, Outbox, Publish, ServeOptions, TermStore, drain, model_shape, trained_context,
 )
 from meshnode.mesh.stage_control import LoadParams, LocalLoadRequested, PlanFailed, PlanReady
 from meshnode.mesh.stage_control_coordinator import CoordinatorControl, CoordinatorState
@@ -72,6 +73,7 @@ class ServingModel:
         self._ready: asyncio.Future = self._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
         self._worker: Any = None                    # stage 0's engine worker
+        self._pinned: Any = None                    # stage 0's slice, pinned in the slice cache
         self._tasks: set[asyncio.Task] = set()
         self._stop_waiting: set[str] = set()
         self._stopped = asyncio.Event()
@@ -216,7 +218,9 @@ class ServingModel:
         from meshnode.models.slicer import SliceCache
 
         end = self.plan.stages[0].end
-        return await asyncio.to_thread(SliceCache(self.runtime.paths).get, self.model, 0, end)
+        path = await asyncio.to_thread(SliceCache(self.runtime.paths).get, self.model, 0, end, pin=True)
+        self._pinned = path   # kept from the cache's eviction until stage 0 is freed
+        return path
 
     async def _load_local(self, ev: LocalLoadRequested) -> None:
         from meshnode.engine import EngineError, EngineConfig
@@ -244,7 +248,11 @@ class ServingModel:
         self._pump()
 
     async def _free_local(self, reason: str = "stopped") -> None:
+        from meshnode.models.slicer import unpin
+
         worker, self._worker = self._worker, None
+        pinned, self._pinned = self._pinned, None
+        unpin(pinned)
         if self.pipeline is not None:
             # Fails waiting steps and closes the worker; later runs raise
             # PipelineUnavailableError(reason). Idempotent.
@@ -303,6 +311,12 @@ class CoordinatorRuntime:
             from meshnode.models.store import resolve_model
 
             model = await asyncio.to_thread(resolve_model, model_ref, self.paths)
+        n_ctx_train = await asyncio.to_thread(trained_context, model.path)
+        if n_ctx_train and options.n_ctx > n_ctx_train:
+            # Stage servers refuse a Load above the trained context: ask for what they take.
+            log.warning("n_ctx %d is above %s's trained context of %d tokens: using %d",
+                        options.n_ctx, model.name, n_ctx_train, n_ctx_train)
+            options = dataclasses.replace(options, n_ctx=n_ctx_train)
         shape = await asyncio.to_thread(model_shape, model.path, options.n_ctx,
                                         overhead_bytes=options.stage_overhead)
         the_plan = self.make_plan(model, shape, options)

@@ -146,10 +146,20 @@ class MeshPipeline:
         self._lane_rtt: float | None = None   # EWMA seconds of a lane step's round trip
         self.lane_steps = 0                   # telemetry: steps sent with SEG_LANE
         self.lane_resends = 0                 # ... of which resent over the stream
+        self.refused = 0                      # replies ignored: not from the right stage
         self.closed: str | None = None   # why, once closed: later runs fail with it
 
     # Called by the node's message dispatcher for TokenReturn / DataError frames.
+    # Tokens come only from the final stage of the route: another stage (or member) that
+    # sent a TokenReturn for a waiting batch id would otherwise choose the tokens. Any
+    # stage of the route may fail a batch with DataError (it could as well not forward).
     def on_data(self, peer: str, msg: wire.Message) -> bool:
+        if isinstance(msg, (wire.TokenReturn, wire.DataError)) and not (
+                peer == self.route[-1] or (isinstance(msg, wire.DataError) and peer in self.route)):
+            self.refused += 1
+            log.warning("%s from %s ignored: not from %s", type(msg).__name__, peer,
+                        "the final stage" if isinstance(msg, wire.TokenReturn) else "a stage of this model")
+            return True
         if isinstance(msg, wire.TokenReturn):
             fut = self._pending.pop(msg.batch_id, None)
             if fut is not None and not fut.done():

@@ -33,7 +33,7 @@ from meshnode.fsutil import atomic_write
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.planner import ModelShape
-from meshnode.mesh.stage_control import Timeouts
+from meshnode.mesh.stage_control import LoadLimits, Timeouts
 from meshnode.models.errors import ModelFileError
 from meshnode.net import caps as capsmod
 from meshnode.paths import NodePaths
@@ -49,7 +49,9 @@ __all__ = [
     "TermStore",
     "find_held_model",
     "held_models",
+    "load_limits",
     "model_shape",
+    "trained_context",
     "node_capabilities",
 ]
 
@@ -216,6 +218,41 @@ def model_shape(path: Any, n_ctx: int, *, overhead_bytes: int = DEFAULT_STAGE_OV
         n_embd=info.n_embd,
         n_ctx=n_ctx,
         kv_bytes_per_token=n_head_kv * (k_len + v_len) * 2,
+        overhead_bytes=overhead_bytes,
+    )
+
+
+def trained_context(path: Any) -> int:
+    """The model's trained context (GGUF ``{arch}.context_length``; 0 when absent).
+    Blocking (reads the GGUF header)."""
+    from meshnode.models.gguf_info import field_value, open_gguf
+
+    reader = open_gguf(path)
+    arch = field_value(reader, "general.architecture")
+    return _as_max(field_value(reader, f"{arch}.context_length")) if isinstance(arch, str) else 0
+
+
+def load_limits(model_path: Any, slice_path: Any, layer_start: int, layer_end: int, *,
+                budget_bytes: int | None,
+                overhead_bytes: int = DEFAULT_STAGE_OVERHEAD) -> LoadLimits:
+    """What a stage server lets a Load ask for, for blocks [start, end) of the model at
+    ``model_path`` sliced to ``slice_path``: the trained context and the memory estimate
+    of :class:`LoadLimits` under ``budget_bytes``. Blocking (reads the GGUF header)."""
+    from meshnode.models.gguf_info import field_value, info_from_reader, open_gguf
+
+    reader = open_gguf(model_path)
+    info = info_from_reader(reader, model_path)
+    arch = info.architecture
+    shape = model_shape(model_path, 1, overhead_bytes=overhead_bytes)
+    n_head = _as_max(field_value(reader, f"{arch}.attention.head_count")) or 1
+    return LoadLimits(
+        n_ctx_train=_as_max(field_value(reader, f"{arch}.context_length")),
+        budget_bytes=budget_bytes,
+        weights_bytes=_size(slice_path),
+        kv_bytes_per_cell=shape.kv_bytes_per_token * (layer_end - layer_start),
+        n_embd=info.n_embd,
+        n_head=n_head,
+        n_vocab=info.n_vocab if layer_end == info.n_layers else 0,
         overhead_bytes=overhead_bytes,
     )
 

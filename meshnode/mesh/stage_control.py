@@ -41,8 +41,10 @@ from meshnode.state import StageChanged, StageInfo
 from meshnode.wire import ErrorCode, LocalProtocolError
 
 __all__ = [
+    "ClaimLease",
     "Claimed",
     "CoordinatorEvent",
+    "LoadLimits",
     "LoadParams",
     "LoadRequested",
     "LocalLoadRequested",
@@ -53,6 +55,7 @@ __all__ = [
     "StageControlError",
     "StopRequested",
     "Timeouts",
+    "check_load",
     "stages_json",
 ]
 
@@ -77,6 +80,73 @@ class LoadParams:
     n_batch: int = 512
     n_seq_max: int = 1
     wire_dtype: str = "f32"   # 'f32' | 'f16'
+
+
+# llama.cpp's LLAMA_MAX_SEQ: a context cannot hold more sequences than this.
+MAX_SEQ = 256
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True, slots=True)
+class LoadLimits:
+    """What a stage server lets a coordinator's Load ask for (measured by the host once
+    the slice is present). ``n_ctx_train``: the model's trained context (GGUF
+    ``context_length``, 0 = unknown); ``budget_bytes``: this node's memory budget
+    (``--max-memory``, else its free RAM; None = unchecked). The rest feeds
+    :meth:`need_bytes`, an estimate of what llama.cpp allocates for the stage."""
+
+    n_ctx_train: int = 0
+    budget_bytes: int | None = None
+    weights_bytes: int = 0           # the slice file (mapped)
+    kv_bytes_per_cell: int = 0       # K and V of every layer of the slice, one token
+    n_embd: int = 0
+    n_head: int = 0
+    n_vocab: int = 0                 # 0 unless the slice has the head (logits buffer)
+    overhead_bytes: int = 0
+
+    def need_bytes(self, p: "LoadParams") -> int:
+        cells = p.n_ctx * p.n_seq_max
+        act = p.n_batch * self.n_embd * 4 * 8             # activations, tap, batch buffers
+        scores = p.n_batch * cells * max(self.n_head, 1) * 4   # attention scores (no flash attention)
+        logits = p.n_batch * self.n_vocab * 4
+        return self.weights_bytes + self.kv_bytes_per_cell * cells + act + scores + logits + self.overhead_bytes
+
+
+def check_load(p: "LoadParams", limits: "LoadLimits | None", where: str = "this node") -> str:
+    """Why a stage must not load with ``p`` ('' when it may): a peer's Load is checked
+    against the model's trained context and ``where``'s memory budget before any
+    engine allocates."""
+    if min(p.n_ctx, p.n_batch, p.n_seq_max) < 1:
+        return "n_ctx, n_batch and n_seq_max must be >= 1"
+    if p.n_seq_max > MAX_SEQ:
+        return f"n_seq_max {p.n_seq_max} is above llama.cpp's limit of {MAX_SEQ} sequences"
+    if p.wire_dtype not in ("f32", "f16"):
+        return f"wire dtype must be 'f32' or 'f16', not {p.wire_dtype!r}"
+    if limits is None:
+        return ""
+    if limits.n_ctx_train and p.n_ctx > limits.n_ctx_train:
+        return f"n_ctx {p.n_ctx} is above the model's trained context of {limits.n_ctx_train} tokens"
+    if limits.budget_bytes is not None:
+        need = limits.need_bytes(p)
+        if need > limits.budget_bytes:
+            return (f"n_ctx {p.n_ctx} x n_seq_max {p.n_seq_max} (n_batch {p.n_batch}) needs about "
+                    f"{need / GIB:.2f} GiB on {where}, over its memory budget of "
+                    f"{limits.budget_bytes / GIB:.2f} GiB (--max-memory)")
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimLease:
+    """Seconds a claimed stage waits for its coordinator to go on (stage server side).
+
+    ``claim``: after Claim, Prepare must come, and while the slice is being prepared the
+    coordinator polls Inventory (every 0.5 s), so this much silence means it will not go
+    on. ``load``: once the slice is present the coordinator loads the stages downstream
+    first (up to ``Timeouts.load`` each) before this one's Load. A lease that runs out
+    stops the stage and frees what it holds: a member cannot pin a node with a Claim."""
+
+    claim: float = 60.0
+    load: float = 1800.0
 
 
 @dataclass(frozen=True, slots=True)

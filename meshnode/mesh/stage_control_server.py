@@ -11,7 +11,12 @@ commands (``slice_present()``, ``loaded()`` ...), which queue the answers. A pee
 request is answered with a wire ``Error`` and never raises; a host command in the wrong
 state raises :class:`~meshnode.mesh.stage_control.StageControlError`.
 
-No socket, no clock, no timers (the coordinator's liveness is failover's job).
+No socket and no clock; one timer, the claim lease (:class:`ClaimLease`): a stage
+claimed but not loaded stops when its coordinator does not go on in time, so a member
+cannot hold a node with a Claim. Load parameters are checked against the host's
+:class:`LoadLimits` (the model's trained context, the memory budget) before any engine
+is asked for (``Error(BAD_FIELD)`` with the reason). A coordinator's liveness while
+READY is the link's job (the host fails the stage when the link drops).
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ import logging
 from collections import deque
 
 from meshnode.mesh.stage_control import (
+    ClaimLease,
     Claimed,
+    LoadLimits,
     LoadParams,
     LoadRequested,
     PrepareRequested,
     ServerEvent,
     StageControlError,
     StopRequested,
+    check_load,
 )
 from meshnode.state import StageChanged, StageInfo, StageState
 from meshnode.wire import (
@@ -78,7 +86,8 @@ class StageServerControl:
     term this node accepted; requests with another term are FENCED.
     """
 
-    def __init__(self, node_id: str, now: float, *, name: str = "") -> None:
+    def __init__(self, node_id: str, now: float, *, name: str = "",
+                 lease: ClaimLease = ClaimLease()) -> None:
         self.node_id = node_id
         self.name = name or node_id
         self.state: StageState | None = None
@@ -92,6 +101,12 @@ class StageServerControl:
         self.progress = 0.0
         self.detail = ""
         self._load_ref = 0
+        self.lease = lease
+        self.limits: LoadLimits | None = None   # set by the host with slice_present()
+        self._heard = now                 # last valid request from the claiming coordinator
+        self._present_at = now
+        self._lease_until: float | None = None
+        self._lapsed = False              # the last claim's lease ran out (see _on_claim)
         self._out: list[tuple[str, Message]] = []
         self._events: deque[ServerEvent] = deque()
 
@@ -113,11 +128,30 @@ class StageServerControl:
         return self._events.popleft() if self._events else None
 
     def get_timer(self) -> float | None:
-        """The server keeps no timers (liveness of the coordinator is failover's job)."""
-        return None
+        """When the claim lease runs out (None: no lease running)."""
+        return self._lease_until
 
     def handle_timer(self, now: float) -> None:
-        return None
+        """Stop a claimed stage whose coordinator did not go on within the lease."""
+        if self._lease_until is None or now < self._lease_until:
+            return
+        self._lease_until = None
+        if self.state not in (StageState.ASSIGNED, StageState.PREPARING):
+            return
+        waited = "Load" if self.present else "Prepare / Inventory"
+        reason = f"claim lease expired: no {waited} from {self.coordinator_id} in time"
+        self._lapsed = True
+        self._events.append(StopRequested(reason))
+        self._set_state(StageState.STOPPED, reason)
+        self._reply(self.coordinator_id or "", Status(0, self.term, StageStatus.FAILED, reason, self.progress))
+
+    def _arm_lease(self) -> None:
+        if self.state is StageState.ASSIGNED or (self.state is StageState.PREPARING and not self.present):
+            self._lease_until = self._heard + self.lease.claim
+        elif self.state is StageState.PREPARING:
+            self._lease_until = self._present_at + self.lease.load
+        else:
+            self._lease_until = None
 
     # -- public: feeding
 
@@ -140,8 +174,11 @@ class StageServerControl:
                     self._set_state(StageState.STOPPED, f"stopped: {msg.reason}")
                 self._reply(node_id, Status(msg.ref, self.term, StageStatus.STOPPED, msg.reason, 0.0))
             case _:
-                self._reply(node_id, Error(msg.ref, ErrorCode.BAD_FIELD,
+                self._reply(node_id, Error(getattr(msg, "ref", 0), ErrorCode.BAD_FIELD,
                                            f"{type(msg).__name__} is not a stage-control request"))
+        if node_id == self.coordinator_id and getattr(msg, "term", None) == self.term:
+            self._heard = now    # the claimant goes on: its lease starts again
+        self._arm_lease()
 
     # -- public: commands from the host
 
@@ -153,11 +190,16 @@ class StageServerControl:
         self.progress, self.detail = progress, detail or f"slice {progress:.0%}"
         return True
 
-    def slice_present(self) -> bool:
-        """The slice is on disk; the coordinator is told at once. False if stopped."""
+    def slice_present(self, limits: LoadLimits | None = None, now: float | None = None) -> bool:
+        """The slice is on disk; the coordinator is told at once. False if stopped.
+
+        ``limits``: what a Load may ask for (None: only the structural checks);
+        ``now``: when (starts the load lease; default: the last request heard)."""
         if self._gone():
             return False
         self._require(StageState.PREPARING, "slice_present()")
+        self.limits = limits
+        self._present_at = self._heard if now is None else now
         self.present, self.progress = True, 1.0
         self._set_state(StageState.PREPARING, "slice present")
         self._reply(self.coordinator_id or "", self._inventory(0))
@@ -221,6 +263,7 @@ class StageServerControl:
                  self.state.value if self.state else "idle", state.value, detail)
         self.state, self.detail = state, detail
         self._events.append(StageChanged(self.stage))  # type: ignore[arg-type]
+        self._arm_lease()
 
     def _reply(self, node_id: str, msg: Message) -> None:
         self._out.append((node_id, msg))
@@ -251,13 +294,17 @@ class StageServerControl:
                 self._reply(node_id, Error(msg.ref, ErrorCode.BUSY,
                                            f"serving coordinator {self.coordinator_id} (term {self.term})"))
             return
-        if self.state is not None and msg.term <= self.term:
+        # A claim whose lease ran out fences nobody else: otherwise a member could claim
+        # with the highest term, never go on, and keep every other coordinator out.
+        lapsed = self._lapsed and self.state is StageState.STOPPED and not same
+        if self.state is not None and msg.term <= self.term and not lapsed:
             self._reply(node_id, Error(msg.ref, ErrorCode.FENCED,
                                        f"term {msg.term} <= current term {self.term}"))
             return
         if self.state in _SERVING:   # the same coordinator, restarted with a higher term
             self._events.append(StopRequested(f"superseded by term {msg.term}"))
             self._set_state(StageState.STOPPED, f"superseded by term {msg.term}")
+        self._lapsed, self.limits = False, None
         self.term, self.coordinator_id, self.stage_index = msg.term, node_id, msg.stage_index
         self.model_sha256, self.present, self.progress = msg.model_sha256, False, 0.0
         self.layer_start = self.layer_end = 0
@@ -300,8 +347,18 @@ class StageServerControl:
                                        f"load of {msg.layer_start}:{msg.layer_end} but {self.layer_start}:"
                                        f"{self.layer_end} was prepared"))
             return
-        self._load_ref = msg.ref
+        if msg.coordinator != node_id or not msg.upstream or msg.upstream == self.node_id \
+                or msg.downstream == self.node_id:
+            self._reply(node_id, Error(msg.ref, ErrorCode.BAD_FIELD,
+                                       "load must name its sender as coordinator and another node upstream"))
+            return
         params = LoadParams(msg.n_ctx, msg.n_batch, msg.n_seq_max, msg.wire_dtype)
+        refusal = check_load(params, self.limits, self.name)
+        if refusal:
+            log.warning("stage server %s: load refused: %s", self.node_id, refusal)
+            self._reply(node_id, Error(msg.ref, ErrorCode.BAD_FIELD, f"{self.name} refuses the load: {refusal}"))
+            return
+        self._load_ref = msg.ref
         self._set_state(StageState.LOADING, "loading")
         self._events.append(LoadRequested(msg.model_sha256, self.stage_index, msg.layer_start, msg.layer_end,
                                           msg.upstream, msg.downstream, msg.coordinator, params))

@@ -1,6 +1,13 @@
 """The data plane of a stage served for another node's model (stages 1..n-1).
 
-Frames arrive in order on one stream from the upstream stage. Each ``Forward`` runs
+Frames arrive in order on one stream from the upstream stage. Only that stage (the node
+its Load named; the coordinator for stage 1) may send ``Forward``; ``Trim`` and
+``SessionEnd`` come from it or from the coordinator (stage 0 ends a session on every
+stage directly). Data from any other member is dropped with a log: a member of the mesh
+must not be able to rewind or end another coordinator's sessions. The queue in front of
+the engine is bounded (frames and activation bytes); a Forward over the bound is answered
+with ``DataError`` (BUSY) instead of growing memory (Trim and SessionEnd have their own,
+larger bound: a full queue never loses the end of a session). Each ``Forward`` runs
 through this stage's slice in one engine call (all its sessions' rows together). A
 middle stage forwards the hidden states downstream; the final stage samples or verifies
 and sends ``TokenReturn`` straight to the coordinator (stage 0), not hop by hop.
@@ -26,6 +33,14 @@ log = logging.getLogger(__name__)
 
 DATA_STREAM = "data"
 ENDED_KEPT = 1024   # ended sessions remembered (see StageHost._ended)
+# The queue in front of the engine. Stage 0 computes each frame before sending it, so a
+# well-behaved upstream keeps a few frames per session in flight (prefill chunks do not
+# wait for a reply); these bounds only stop an upstream that floods.
+QUEUE_MAX_FRAMES = 256
+QUEUE_MAX_BYTES = 256 * 1024 * 1024
+# Trim and SessionEnd are a few bytes and must not be lost behind a full queue (a lost
+# SessionEnd keeps a KV slot busy): they have their own, larger bound.
+QUEUE_MAX_SMALL = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +48,11 @@ class StageRoute:
     coordinator: str
     downstream: str | None       # None: this is the final stage
     wire_dtype: str = "f32"
+    upstream: str = ""           # the only node whose Forward is computed ('': the coordinator)
+
+    @property
+    def source(self) -> str:
+        return self.upstream or self.coordinator
 
 
 class StageHost:
@@ -42,7 +62,10 @@ class StageHost:
         self.route = route
         self.is_last = route.downstream is None
         self.sampler = FinalSampler()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue()   # bounded by accept(), not maxsize
+        self._queued_bytes = 0
+        self._queued_frames = 0                      # Forwards among the queued messages
+        self.refused = 0                  # data messages dropped: wrong sender or queue full
         self._task = asyncio.get_running_loop().create_task(self._serve(), name="stage-host")
         self._out_dtype = np.float16 if route.wire_dtype == "f16" else np.float32
         self.batches = 0
@@ -61,15 +84,48 @@ class StageHost:
         # may travel the fast lane: a step of a cancelled request can arrive after its
         # session's end, and must not bring the session back.
         self._ended: OrderedDict[int, None] = OrderedDict()
+        self._replies: set[asyncio.Task] = set()
 
     def accept(self, peer: str, msg: wire.Message) -> bool:
-        """Queue a data-plane message; False if it is not one."""
-        if isinstance(msg, (wire.Forward, wire.Trim, wire.SessionEnd)):
-            self._queue.put_nowait(msg)
+        """Queue a data-plane message from ``peer``; False if it is not one.
+
+        A message from a node that may not send it is dropped (True: it was ours to
+        refuse); a Forward over the queue bound is answered with DataError(BUSY)."""
+        if not isinstance(msg, (wire.Forward, wire.Trim, wire.SessionEnd)):
+            return False
+        source = self.route.source
+        allowed = peer == source or (not isinstance(msg, wire.Forward) and peer == self.route.coordinator)
+        if not allowed:
+            self.refused += 1
+            log.warning("stage: %s from %s dropped: only %s feeds this stage", type(msg).__name__, peer, source)
             return True
-        return False
+        size = _act_bytes(msg)
+        forward = isinstance(msg, wire.Forward)
+        if (self._queued_frames >= QUEUE_MAX_FRAMES or self._queued_bytes + size > QUEUE_MAX_BYTES
+                if forward else self._queue.qsize() - self._queued_frames >= QUEUE_MAX_SMALL):
+            self.refused += 1
+            log.warning("stage queue full (%d frames, %d bytes): %s from %s refused",
+                        self._queue.qsize(), self._queued_bytes, type(msg).__name__, peer)
+            if isinstance(msg, wire.Forward):
+                self._reply_soon(wire.DataError(
+                    ref=0, batch_id=msg.batch_id, session=msg.segments[0].session if msg.segments else 0,
+                    code=wire.ErrorCode.BUSY, message="stage queue full: not computed"))
+            return True
+        self._queued_bytes += size
+        self._queued_frames += forward
+        self._queue.put_nowait(msg)
+        return True
+
+    def _reply_soon(self, msg: wire.Message) -> None:
+        # At most one pending reply per refused frame, and refusals only happen while
+        # QUEUE_MAX_FRAMES frames wait: the replies are bounded too.
+        task = asyncio.get_running_loop().create_task(self._send(self.route.coordinator, msg))
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
 
     async def close(self) -> None:
+        for t in list(self._replies):
+            t.cancel()
         self._task.cancel()
         try:
             await self._task
@@ -80,6 +136,8 @@ class StageHost:
     async def _serve(self) -> None:
         while True:
             msg = await self._queue.get()
+            self._queued_bytes -= _act_bytes(msg)
+            self._queued_frames -= isinstance(msg, wire.Forward)
             try:
                 match msg:
                     case wire.Forward():
@@ -182,3 +240,8 @@ class StageHost:
             await self.fabric.send_data(node, msg, DATA_STREAM)
         except Exception as exc:  # noqa: BLE001
             log.warning("cannot send %s to %s: %s", type(msg).__name__, node, exc)
+
+
+def _act_bytes(msg: wire.Message) -> int:
+    act = getattr(msg, "act", None)
+    return int(getattr(act, "nbytes", 0) or 0)

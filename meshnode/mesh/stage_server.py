@@ -10,15 +10,22 @@ events become host work:
 * ``PrepareRequested``: find the model by sha256 in this node's store (a model not held
   fails the stage with a clear reason; fetching from peers comes later), then build the
   slice with :class:`SliceCache` in a thread, reporting progress; ``slice_present()``.
+  Once present, the host measures what a Load may ask for (:func:`load_limits`: the
+  model's trained context, the memory the parameters would take against
+  ``--max-memory``, else free RAM) and hands it to ``slice_present()``; the machine
+  refuses a Load over it.
 * ``LoadRequested``: open an :class:`EngineWorker` on the slice (hidden states in; logits
-  out on the last stage) and start a :class:`StageHost` routed to the downstream stage
-  (or back to the coordinator); ``loaded()``.
+  out on the last stage) and start a :class:`StageHost` fed only by the upstream node the
+  Load named and routed to the downstream stage (or back to the coordinator);
+  ``loaded()``.
 * ``StopRequested`` / the stage turning FAILED: close the host and free the engine.
 
 Host work runs in tasks tagged with the claim they belong to (term, coordinator, range);
 a result that arrives after the stage was stopped or re-claimed is freed, never reported.
-The machine keeps no timers. When the link to the claiming coordinator drops, the stage
-fails and its memory is freed (the coordinator fails its plan on the same loss).
+The machine's one timer is the claim lease (a claim not followed by Prepare / Load in
+time stops the stage); it is re-armed after every feed. When the link to the claiming
+coordinator drops, the stage fails and its memory is freed (the coordinator fails its
+plan on the same loss).
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from typing import Any
 from meshnode import wire
 from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import Fabric
-from meshnode.mesh.runtime import Outbox, Publish, drain, find_held_model
-from meshnode.mesh.stage_control import LoadRequested, PrepareRequested, StopRequested
+from meshnode.mesh.local_caps import local_capabilities
+from meshnode.mesh.runtime import Outbox, Publish, drain, find_held_model, load_limits
+from meshnode.mesh.stage_control import ClaimLease, LoadLimits, LoadRequested, PrepareRequested, StopRequested
 from meshnode.mesh.stage_control_server import StageServerControl
 from meshnode.paths import NodePaths
 from meshnode.state import PeerInfo, StageChanged, StageInfo, StageState
@@ -64,21 +72,27 @@ class StageServerRuntime:
 
     ``publish`` receives every :class:`StageChanged` (the node hands them to the UI).
     ``n_threads``: llama.cpp threads of the stage engine (None: every core).
+    ``max_memory``: this node's budget in bytes (``--max-memory``; None: its free RAM),
+    which a coordinator's Load parameters must fit. ``lease``: see :class:`ClaimLease`.
     """
 
     def __init__(self, fabric: Fabric, paths: NodePaths, *, n_threads: int | None = None,
                  decode_threads: int | None = None,
-                 publish: Publish | None = None) -> None:
+                 publish: Publish | None = None, max_memory: int | None = None,
+                 lease: ClaimLease = ClaimLease()) -> None:
         self.fabric = fabric
         self.paths = paths
         self.n_threads = n_threads
         self.decode_threads = decode_threads
         self.publish = publish
-        self.control = StageServerControl(fabric.node_id, time.monotonic(), name=fabric.name)
+        self.max_memory = max_memory
+        self.control = StageServerControl(fabric.node_id, time.monotonic(), name=fabric.name, lease=lease)
+        self._timer: asyncio.TimerHandle | None = None
         self._outbox = Outbox(fabric, "stage-server-send")
         self._host: Any = None                 # StageHost while READY
         self._host_claim: _Claim | None = None
         self._slice: tuple[_Claim, Path, int] | None = None   # claim, slice path, n_layers_total
+        self._pinned: Path | None = None       # the slice kept from the cache's eviction
         self._tasks: set[asyncio.Task] = set()
         self._frees: set[asyncio.Task] = set()
         self._last_progress = 0.0
@@ -128,6 +142,8 @@ class StageServerRuntime:
 
     async def close(self) -> None:
         """Free the engine and stop every task (node shutdown)."""
+        if self._timer is not None:
+            self._timer.cancel()
         for t in list(self._tasks):
             t.cancel()
         await self._free("node stopping")
@@ -150,8 +166,10 @@ class StageServerRuntime:
                 case StageChanged(stage=st):
                     if self.publish is not None:
                         self.publish(ev)
-                    if st.state in (StageState.FAILED, StageState.STOPPED) and self._host is not None:
-                        self._spawn_free(st.detail or st.state.value)
+                    if st.state in (StageState.FAILED, StageState.STOPPED):
+                        self._pin(None)
+                        if self._host is not None:
+                            self._spawn_free(st.detail or st.state.value)
                 case PrepareRequested():
                     self._spawn(self._prepare(ev, self._claim()), "stage-prepare")
                 case LoadRequested():
@@ -160,6 +178,20 @@ class StageServerRuntime:
                     self._spawn_free(reason)
                 case _:
                     log.debug("stage server: %r", ev)
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        when = self.control.get_timer()
+        if when is not None:
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.control.handle_timer(time.monotonic())
+        self._pump()
 
     def _claim(self) -> _Claim:
         c = self.control
@@ -181,7 +213,7 @@ class StageServerRuntime:
     # ---- host work -----------------------------------------------------------------
 
     async def _prepare(self, ev: PrepareRequested, claim: _Claim) -> None:
-        from meshnode.models.slicer import SliceCache
+        from meshnode.models.slicer import SliceCache, unpin
 
         c = self.control
         try:
@@ -200,7 +232,12 @@ class StageServerRuntime:
                     loop.call_soon_threadsafe(self._progress, claim, done / total)
 
             path = await asyncio.to_thread(SliceCache(self.paths).get, model, ev.layer_start,
-                                           ev.layer_end, progress=progress)
+                                           ev.layer_end, progress=progress, pin=True)
+            if not self._current(claim, StageState.PREPARING):
+                unpin(path)   # stopped or re-claimed meanwhile
+                return
+            self._pin(path)
+            limits = await asyncio.to_thread(self._limits, model.path, path, ev.layer_start, ev.layer_end)
         except asyncio.CancelledError:
             raise
         except (MeshnodeError, OSError) as exc:
@@ -210,8 +247,21 @@ class StageServerRuntime:
             return
         if self._current(claim, StageState.PREPARING):
             self._slice = (claim, Path(path), ev.n_layers_total)
-            c.slice_present()
+            c.slice_present(limits, time.monotonic())
             self._pump()
+
+    def _pin(self, path: Path | None) -> None:
+        """Keep ``path`` (the slice of the current claim) pinned, and only it."""
+        from meshnode.models.slicer import unpin
+
+        old, self._pinned = self._pinned, path
+        if old is not None:
+            unpin(old)
+
+    def _limits(self, model_path: Path, slice_path: Path, start: int, end: int) -> LoadLimits:
+        """What a Load may ask for here (blocking: reads the GGUF header, /proc/meminfo)."""
+        budget = self.max_memory if self.max_memory is not None else local_capabilities().free_ram_bytes
+        return load_limits(model_path, slice_path, start, end, budget_bytes=budget)
 
     def _progress(self, claim: _Claim, fraction: float) -> None:
         now = time.monotonic()
@@ -240,7 +290,7 @@ class StageServerRuntime:
                                   n_threads=self.n_threads, decode_threads=self.decode_threads)
             worker = await EngineWorker.load(config, name=f"stage{ev.stage_index}")
             host = StageHost(self.fabric, worker,
-                             StageRoute(ev.coordinator, ev.downstream or None, p.wire_dtype))
+                             StageRoute(ev.coordinator, ev.downstream or None, p.wire_dtype, ev.upstream))
         except asyncio.CancelledError:
             raise
         except (EngineError, MeshnodeError, OSError) as exc:

@@ -45,6 +45,8 @@ import contextlib
 import enum
 import json
 import logging
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,11 +75,13 @@ _GEMMA3_27B_LAYERS = 62
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "DEFAULT_SLICE_QUOTA",
     "SliceCache",
     "StageRole",
     "check_sliceable",
     "gemma3_swa_layers",
     "stage_role",
+    "unpin",
     "write_slice",
 ]
 
@@ -322,26 +326,44 @@ def write_slice(
     return dest
 
 
+# Slices of this process's loaded engines (path -> holders): never evicted. The cache
+# is shared by the stage server and the coordinator's stage 0, each in its own thread.
+_PINNED: dict[Path, int] = {}
+_PIN_LOCK = threading.Lock()
+DEFAULT_SLICE_QUOTA = 32 * 1024 ** 3
+
+
 class SliceCache:
     """Slices built on demand and kept under ``paths.slices``.
 
     Keyed by (source sha256, start, end, role, slice format version); each slice
     ``<key>.gguf`` has a manifest ``<key>.json`` written after it. A slice is reused when
     its manifest matches and its size and mtime are the ones recorded.
+
+    The cache holds at most ``quota`` bytes of slices (default
+    :data:`DEFAULT_SLICE_QUOTA`): after a slice is built, the least recently used ones
+    (the manifest's mtime is touched on every use) are deleted until the rest fit, except
+    slices pinned by a loaded engine (:meth:`get` with ``pin=True``, then :func:`unpin`)
+    and the slice just returned. A coordinator asks for slices by layer range, so
+    without a quota a member could fill this node's disk with ranges.
     """
 
-    def __init__(self, paths: "NodePaths") -> None:
+    def __init__(self, paths: "NodePaths", quota: int = DEFAULT_SLICE_QUOTA) -> None:
         self.root = paths.slices
+        self.quota = quota
 
     def key(self, source_sha256: str, start: int, end: int, role: StageRole) -> str:
         return f"{source_sha256[:24]}-{start}-{end}-{role.value}-v{SLICE_FORMAT_VERSION}"
 
     def get(
-        self, model: "ModelRef", start: int, end: int, *, progress: ProgressFn | None = None
+        self, model: "ModelRef", start: int, end: int, *, progress: ProgressFn | None = None,
+        pin: bool = False,
     ) -> Path:
         """Path of the slice [start, end) of ``model``, building it if needed.
 
-        The whole range returns ``model.path`` itself. Raises as :func:`write_slice`.
+        The whole range returns ``model.path`` itself. ``pin``: keep the slice from
+        eviction until :func:`unpin` (an engine will load it). Raises as
+        :func:`write_slice`.
         """
         role = stage_role_checked(model, start, end)
         if role is StageRole.WHOLE:
@@ -349,8 +371,52 @@ class SliceCache:
         key = self.key(model.sha256, start, end, role)
         path = self.root / f"{key}.gguf"
         manifest = self.root / f"{key}.json"
-        if self._valid(path, manifest, model.sha256):
-            return path
+        if pin:
+            _pin(path)
+        try:
+            if self._valid(path, manifest, model.sha256):
+                with contextlib.suppress(OSError):
+                    os.utime(manifest)   # most recently used
+                return path
+            self._build(model, start, end, role, path, manifest, progress)
+        except BaseException:
+            if pin:
+                unpin(path)
+            raise
+        self.evict(keep=path)
+        return path
+
+    def evict(self, keep: Path | None = None) -> list[Path]:
+        """Delete least recently used slices until the cache fits its quota (never a
+        pinned slice, nor ``keep``); returns the slices deleted."""
+        entries = []
+        for g in self.root.glob("*.gguf"):
+            m = g.with_suffix(".json")
+            try:
+                size = g.stat().st_size
+                used = m.stat().st_mtime_ns if m.exists() else 0
+            except OSError:
+                continue
+            entries.append((used, g, m, size))
+        total = sum(e[3] for e in entries)
+        gone: list[Path] = []
+        with _PIN_LOCK:
+            pinned = set(_PINNED)
+        for used, g, m, size in sorted(entries, key=lambda e: e[0]):
+            if total <= self.quota:
+                break
+            if g == keep or g in pinned:
+                continue
+            with contextlib.suppress(OSError):
+                m.unlink(missing_ok=True)   # the manifest first: a half-deleted slice is invalid
+                g.unlink(missing_ok=True)
+                total -= size
+                gone.append(g)
+                log.info("slice cache over its quota (%d bytes): evicted %s", self.quota, g.name)
+        return gone
+
+    def _build(self, model: "ModelRef", start: int, end: int, role: StageRole, path: Path,
+               manifest: Path, progress: ProgressFn | None) -> None:
         write_slice(
             model.path, start, end, path,
             keep_embedding=role.keep_embedding, keep_head=role.keep_head, progress=progress,
@@ -372,7 +438,6 @@ class SliceCache:
         }
         with atomic_write(manifest, "w") as f:
             json.dump(record, f, indent=2)  # type: ignore[arg-type]
-        return path
 
     def list(self) -> list[dict[str, Any]]:
         """Manifests of the cached slices (unreadable ones skipped)."""
@@ -396,6 +461,24 @@ class SliceCache:
             and record.get("size") == st.st_size
             and record.get("mtime_ns") == st.st_mtime_ns
         )
+
+
+def _pin(path: Path) -> None:
+    with _PIN_LOCK:
+        _PINNED[path] = _PINNED.get(path, 0) + 1
+
+
+def unpin(path: Path | str | None) -> None:
+    """The engine loaded from ``path`` (pinned by :meth:`SliceCache.get`) is closed."""
+    if path is None:
+        return
+    path = Path(path)
+    with _PIN_LOCK:
+        n = _PINNED.get(path, 0) - 1
+        if n > 0:
+            _PINNED[path] = n
+        else:
+            _PINNED.pop(path, None)
 
 
 def stage_role_checked(model: "ModelRef", start: int, end: int) -> StageRole:

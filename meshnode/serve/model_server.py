@@ -27,7 +27,6 @@ and runs it in its own task, which
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import deque
@@ -52,7 +51,7 @@ from meshnode.limits import MAX_VERIFY_WINDOW
 from meshnode.mesh.final import Sampling
 from meshnode.mesh.pipeline import Pipeline, Step
 from meshnode.serve.errors import EngineFailedError, PromptTooLongError, ServeError, UnknownModelError, error_spec
-from meshnode.serve.request import ActiveRequest
+from meshnode.serve.request import ActiveRequest, new_session_id
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.serve.speculation import SpeculativeDecoder
 from meshnode.spec.ngram import MIN_NGRAM_MATCH
@@ -86,7 +85,7 @@ class ModelServer:
         self.pipeline = pipeline
         self.scheduler = BatchScheduler(pipeline, max_rows=settings.max_batch_rows)
         self._publish = publish or (lambda ev: None)
-        self._sessions = itertools.count(1)
+        self._sessions: set[int] = set()   # session ids in use (random: new_session_id)
         # Every stage holds parallel sequence slots; requests beyond that queue here.
         self._slots = asyncio.Semaphore(settings.parallel)
         self._active: dict[str, ActiveRequest] = {}
@@ -130,7 +129,7 @@ class ModelServer:
         rid = req.request_id
         info = RequestInfo(rid, self.settings.name, RequestStatus.QUEUED, len(prompt), 0, 0.0, None, time.time(),
                            strategy=self._decoder.telemetry.strategy)
-        ar = ActiveRequest(rid, next(self._sessions), prompt, sampling, max_tokens,
+        ar = ActiveRequest(rid, new_session_id(self._sessions), prompt, sampling, max_tokens,
                            StopMatcher(tuple(req.stop) + tuple(template_stops)), info)
         self._active[rid] = ar
         self._update(ar)
@@ -237,6 +236,8 @@ class ModelServer:
             await self.pipeline.end_session(session)
         except Exception:  # noqa: BLE001 - freeing must not mask the real outcome
             log.debug("end_session(%s) failed", session, exc_info=True)
+        finally:
+            self._sessions.discard(session)
 
     # ---- telemetry ----------------------------------------------------------------------
 

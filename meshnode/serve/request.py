@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,18 @@ from meshnode.mesh.final import Sampling
 from meshnode.mesh.pipeline import Step
 from meshnode.spec.ngram import NGramProposer
 from meshnode.state import RequestInfo
+
+
+def new_session_id(in_use: set[int]) -> int:
+    """A random 64-bit session id, never 0 and never one in ``in_use`` (added to it).
+
+    Every stage keys its KV by the session id: sequential ids would let a member of the
+    mesh guess another coordinator's sessions."""
+    while True:
+        session = secrets.randbits(64)
+        if session and session not in in_use:
+            in_use.add(session)
+            return session
 
 
 @dataclass
