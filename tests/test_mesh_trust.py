@@ -190,3 +190,39 @@ def test_advertised_addresses_skip_virtual_interfaces(monkeypatch):
     monkeypatch.setattr(disc, "_default_route_address", lambda: "192.168.1.20")
     assert advertised_addresses(None) == ["192.168.1.20"]
     assert advertised_addresses(["10.8.0.2"]) == ["10.8.0.2"]   # named by the user: used as given
+
+
+EVIL = "\x1b]0;pwned\x07evil\x1b[2J\r\u202e"
+
+
+def test_printable_removes_terminal_controls():
+    from meshnode.state import printable
+
+    out = printable(EVIL)
+    assert out == "?]0;pwned?evil?[2J??" and not any(ord(c) < 32 or 0x7f <= ord(c) < 0xa0 for c in out)
+    assert "\u202e" not in out and len(printable("x" * 1000)) == 200
+
+
+def test_status_prints_an_evil_peer_name_without_control_characters(monkeypatch, capsys):
+    import meshnode.cli.mesh as climesh
+    from meshnode.cli import main
+
+    caps = {"backend": "cpu", "cores": 2, "free_ram_bytes": 2**30,
+            "models": [{"name": EVIL, "n_layers": 3}]}
+    status = {"node": {"name": "me", "node_id": "n1", "mesh_id": "m", "address": "1.2.3.4:5",
+                       "http_url": "http://x", "capabilities": caps},
+              "model": EVIL, "stages": [{"index": 0, "layers": [0, 3], "node": EVIL, "state": "ready",
+                                         "detail": EVIL}],
+              "peers": [{"name": EVIL, "address": "1.2.3.4:6", "rtt_ms": 1.0, "authenticated": True,
+                         "capabilities": caps}]}
+    monkeypatch.setattr(climesh, "fetch_status", lambda paths, timeout=5.0: status)
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "evil" in out and "\x1b" not in out and "\x07" not in out and "\r" not in out
+
+
+def test_tui_cells_of_peer_text_are_clean_and_not_markup():
+    from ui.format import peer_text
+
+    cell = peer_text(EVIL + "[bold red]x")
+    assert "\x1b" not in cell.plain and cell.plain.endswith("[bold red]x") and not cell.spans

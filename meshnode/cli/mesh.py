@@ -78,21 +78,23 @@ def fetch_status(paths, timeout: float = 5.0) -> dict:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from meshnode.state import printable as pr   # names and details come from other machines
+
     data = fetch_status(_paths(args), args.timeout)
     if args.json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(data, indent=2))   # JSON escapes control characters itself
         return 0
     n = data["node"]
-    print(f"node   {n['name']} ({n['node_id']})  mesh {n['mesh_id']}  {n['address']}  {n['http_url']}")
+    print(f"node   {pr(n['name'])} ({pr(n['node_id'])})  mesh {pr(n['mesh_id'])}  {pr(n['address'])}  {pr(n['http_url'])}")
     print(f"       {_caps(n.get('capabilities'))}")
     model = data.get("model")
     stages = data.get("stages") or []
     if model or stages:
-        print(f"model  {model or '-'}")
+        print(f"model  {pr(model or '-')}")
         for s in stages:
             a, b = s["layers"]
-            detail = f"  ({s['detail']})" if s.get("detail") else ""
-            print(f"       stage {s['index']}: layers [{a},{b}) on {s['node']}: {s['state']}{detail}")
+            detail = f"  ({pr(s['detail'])})" if s.get("detail") else ""
+            print(f"       stage {s['index']}: layers [{a},{b}) on {pr(s['node'])}: {pr(s['state'])}{detail}")
     peers = data["peers"]
     if not peers:
         print("peers  none")
@@ -101,14 +103,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     for p in peers:
         rtt = f"{p['rtt_ms']:.2f}" if p.get("rtt_ms") is not None else "-"
         auth = ("yes+lane" if p.get("lane") else "yes") if p["authenticated"] else "no"   # lane: docs/mesh.md
-        print(f"{p['name'][:16]:<16} {p['address']:<22} {rtt:>7} {auth:<8} "
+        print(f"{pr(p['name'], 16):<16} {pr(p['address'], 22):<22} {rtt:>7} {auth:<8} "
               f"{p.get('bytes_per_s_in', 0):>9.0f} {p.get('bytes_per_s_out', 0):>9.0f}  {_caps(p.get('capabilities'))}")
     return 0
 
 
 def _caps(c: dict | None) -> str:
+    from meshnode.state import printable
+
     if not c:
         return "-"
+    return printable(_caps_text(c), 1000)
+
+
+def _caps_text(c: dict) -> str:
     s = f"{c['backend']} {c['cores']} cores, {c['free_ram_bytes'] / 2**30:.1f} GiB free"
     if c.get("free_vram_bytes"):
         s += f", {c['free_vram_bytes'] / 2**30:.1f} GiB VRAM"

@@ -50,7 +50,7 @@ from meshnode.net.link import LinkSettings, PeerLink
 from meshnode.net.quic import QuicListener, dial, listen
 from meshnode.net.secret import SecretStore, SecretStoreError, mesh_id
 from meshnode.paths import NodePaths
-from meshnode.state import PeerInfo
+from meshnode.state import PeerInfo, printable
 from meshnode.wire import CapsUpdate, Error, ErrorCode, Hello, Message, SecretAck, SecretRotate
 
 log = logging.getLogger(__name__)
@@ -184,9 +184,13 @@ class MeshFabric:
         for node_id, link in self._links.items():
             peer = link.auth.peer if link.auth else None
             caps = capsmod.from_dict(self._peer_caps.get(node_id))
+            if caps is not None:   # names from another machine reach terminals: no control characters
+                caps = dataclasses.replace(caps, models=tuple(
+                    dataclasses.replace(m, name=printable(m.name, 100), sha256=printable(m.sha256, 64))
+                    for m in caps.models))
             out.append(PeerInfo(
                 node_id=node_id,
-                name=peer.name if peer else "",
+                name=printable(peer.name, 64) if peer else "",
                 address=link.address,
                 rtt_ms=round(link.rtt_ms, 3) if link.rtt_ms is not None else None,
                 authenticated=link.authenticated,
