@@ -49,6 +49,22 @@ def atomic_write(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable: without it a power cut after
+    ``os.replace`` can bring back the old name (or none), whatever was fsynced."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return   # a platform without directory handles (Windows): the rename is what we have
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass     # some filesystems refuse fsync on a directory; the data itself is synced
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:

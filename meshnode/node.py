@@ -79,7 +79,8 @@ class Node:
         self.paths = paths.ensure()
         self.name = name or socket.gethostname()
         self.fabric = MeshFabric(
-            self.paths, port=port, interfaces=interfaces, name=self.name, static_peers=static_peers,
+            # the chosen name only: mDNS announces no hostname the user did not choose
+            self.paths, port=port, interfaces=interfaces, name=name, static_peers=static_peers,
             discovery=discovery,
         )
         self._http_host = http_host

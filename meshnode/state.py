@@ -16,6 +16,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
+def printable(text: object, limit: int = 200) -> str:
+    """``text`` safe to print on a terminal: control characters (ESC sequences that retitle
+    the window, move the cursor or rewrite the screen, BEL, CR, and the C1 and bidi
+    controls) become ``?``, and at most ``limit`` characters are kept. Peer names, model
+    names and details come from other machines: ``meshnode status`` and the TUI show
+    them only through this."""
+    import unicodedata
+
+    s = str(text)[:limit]
+    return "".join("?" if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") else c for c in s)
+
+
 class StageState(enum.Enum):
     ASSIGNED = "assigned"
     PREPARING = "preparing"

@@ -14,6 +14,7 @@ from meshnode.wire import (
     AuthChallenge,
     AuthProof,
     AuthResult,
+    CapsUpdate,
     Claim,
     DataError,
     DecoderState,
@@ -31,6 +32,8 @@ from meshnode.wire import (
     Prepare,
     Ready,
     RemoteProtocolError,
+    SecretAck,
+    SecretRotate,
     Segment,
     SegmentResult,
     SessionEnd,
@@ -125,6 +128,9 @@ messages = st.one_of(
     st.builds(Trim, u32, u64, u32),
     st.builds(SessionEnd, u32, u64),
     st.builds(DataError, u32, u64, u64, codes, text),
+    st.builds(CapsUpdate, u32, st.dictionaries(text, json_value, max_size=4)),
+    st.builds(SecretRotate, u32, st.binary(min_size=32, max_size=32)),
+    st.builds(SecretAck, u32, text),
 )
 
 
@@ -141,10 +147,11 @@ def same(a: object, b: object) -> bool:
 
 
 def test_every_kind_has_a_strategy():
-    # one_of keeps its branches; make sure none of the 19 kinds was forgotten
+    # one_of keeps its branches; make sure none of the 22 kinds was forgotten
     kinds = {
         Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, LaneKey, Claim, Prepare, Inventory, Load,
         Ready, Stop, Status, Error, Forward, TokenReturn, Trim, SessionEnd, DataError,
+        CapsUpdate, SecretRotate, SecretAck,
     }  # fmt: skip
     assert {k.KIND for k in kinds} == set(MessageKind)
 

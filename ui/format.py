@@ -7,9 +7,16 @@ import logging
 
 from rich.text import Text
 
-from meshnode.state import DraftVerified, StageState
+from meshnode.state import DraftVerified, StageState, printable
 
 _UNITS = ("B", "KB", "MB", "GB", "TB")
+
+
+def peer_text(text: object, limit: int = 64) -> Text:
+    """Text that came from another machine (peer and model names, details), ready for a
+    cell or a label: control characters replaced (:func:`meshnode.state.printable`,
+    shared with `meshnode status`) and never read as Rich markup."""
+    return Text(printable(text, limit))
 
 LEVEL_NAMES = {
     logging.DEBUG: "DEBUG",

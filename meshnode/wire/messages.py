@@ -77,6 +77,10 @@ class MessageKind(enum.IntEnum):
     TRIM = 0x0102
     SESSION_END = 0x0103
     DATA_ERROR = 0x0104
+    # membership and trust (issue #17): capability updates, secret rotation
+    CAPS_UPDATE = 0x0040
+    SECRET_ROTATE = 0x0041
+    SECRET_ACK = 0x0042
 
 
 class MessageType:
@@ -416,6 +420,50 @@ class DataError:
     message: str = wf(STR)
 
 
+# ------------------------------------------------------------ membership and trust (#17)
+# Capabilities travel only over authenticated links (never from mDNS), and a leaked mesh
+# secret is replaced on the members that are online (`meshnode mesh rotate`).
+
+SECRET_LEN = 32
+
+
+def _check_secret(m: Any) -> None:
+    if len(m.secret) != SECRET_LEN:
+        raise Invalid(ErrorCode.BAD_FIELD, f"mesh secret of {len(m.secret)} bytes, expected {SECRET_LEN}")
+
+
+@message(MessageKind.CAPS_UPDATE)
+@dataclass(frozen=True, slots=True)
+class CapsUpdate:
+    """My capability summary changed (same JSON as ``Hello.capabilities``); no reply."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    capabilities: dict[str, Any] = wf(JSON)
+
+
+@message(MessageKind.SECRET_ROTATE, _check_secret)
+@dataclass(frozen=True, slots=True)
+class SecretRotate:
+    """Replace the mesh secret with ``secret`` (32 bytes): store it, use it for every new
+    link, answer ``SecretAck`` (or ``Error`` when it could not be stored). Links already
+    up stay up."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    secret: bytes = wf(BYTES)
+
+
+@message(MessageKind.SECRET_ACK)
+@dataclass(frozen=True, slots=True)
+class SecretAck:
+    """The new secret is stored; ``mesh_id`` is the id of the mesh it makes."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    mesh_id: str = wf(STR)
+
+
 Message = (
     Hello
     | AuthChallenge
@@ -435,6 +483,9 @@ Message = (
     | Trim
     | SessionEnd
     | DataError
+    | CapsUpdate
+    | SecretRotate
+    | SecretAck
 )
 
 if set(MESSAGE_TYPES) != set(MessageKind):  # import-time sanity: every kind has exactly one class

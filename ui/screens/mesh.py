@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.widgets import DataTable, Label, Static
 
 from meshnode.state import ModelStatus, NodeSnapshot, PeerInfo
-from ui.format import fmt_ms, fmt_size
+from ui.format import fmt_ms, fmt_size, peer_text
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
 from ui.widgets import StageMap, TransferList
@@ -79,4 +79,4 @@ class MeshScreen(NodeScreen):
     @staticmethod
     def _peer_row(p: PeerInfo) -> list:
         ram, backend = _mem(p.capabilities)
-        return [p.name, p.address, fmt_ms(p.rtt_ms), ram, backend, _auth(p.authenticated, p.lane), p.role or "idle"]
+        return [peer_text(p.name), p.address, fmt_ms(p.rtt_ms), ram, backend, _auth(p.authenticated, p.lane), p.role or "idle"]

@@ -7,7 +7,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Label
 
 from meshnode.state import NodeSnapshot
-from ui.format import fmt_bytes, fmt_size
+from ui.format import fmt_bytes, fmt_size, peer_text
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
 from ui.widgets import TransferList
@@ -52,7 +52,7 @@ class ModelsScreen(NodeScreen):
         for hm in snap.node.capabilities.models:
             held.setdefault(hm.sha256, (hm.name, hm.n_layers, hm.size_bytes, []))[3].insert(0, snap.node.name)
         mesh = [
-            (sha, [name, str(n_layers), fmt_bytes(size), ", ".join(holders)])
+            (sha, [peer_text(name, 100), str(n_layers), fmt_bytes(size), peer_text(", ".join(holders), 200)])
             for sha, (name, n_layers, size, holders) in sorted(held.items(), key=lambda kv: kv[1][0])
         ]
         fill_table(self.query_one("#mesh-models", DataTable), mesh)

@@ -9,7 +9,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Label
 
 from meshnode.state import NodeSnapshot, TelemetryPoint
-from ui.format import fmt_ms, fmt_rate
+from ui.format import fmt_ms, fmt_rate, peer_text
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
 from ui.widgets import MetricRow
@@ -52,7 +52,7 @@ class TelemetryScreen(NodeScreen):
             history = [v for v in values if v is not None]
             self.query_one(f"#metric-{key}", MetricRow).show(fmt(current), history)
         rows = [
-            (p.node_id, [p.name, fmt_ms(p.rtt_ms), fmt_rate(p.bytes_per_s_in), fmt_rate(p.bytes_per_s_out)])
+            (p.node_id, [peer_text(p.name), fmt_ms(p.rtt_ms), fmt_rate(p.bytes_per_s_in), fmt_rate(p.bytes_per_s_out)])
             for p in sorted(snap.peers, key=lambda p: p.name)
         ]
         fill_table(self.query_one("#links", DataTable), rows)

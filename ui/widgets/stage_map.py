@@ -14,7 +14,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from meshnode.state import StageInfo
+from meshnode.state import StageInfo, printable
 from ui.format import STAGE_GLYPHS, STAGE_STYLES
 
 
@@ -87,10 +87,10 @@ class StageMap(Widget):
             legend.append(f"{STAGE_GLYPHS[s.state]} ", style=style)
             legend.append(f"S{s.index} ", style="bold")
             legend.append(f"[{s.layer_start},{s.layer_end})".ljust(10))
-            legend.append(f"{s.node_name:<12} ")
+            legend.append(f"{printable(s.node_name, 64):<12} ")
             legend.append(s.state.value, style=style)
             if s.detail:
-                legend.append(f"  {s.detail}", style="dim")
+                legend.append(f"  {printable(s.detail)}", style="dim")
             lines.append("\n")
             lines.append_text(legend)
         lines.no_wrap = True
