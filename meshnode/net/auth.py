@@ -163,7 +163,9 @@ class AuthHandshake:
         # what goes out before the proof: only what the proof needs
         self._hello = Hello(ref=0, node_id=hello.node_id, name="", mesh_id=hello.mesh_id,
                             protocol=hello.protocol, capabilities={})
-        self._profile = Profile(ref=0, name=hello.name, capabilities=dict(hello.capabilities))
+        # our own name goes out as the peer will accept it: printable, at most MAX_NAME_LEN
+        self._profile = Profile(ref=0, name=_CONTROL.sub("", hello.name)[:MAX_NAME_LEN],
+                                capabilities=dict(hello.capabilities))
         self._nonce = nonce
         self._local_fp = local_fp
         self._peer_fp = peer_fp
