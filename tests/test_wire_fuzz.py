@@ -26,6 +26,7 @@ from meshnode.wire import (
     Hello,
     Inventory,
     LaneKey,
+    Profile,
     Load,
     LocalProtocolError,
     MessageKind,
@@ -115,6 +116,7 @@ messages = st.one_of(
     st.builds(AuthResult, u32, st.booleans(), text),
     st.builds(Heartbeat, u32, u64, u64, st.booleans()),
     st.builds(LaneKey, u32, u32, st.binary(min_size=16, max_size=16)),
+    st.builds(Profile, u32, text, st.dictionaries(text, json_value, max_size=4)),
     st.builds(Claim, u32, u64, text, text, u32),
     prepares(),
     inventories(),
@@ -147,9 +149,9 @@ def same(a: object, b: object) -> bool:
 
 
 def test_every_kind_has_a_strategy():
-    # one_of keeps its branches; make sure none of the 22 kinds was forgotten
+    # one_of keeps its branches; make sure none of the 23 kinds was forgotten
     kinds = {
-        Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, LaneKey, Claim, Prepare, Inventory, Load,
+        Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, LaneKey, Profile, Claim, Prepare, Inventory, Load,
         Ready, Stop, Status, Error, Forward, TokenReturn, Trim, SessionEnd, DataError,
         CapsUpdate, SecretRotate, SecretAck,
     }  # fmt: skip

@@ -12,6 +12,7 @@ from meshnode.cli import add_common_options
 # name -> module under meshnode.bench
 BENCHMARKS = {
     "engine": "engine_bench",
+    "flood": "flood_bench",
     "net": "net_bench",
     "replay": "replay_bench",
     "serve": "serve_bench",

@@ -26,13 +26,16 @@ from typing import Any
 from aioquic import tls
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
+from aioquic.buffer import Buffer
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from aioquic.quic.recovery import QuicPacketPacer
 
 __all__ = [
     "HOOKS", "Unpaced", "PrefilteredQuicServer", "ack_with_next_packet", "datagram_transport",
-    "feed_datagram", "mark_closed", "max_datagram_size", "one_rtt_ack_space", "pacer", "peer_certificate",
-    "request_client_certificate", "set_max_datagram_size", "unpace",
+    "feed_datagram", "mark_closed", "max_datagram_size", "one_rtt_ack_space", "open_flow_control", "pacer",
+    "peer_certificate", "received_stream_bytes", "request_client_certificate", "set_max_datagram_size",
+    "unpace", "validated_peer_address",
 ]
 
 # (owner, attribute): every private (or ":meta private:") name of aioquic used below; the
@@ -52,6 +55,9 @@ HOOKS: tuple[tuple[str, str], ...] = (
     ("QuicConnectionProtocol", "_transport"),          # datagram_transport
     ("QuicConnectionProtocol", "_closed"),             # mark_closed
     ("QuicServer", "datagram_received"),               # PrefilteredQuicServer
+    ("QuicServer", "_protocols"),                      # PrefilteredQuicServer (admission)
+    ("QuicConnection", "_local_max_data"),             # received_stream_bytes, open_flow_control
+    ("QuicConnection", "_network_paths"),              # validated_peer_address
 )
 
 
@@ -149,6 +155,43 @@ def ack_with_next_packet(space: Any, now: float) -> None:
         space.ack_at = min(space.ack_at, now)
 
 
+# ---- flow control and paths (issue #17: limits before authentication) -------------------------
+
+def received_stream_bytes(quic: QuicConnection) -> int:
+    """Stream bytes the peer has sent us so far, counting every offset it reached: data
+    delivered in order *and* data aioquic holds behind a gap. aioquic zero-fills a
+    stream's buffer up to the highest offset received, so a single frame far into a stream
+    costs that much memory without any event reaching the link; this counter (the
+    connection-level flow-control use) is the only place that sees it."""
+    return quic._local_max_data.used
+
+
+def open_flow_control(quic: QuicConnection, max_data: int) -> None:
+    """Raise the connection's receive window to ``max_data``; aioquic sends MAX_DATA with
+    its next packet.
+
+    A link starts with a small connection window, so that a peer that has not proved the
+    mesh secret cannot make aioquic buffer much on all its streams together (aioquic
+    checks it before it buffers a frame), and opens it once authenticated. aioquic has no
+    public setter: its limits are read from the configuration once. (Stream windows keep
+    their configured size: a stream the peer opens later starts at the transport
+    parameter it was told, and aioquic announces only changes it made itself.)"""
+    limit = quic._local_max_data
+    limit.value = max(limit.value, max_data)
+
+
+def validated_peer_address(quic: QuicConnection) -> Any:
+    """The peer's address on a path QUIC has validated (the active one first), or None.
+
+    The fast lane sends there: a datagram's source address is whatever the sender wrote,
+    and aioquic switches its active path to a new address before validating it (RFC 9000
+    allows it), so neither may steer lane traffic."""
+    for path in quic._network_paths:
+        if path.is_validated:
+            return path.addr
+    return None
+
+
 # ---- the asyncio protocol ----------------------------------------------------------------
 
 def feed_datagram(protocol: QuicConnectionProtocol, data: bytes, addr: Any, now: float) -> None:
@@ -175,13 +218,32 @@ class PrefilteredQuicServer(QuicServer):
     """aioquic's server protocol, with datagrams that are not QUIC taken off the socket
     before QUIC parses them: ``prefilter(data, addr)`` sees each datagram first and
     returns True when it took it (the fast lane's packets, see meshnode.net.lane).
-    ``QuicServer`` is what aioquic's ``serve()`` builds; only the class is not public."""
+    ``QuicServer`` is what aioquic's ``serve()`` builds; only the class is not public.
 
-    def __init__(self, prefilter: Callable[[bytes, Any], bool], **kwargs: Any) -> None:
+    ``admit(addr)``, when given, is asked before a datagram may create a connection (an
+    Initial packet for a connection id the server does not know); False drops the
+    datagram, so the connection is never created (the node's limits on handshakes in
+    flight and connections per address). Only long-header packets can create one, so the
+    1-RTT traffic of established links skips the header parse."""
+
+    def __init__(self, prefilter: Callable[[bytes, Any], bool], *,
+                 admit: Callable[[Any], bool] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._prefilter = prefilter
+        self._admit = admit
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        if not self._prefilter(data, addr):  # type: ignore[arg-type]
-            super().datagram_received(data, addr)
+        if self._prefilter(data, addr):  # type: ignore[arg-type]
+            return
+        if self._admit is not None and data and data[0] & 0x80 and self._creates_connection(data) \
+                and not self._admit(addr):
+            return
+        super().datagram_received(data, addr)
+
+    def _creates_connection(self, data: bytes | str) -> bool:
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=self._configuration.connection_id_length)  # type: ignore[arg-type]
+        except ValueError:
+            return False
+        return header.packet_type == QuicPacketType.INITIAL and header.destination_cid not in self._protocols
 

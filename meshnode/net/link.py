@@ -20,6 +20,17 @@ authentication each end sends its lane key (``LaneKey``) on the control stream, 
 lane, and :meth:`PeerLink.send_lane` then seals a frame into one UDP datagram on this
 connection's socket. Lane packets are told from QUIC by their first byte.
 
+Before the peer proved the mesh secret (issue #17) the link holds little for it: only the
+control stream may carry data (any other stream closes the connection), its frames are
+fed one at a time under a cap of ``handshake_max_frame`` (a bigger one, or a bad frame,
+closes the connection), the connection may send at most ``handshake_max_bytes`` of
+stream data (counted at the highest offset reached, so data held behind a gap counts),
+and the connection's receive window stays small (``handshake_window``). Once the peer's proof
+verified the Profile may take up to ``PROFILE_MAX_FRAME``; once authenticated the
+window opens, frames may take ``MAX_FRAME``, and the peer is held to
+``peer_buffer_budget``: bytes buffered across its streams (frames in progress, and what
+aioquic holds behind gaps). Over it, the link closes with a logged reason.
+
 A peer is declared gone when no byte arrived for ``dead_after_s`` (heartbeat watchdog)
 or QUIC's idle timeout fires, whichever comes first. The owner (the fabric) gets
 callbacks for authenticated / message / closed; the link never decides membership.
@@ -59,7 +70,7 @@ from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
 from meshnode.net.lane import LaneDrop, LaneReceiver, LaneSender, is_lane_packet
 from meshnode.net.lane_control import LaneControl
 from meshnode.net.liveness import AuthTimedOut, Liveness, PeerSilent, SendHeartbeat
-from meshnode.wire import (HEADER_SIZE, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey, Message,
+from meshnode.wire import (HEADER_SIZE, MAX_FRAME, DecoderState, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey, Message,
                            RemoteProtocolError, TokenReturn, WireError, decode, encode, parse_header)
 
 log = logging.getLogger(__name__)
@@ -71,6 +82,9 @@ DEFERRED_TRANSMIT_S = 0.001   # after a received datagram (see PeerLink.datagram
 # a 1500-byte LAN such a datagram travels as IP fragments, so probes are this big: a path
 # that drops fragments never gets a lane.
 LANE_MAX_FRAME = 12288
+# A Profile (name and capabilities, after the peer's proof): meshnode.net.auth caps its JSON
+# at 64 KiB; the rest of the frame is a name and a few lengths.
+PROFILE_MAX_FRAME = 64 * 1024 + 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +100,17 @@ class LinkSettings:
     # The fast lane for per-token frames (meshnode.net.lane); off: everything over QUIC.
     lane: bool = True
     lane_backoff_s: float = 5.0      # a lane switched off waits this long, doubling each time, to probe again
+    # Limits before the peer proved the mesh secret (issue #17; see the module docstring)
+    handshake_max_frame: int = 4096          # Hello, AuthChallenge, AuthProof, AuthResult, Error
+    handshake_max_bytes: int = 32 * 1024     # stream bytes a connection may send before its proof
+    handshake_window: int = 64 * 1024        # QUIC connection receive window until authenticated
+    max_handshakes: int = 32                 # server: connections still authenticating
+    max_handshakes_per_host: int = 4         # server: ... of them from one address
+    max_links_per_host: int = 64             # server: connections from one address, any state
+    # After authentication
+    max_data: int = 64 << 20                 # QUIC receive window of the connection
+    max_stream_data: int = 16 << 20          # QUIC receive window of each stream
+    peer_buffer_budget: int = 256 << 20      # bytes buffered for one peer across its streams (4 max frames)
 
 
 class LinkOwner(Protocol):
@@ -136,7 +161,6 @@ class PeerLink(QuicConnectionProtocol):
     def __init__(self, quic: QuicConnection, *, owner: LinkOwner, is_client: bool,
                  dial_address: tuple[str, int] | None = None, **kwargs: Any) -> None:
         self._deferred_tx: asyncio.TimerHandle | None = None   # see datagram_received
-        self._peer_addr: Any = None                            # where the peer's QUIC packets come from
         self.lane_rx: LaneReceiver | None = None               # our key, once sent (see _start_lane)
         self._lane_tx: LaneSender | None = None                # the peer's key, once received
         self.lane = LaneControl(owner.settings.lane_backoff_s)  # when the lane may be used
@@ -155,6 +179,8 @@ class PeerLink(QuicConnectionProtocol):
         self._control_sid: int | None = None
         self._data_sids: dict[Any, int] = {}
         self._decoders: dict[int, FrameDecoder] = {}
+        self._delivered = 0     # stream bytes aioquic handed us (in order); see _check_budget
+        self._buffered = 0      # bytes our decoders hold for frames in progress
         s = owner.settings
         self.liveness = Liveness(heartbeat_s=s.heartbeat_s, dead_after_s=s.dead_after_s,
                                  auth_timeout_s=s.auth_timeout_s, now=self._event_loop.time())
@@ -186,11 +212,14 @@ class PeerLink(QuicConnectionProtocol):
 
     @property
     def address(self) -> str:
-        """``host:port`` of the peer's QUIC endpoint (its advertised port once known)."""
+        """``host:port`` of the peer's QUIC endpoint (its advertised port once known).
+        Never raises: it goes into the log lines of failures (issue #17)."""
         host = self.remote_addr[0] if self.remote_addr else "?"
         port = self.remote_addr[1] if self.remote_addr else 0
-        if self.auth is not None and self.auth.peer is not None:
-            port = int(self.auth.peer.capabilities.get("quic_port", port) or port)
+        peer = self.auth.peer if self.auth is not None else None
+        advertised = peer.capabilities.get("quic_port") if peer is not None else None
+        if isinstance(advertised, int) and not isinstance(advertised, bool) and 1 <= advertised <= 65535:
+            port = advertised
         return f"{host}:{port}"
 
     def next_ref(self) -> int:
@@ -230,8 +259,15 @@ class PeerLink(QuicConnectionProtocol):
             return
         if self.closed_reason is None:
             self.closed_reason = reason
+        self._release_buffers()
         self.quic.close(error_code=0, reason_phrase=reason[:200])
         self.transmit()
+
+    def _release_buffers(self) -> None:
+        """A closing link keeps no frame in progress (aioquic may keep the connection
+        object a while for its closing state)."""
+        self._decoders.clear()
+        self._buffered = 0
 
     def _close_later(self, delay: float) -> None:
         def _close() -> None:
@@ -267,12 +303,13 @@ class PeerLink(QuicConnectionProtocol):
         if is_lane_packet(data):   # a dialled link's own socket (the server's: meshnode.net.quic)
             self.owner.lane_datagram(data, addr)
             return
-        self._peer_addr = addr
         if self.remote_addr is None:
             self.remote_addr = (addr[0], addr[1])
-        if self._ack_space is None:
-            return super().datagram_received(data, addr)
         compat.feed_datagram(self, data, addr, now=self._event_loop.time())
+        self._check_budget()
+        if self._ack_space is None:   # the handshake: aioquic's own pace
+            self.transmit()
+            return
         # aioquic transmits right here; after the handshake that mostly builds nothing
         # (the ACK waits for its millisecond or a reply, see _ack_with_data) yet costs
         # ~0.1 ms of packet-builder Python before the handler's follow-up (the waiting
@@ -355,16 +392,60 @@ class PeerLink(QuicConnectionProtocol):
         if size > compat.max_datagram_size(self.quic) and _is_loopback(host):
             compat.set_max_datagram_size(self.quic, size)
 
+    # ---- limits (issue #17, see the module docstring) --------------------------------
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for this peer's streams: frames in progress in our decoders, plus
+        what aioquic holds behind gaps (received, not yet delivered in order)."""
+        return self._buffered + max(0, compat.received_stream_bytes(self.quic) - self._delivered)
+
+    def _check_budget(self) -> None:
+        """After every datagram: a peer that has not proved the secret may have sent at
+        most ``handshake_max_bytes``; a member may hold at most ``peer_buffer_budget``."""
+        if self.closed_reason is not None:
+            return
+        s = self.owner.settings
+        if self.auth is None or not self.auth.peer_verified:
+            sent = compat.received_stream_bytes(self.quic)
+            if sent > s.handshake_max_bytes:
+                self._refuse(f"{sent} bytes of stream data before authentication (at most {s.handshake_max_bytes})")
+        elif (held := self.buffered_bytes) > s.peer_buffer_budget:
+            log.warning("peer %s at %s holds %d bytes of unfinished frames (budget %d): closing the link",
+                        self.peer_node_id, self.address, held, s.peer_buffer_budget)
+            self.close_with(f"over the memory budget ({held} bytes buffered)")
+
+    def _refuse(self, why: str) -> None:
+        """Close an unauthenticated connection at once (nothing queued is worth sending)."""
+        log.info("closing unauthenticated connection from %s (%s): %s", self.address,
+                 self.peer_node_id or "no id yet", why)
+        self.close_with(f"refused before authentication: {why}")
+
+    # ---- streams ---------------------------------------------------------------------
+
     def _on_stream_data(self, event: events.StreamDataReceived) -> None:
+        if self.closed_reason is not None:
+            return
         self.liveness.received(self._event_loop.time())
         self.rx.total += len(event.data)
+        self._delivered += len(event.data)
         sid = event.stream_id
-        if self._control_sid is None and not self.is_client and sid % 4 == 0:
-            self._control_sid = sid  # the client's first bidirectional stream
+        if not self.authenticated:
+            return self._on_handshake_data(sid, event.data)
         dec = self._decoders.get(sid)
         if dec is None:
             dec = self._decoders[sid] = FrameDecoder()
-        for item in dec.feed(event.data):
+        before = dec.buffered
+        items = dec.feed(event.data)
+        self._buffered += dec.buffered - before
+        self._dispatch(sid, items)
+        if event.end_stream and self._decoders.pop(sid, None) is not None:
+            self._buffered -= dec.buffered
+        if self._buffered > self.owner.settings.peer_buffer_budget:
+            self._check_budget()
+
+    def _dispatch(self, sid: int, items: list[Message | WireError]) -> None:
+        for item in items:
             if self.closed_reason is not None:
                 return
             if isinstance(item, WireError):
@@ -377,8 +458,38 @@ class PeerLink(QuicConnectionProtocol):
                 self._on_lane_key(item)
             else:
                 self.owner.link_message(self, item)
-        if event.end_stream:
-            self._decoders.pop(sid, None)
+
+    def _on_handshake_data(self, sid: int, data: bytes) -> None:
+        """Stream data before authentication: only the control stream (the client's first
+        bidirectional stream, id 0), fed one frame at a time so that each frame is held
+        to the cap of the handshake's progress at that frame (the peer's last handshake
+        messages and its first messages as a member may share one chunk)."""
+        control = 0 if not self.is_client else self._control_sid
+        if self.auth is None or sid != control:
+            return self._refuse(f"data on stream {sid} before authentication")
+        self._control_sid = sid
+        dec = self._decoders.get(sid)
+        if dec is None:
+            dec = self._decoders[sid] = FrameDecoder(max_frame=self.owner.settings.handshake_max_frame)
+        mv, i = memoryview(data), 0
+        while i < len(mv) and not self.authenticated:
+            if self.closed_reason is not None or dec.state is not DecoderState.OPEN:
+                return
+            take = dec.wanted
+            for item in dec.feed(mv[i : i + take]):
+                if isinstance(item, WireError):
+                    return self._refuse(f"bad handshake frame: {item.code.name} {item.detail[:80]}")
+                self._on_auth_message(sid, item)
+                if self.closed_reason is not None:
+                    return
+            i += take
+            if self.auth.peer_verified and dec.max_frame < PROFILE_MAX_FRAME:
+                dec.max_frame = PROFILE_MAX_FRAME   # a member: its Profile comes next
+        if i < len(mv) and self.authenticated:   # the peer's first frames as a member
+            before = dec.buffered
+            items = dec.feed(mv[i:])
+            self._buffered += dec.buffered - before
+            self._dispatch(sid, items)
 
     def _on_wire_error(self, err: WireError) -> None:
         log.warning("peer %s sent a bad frame: %s %s", self.peer_node_id, err.code.name, err.detail)
@@ -391,7 +502,7 @@ class PeerLink(QuicConnectionProtocol):
 
     def _on_auth_message(self, sid: int, msg: Message) -> None:
         if self.auth is None or sid != self._control_sid:
-            return self.close_with("message before authentication")
+            return self._refuse("message before authentication")
         self.auth.receive(msg)
         self._flush_auth()
 
@@ -400,15 +511,23 @@ class PeerLink(QuicConnectionProtocol):
         for out in self.auth.messages_to_send():
             self._send_on(self._control_stream(), encode(out))
         if self.auth.state is AuthState.AUTHENTICATED and not self.liveness.heartbeating:
+            s = self.owner.settings
+            control = self._decoders.get(self._control_sid) if self._control_sid is not None else None
+            if control is not None:
+                control.max_frame = MAX_FRAME
+            compat.open_flow_control(self.quic, s.max_data)
             self.liveness.authenticated(self._event_loop.time())   # heartbeats from now on
             self._arm_watch()
             self.owner.link_authenticated(self)
             self._start_lane()
         elif self.auth.state is AuthState.FAILED and self.closed_reason is None:
-            who = "peer refused us" if self.auth.refused_by_peer else "refused peer"
-            log.warning("%s %s at %s: %s", who, self.peer_node_id, self.address, self.auth.reason)
             self.closed_reason = f"authentication failed: {self.auth.reason}"
-            self._close_later(0.1)
+            self._release_buffers()
+            try:
+                who = "peer refused us" if self.auth.refused_by_peer else "refused peer"
+                log.warning("%s %s at %s: %s", who, self.peer_node_id, self.address, self.auth.reason)
+            finally:   # whatever the log line does, the connection goes (issue #17)
+                self._close_later(0.1)
 
     # ---- the fast lane (meshnode.net.lane) ------------------------------------------
 
@@ -486,9 +605,12 @@ class PeerLink(QuicConnectionProtocol):
 
     def _lane_send(self, frame: bytes | bytearray | memoryview, pad_to: int = 0) -> None:
         transport = compat.datagram_transport(self)
-        if self._lane_tx is None or self._peer_addr is None or transport is None:
+        # only to an address QUIC validated: a datagram's source is whatever its sender
+        # wrote, so a spoofed one must not redirect the lane (issue #17)
+        addr = compat.validated_peer_address(self.quic)
+        if self._lane_tx is None or addr is None or transport is None:
             return
-        transport.sendto(self._lane_tx.seal(frame, pad_to=pad_to), self._peer_addr)
+        transport.sendto(self._lane_tx.seal(frame, pad_to=pad_to), addr)
         self.tx.total += len(frame)
 
     # ---- keep-alive (meshnode.net.liveness) ---------------------------------------
@@ -534,8 +656,10 @@ class PeerLink(QuicConnectionProtocol):
                 self._notify_closed()
                 return
             elif isinstance(action, AuthTimedOut):
-                log.warning("peer %s at %s: authentication timed out", self.peer_node_id, self.address)
-                self.close_with("authentication timed out")
+                try:
+                    log.warning("peer %s at %s: authentication timed out", self.peer_node_id, self.address)
+                finally:   # the deadline holds even if the log line raised (issue #17)
+                    self.close_with("authentication timed out")
                 return
         self._arm_watch()
 
@@ -543,6 +667,7 @@ class PeerLink(QuicConnectionProtocol):
         if self._notified_closed:
             return
         self._notified_closed = True
+        self._release_buffers()
         self.lane.closed()
         self.liveness.stop()
         self._arm_watch()   # cancels it

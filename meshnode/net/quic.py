@@ -11,6 +11,15 @@ they are told from QUIC by their first byte and handed to the owner, which finds
 by the packet's key id, before aioquic's server parses anything. A dialled link's own
 socket does the same in :meth:`PeerLink.datagram_received`.
 
+Before a peer proved the mesh secret it gets little (issue #17): small receive windows
+(a connection window of ``LinkSettings.handshake_window``, opened once the link
+authenticated), and the listener
+admits a new connection only while fewer than ``max_handshakes`` connections are still
+authenticating, fewer than ``max_handshakes_per_host`` of them from the same address, and
+fewer than ``max_links_per_host`` connections of any state come from there
+(:class:`Admission`). A refused Initial packet is dropped before aioquic creates
+anything for it; the peer's handshake times out, and a member retries later.
+
 This is the only place that opens QUIC sockets; :mod:`meshnode.mesh` uses only these
 functions and :class:`PeerLink`'s own methods.
 """
@@ -18,7 +27,9 @@ functions and :class:`PeerLink`'s own methods.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,20 +42,25 @@ from meshnode.net.identity import Identity
 from meshnode.net.lane import is_lane_packet
 from meshnode.net.link import ALPN, LinkOwner, LinkSettings, PeerLink
 
-__all__ = ["QuicListener", "dial", "listen", "quic_configuration"]
+__all__ = ["Admission", "QuicListener", "dial", "listen", "quic_configuration"]
+
+log = logging.getLogger(__name__)
+REFUSAL_LOG_EVERY_S = 10.0   # refused connections are logged at most this often (a flood must not flood the log)
 
 
 def quic_configuration(identity: Identity, *, is_client: bool, settings: LinkSettings) -> QuicConfiguration:
     """The QUIC configuration of one side of a link: our certificate, no CA check (the
-    mesh proof authenticates the peer), the link's idle timeout and datagram size."""
+    mesh proof authenticates the peer), the link's idle timeout and datagram size, and
+    the small receive windows of the handshake (the link opens them once authenticated,
+    see ``PeerLink._flush_auth``)."""
     cfg = QuicConfiguration(
         is_client=is_client,
         alpn_protocols=[ALPN],
         idle_timeout=settings.idle_timeout_s,
         max_datagram_size=settings.max_datagram_size,
         verify_mode=ssl.CERT_NONE,
-        max_data=64 << 20,
-        max_stream_data=16 << 20,
+        max_data=settings.handshake_window,
+        max_stream_data=settings.max_stream_data,
     )
     cfg.certificate = identity.certificate
     cfg.private_key = identity.private_key
@@ -54,9 +70,11 @@ def quic_configuration(identity: Identity, *, is_client: bool, settings: LinkSet
 class QuicListener:
     """The node's QUIC server socket: accepts links for its owner."""
 
-    def __init__(self, transport: asyncio.DatagramTransport, server: PrefilteredQuicServer) -> None:
+    def __init__(self, transport: asyncio.DatagramTransport, server: PrefilteredQuicServer,
+                 admission: Admission) -> None:
         self._transport = transport
         self._server = server
+        self.admission = admission
 
     @property
     def port(self) -> int:
@@ -66,6 +84,45 @@ class QuicListener:
     def close(self) -> None:
         """Close every accepted connection and the socket."""
         self._server.close()
+
+
+class Admission:
+    """Which new connections the listener accepts; see the module docstring.
+
+    Counts the server-side links it was told about (:meth:`created`) that are still open,
+    at the moment a new connection would be created (rare: once per handshake)."""
+
+    def __init__(self, settings: LinkSettings) -> None:
+        self.settings = settings
+        self.links: set[PeerLink] = set()
+        self.refused = 0
+        self._logged_at = -REFUSAL_LOG_EVERY_S
+
+    def created(self, link: PeerLink) -> PeerLink:
+        self.links.add(link)
+        return link
+
+    def admit(self, addr: Any) -> bool:
+        self.links = {link for link in self.links if link.closed_reason is None}
+        host = addr[0] if addr else "?"
+        s = self.settings
+        pending = [link for link in self.links if not link.authenticated]
+        from_host = [link for link in self.links if link.remote_addr is not None and link.remote_addr[0] == host]
+        why = None
+        if len(pending) >= s.max_handshakes:
+            why = f"{len(pending)} handshakes in flight"
+        elif sum(not link.authenticated for link in from_host) >= s.max_handshakes_per_host:
+            why = f"{s.max_handshakes_per_host} handshakes in flight from {host}"
+        elif len(from_host) >= s.max_links_per_host:
+            why = f"{len(from_host)} connections from {host}"
+        if why is None:
+            return True
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= REFUSAL_LOG_EVERY_S:
+            self._logged_at = now
+            log.warning("refusing QUIC connections (%s so far): %s", self.refused, why)
+        return False
 
 
 def _lane_prefilter(owner: LinkOwner) -> Callable[[bytes, Any], bool]:
@@ -81,15 +138,17 @@ def _lane_prefilter(owner: LinkOwner) -> Callable[[bytes, Any], bool]:
 async def listen(owner: LinkOwner, host: str, port: int) -> QuicListener:
     """Listen for QUIC links on ``host:port`` (port 0: any); each accepted connection
     becomes a server-side :class:`PeerLink` of ``owner``."""
+    admission = Admission(owner.settings)
     transport, server = await asyncio.get_running_loop().create_datagram_endpoint(
         lambda: PrefilteredQuicServer(
             _lane_prefilter(owner),
+            admit=admission.admit,
             configuration=quic_configuration(owner.identity, is_client=False, settings=owner.settings),
-            create_protocol=lambda quic, **kw: PeerLink(quic, owner=owner, is_client=False, **kw),
+            create_protocol=lambda quic, **kw: admission.created(PeerLink(quic, owner=owner, is_client=False, **kw)),
         ),
         local_addr=(host, port),
     )
-    return QuicListener(transport, server)  # type: ignore[arg-type]
+    return QuicListener(transport, server, admission)  # type: ignore[arg-type]
 
 
 @asynccontextmanager

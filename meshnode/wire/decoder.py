@@ -2,11 +2,14 @@
 
 Theory of operation: the decoder alternates between two phases. While reading a header
 it collects up to 10 bytes (taking them straight from the fed buffer when a whole
-header is there). Once the header checks out, it allocates a payload buffer of exactly
-the announced length and copies incoming bytes into it at a fill offset: each byte is
-copied once, large payloads are never re-concatenated, and a ``Forward`` activation is
-then decoded as a view of that buffer (each frame gets its own buffer, so views stay
-valid after later feeds). Frames that arrive whole at the start of a feed (QUIC
+header is there). Once the header checks out, it appends incoming bytes to a payload
+buffer until the announced length arrived, and a ``Forward`` activation is then decoded
+as a view of that buffer (each frame gets its own buffer, so views stay valid after
+later feeds). The buffer grows with the bytes that actually arrived, never with what
+the header declares: a 10-byte header announcing 64 MiB costs nothing until 64 MiB
+came (a stranger's headers once made a node allocate 1.3 GB, issue #17). Growing a
+large ``bytearray`` is a ``realloc`` that glibc serves with ``mremap`` for big buffers,
+so each byte is still copied about once. Frames that arrive whole at the start of a feed (QUIC
 delivers a decode step's frame in one piece) skip the byte-wise phases: each is copied
 into its own buffer in one go and decoded.
 
@@ -45,8 +48,18 @@ class FrameDecoder:
         self._error: WireError | None = None
         self._hdr = bytearray()  # partial header
         self._kind = -1
-        self._payload: bytearray | None = None  # allocated from the length prefix
-        self._filled = 0
+        self._payload: bytearray | None = None  # the bytes of the frame's payload so far
+        self._length = 0                         # what the header declared (checked against max_frame)
+
+    @property
+    def max_frame(self) -> int:
+        """The largest payload accepted; a larger declared length is a fatal OVERSIZE."""
+        return self._max_frame
+
+    @max_frame.setter
+    def max_frame(self, value: int) -> None:
+        # a link raises it once the peer authenticated (handshake frames are small)
+        self._max_frame = min(int(value), MAX_FRAME)
 
     @property
     def state(self) -> DecoderState:
@@ -60,7 +73,22 @@ class FrameDecoder:
     @property
     def pending(self) -> int:
         """Bytes held of a frame not yet complete (0 at a frame boundary)."""
-        return len(self._hdr) + (HEADER_SIZE + self._filled if self._payload is not None else 0)
+        return len(self._hdr) + (HEADER_SIZE + len(self._payload) if self._payload is not None else 0)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of memory this decoder holds for a frame in progress (what a memory
+        budget counts; a declared length is not held until it arrived)."""
+        return len(self._hdr) + (len(self._payload) if self._payload is not None else 0)
+
+    @property
+    def wanted(self) -> int:
+        """Bytes that complete the header or the frame in progress (at least 1). Feeding
+        exactly that many yields at most one event: a caller that must act on each frame
+        before the next one is read (the link during its handshake) feeds this much."""
+        if self._payload is None:
+            return HEADER_SIZE - len(self._hdr)
+        return max(1, self._length - len(self._payload))
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message | WireError]:
         """Consume ``data``; return the messages and error events of every frame it completes,
@@ -94,15 +122,18 @@ class FrameDecoder:
                     events.append(self._fail(WireError(e.code, e.detail, kind=kind, fatal=True)))
                     return events
                 self._hdr = bytearray()
-                self._payload = bytearray(length)
-                self._filled = 0
-            payload = self._payload
-            take = min(len(payload) - self._filled, n - i)
-            if take:
-                payload[self._filled : self._filled + take] = mv[i : i + take]
-                self._filled += take
+                self._length = length
+                # only what is here now: the rest is appended as it arrives
+                take = min(length, n - i)
+                payload = self._payload = bytearray(mv[i : i + take])
                 i += take
-            if self._filled == len(payload):
+            else:
+                payload = self._payload
+                take = min(self._length - len(payload), n - i)
+                if take:
+                    payload += mv[i : i + take]
+                    i += take
+            if len(payload) == self._length:
                 events.append(self._finish(payload))
         return events
 
@@ -134,7 +165,7 @@ class FrameDecoder:
             self._state = DecoderState.CLOSED
             return []
         ref = 0
-        if self._payload is not None and self._filled >= 4:
+        if self._payload is not None and len(self._payload) >= 4:
             ref = int.from_bytes(self._payload[:4], "little")
         kind = self._kind if self._payload is not None else None
         ev = WireError(

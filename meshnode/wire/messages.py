@@ -47,7 +47,9 @@ from meshnode.wire.schema import (
     wf,
 )
 
-PROTOCOL_VERSION = 1  # Hello.protocol; peers with another value are refused at Hello
+# Hello.protocol; peers with another value are refused at Hello. 2: Hello carries only
+# what the proof needs (name and capabilities empty); both follow in Profile, after the proof.
+PROTOCOL_VERSION = 2
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
 # (meshnode.net.lane); stage 0 resends it over the stream, without the bit, if it is lost.
@@ -64,6 +66,7 @@ class MessageKind(enum.IntEnum):
     AUTH_RESULT = 0x0004
     HEARTBEAT = 0x0005
     LANE_KEY = 0x0006
+    PROFILE = 0x0007
     CLAIM = 0x0010
     PREPARE = 0x0011
     INVENTORY = 0x0012
@@ -115,10 +118,27 @@ def message(kind: MessageKind, check: Callable[[Any], None] | None = None) -> Ca
 # ----------------------------------------------------------------------------- control
 
 
-@message(MessageKind.HELLO)
+# Bounds of the peer-describing fields (issue #17): a Hello travels before the mesh proof,
+# so it must fit the handshake's frame cap; a name is a label, not a document.
+MAX_NODE_ID_LEN = 64
+MAX_MESH_ID_LEN = 64
+MAX_NAME_LEN = 64
+
+
+def _check_hello(m: "Hello") -> None:
+    for field, value, cap in (("node_id", m.node_id, MAX_NODE_ID_LEN), ("mesh_id", m.mesh_id, MAX_MESH_ID_LEN),
+                              ("name", m.name, MAX_NAME_LEN)):
+        if len(value) > cap:
+            raise Invalid(ErrorCode.BAD_FIELD, f"{field} of {len(value)} characters (at most {cap})")
+
+
+@message(MessageKind.HELLO, _check_hello)
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """First message on a connection, both directions. ``capabilities`` is JSON."""
+    """First message on a connection, both directions. ``capabilities`` is JSON.
+
+    Since protocol 2 a node sends ``name=""`` and ``capabilities={}`` here (this goes to
+    anyone who connects, before the proof); they follow in :class:`Profile`."""
 
     KIND: ClassVar[MessageKind]
     ref: int = wf(U32)
@@ -126,6 +146,24 @@ class Hello:
     name: str = wf(STR)
     mesh_id: str = wf(STR)
     protocol: int = wf(U16)
+    capabilities: dict[str, Any] = wf(JSON)
+
+
+def _check_profile(m: "Profile") -> None:
+    if len(m.name) > MAX_NAME_LEN:
+        raise Invalid(ErrorCode.BAD_FIELD, f"name of {len(m.name)} characters (at most {MAX_NAME_LEN})")
+
+
+@message(MessageKind.PROFILE, _check_profile)
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """The rest of a node's self-description, sent right after its ``AuthResult(ok)``:
+    only to a peer whose proof verified. ``capabilities`` is JSON (meshnode.net.caps,
+    plus ``quic_port``); meshnode.net.auth checks its schema and size."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    name: str = wf(STR)
     capabilities: dict[str, Any] = wf(JSON)
 
 
@@ -470,6 +508,8 @@ Message = (
     | AuthProof
     | AuthResult
     | Heartbeat
+    | LaneKey
+    | Profile
     | Claim
     | Prepare
     | Inventory
