@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
-import json
 import logging
 import socket
 from collections.abc import Callable, Hashable
@@ -42,7 +41,7 @@ from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import MessageCallback, PeerChangeCallback
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.net import caps as capsmod
-from meshnode.net.auth import AuthHandshake
+from meshnode.net.auth import AuthHandshake, check_capabilities
 from meshnode.net.discovery import DiscoveredPeer, Discovery
 from meshnode.net.identity import Identity
 from meshnode.net.lane import LaneReceiver, lane_key_id
@@ -59,8 +58,6 @@ log = logging.getLogger(__name__)
 DIAL_GRACE_S = 1.0      # the higher node id waits this long for the lower one to dial
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 5.0
-MAX_CAPS_JSON = 64 * 1024   # bytes of a peer's capability JSON we keep
-MAX_MODELS = 256            # held models in one capability summary
 ANY_NODE = "*"              # a dial that accepts whichever node answers (static peers)
 
 
@@ -575,14 +572,13 @@ def _port_of(caps: dict[str, Any] | None) -> int | None:
 
 
 def _checked_caps(caps: Any, node_id: str) -> dict[str, Any] | None:
-    """A peer's capability summary when it is one we can use, else None (logged): a
-    bounded JSON object that :func:`meshnode.net.caps.from_dict` reads."""
-    try:
-        size = len(json.dumps(caps))
-    except (TypeError, ValueError):
-        size = MAX_CAPS_JSON + 1
-    parsed = capsmod.from_dict(caps) if isinstance(caps, dict) and size <= MAX_CAPS_JSON else None
-    if parsed is None or len(parsed.models) > MAX_MODELS:
-        log.warning("peer %s sent capabilities this node cannot use: ignored", node_id)
+    """A peer's capability summary when it is one we can use, else None (logged): the
+    same checks as the Profile at authentication (:func:`meshnode.net.auth.check_capabilities`:
+    types, ranges, bounded size), so a ``CapsUpdate`` cannot carry what a Profile may not."""
+    why = check_capabilities(caps)
+    if why is None and capsmod.from_dict(caps) is None:
+        why = "unreadable"
+    if why is not None:
+        log.warning("peer %s sent capabilities this node cannot use (%s): ignored", node_id, why)
         return None
     return caps
