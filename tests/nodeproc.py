@@ -17,6 +17,15 @@ from meshnode.bench.cluster import LocalNode
 
 ROOT = Path(__file__).resolve().parents[1]
 
+def lo_multicast() -> bool:
+    """Whether multicast is on on the loopback interface (mDNS between nodes on one
+    machine needs it): the MULTICAST flag `ip link show lo` prints, read from sysfs."""
+    try:
+        return bool(int(Path("/sys/class/net/lo/flags").read_text(), 16) & 0x1000)   # IFF_MULTICAST
+    except (OSError, ValueError):
+        return False
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e["MESHNODE_KEYRING"] = "file"

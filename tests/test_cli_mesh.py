@@ -7,24 +7,18 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 
 import pytest
 
-from nodeproc import meshnode_cmd, start_node, wait_for
+from nodeproc import lo_multicast, meshnode_cmd, start_node, wait_for
 
 pytestmark = [pytest.mark.net, pytest.mark.slow]
 
 
-def _lo_multicast() -> bool:
-    out = subprocess.run(["ip", "link", "show", "lo"], capture_output=True, text=True).stdout
-    return "MULTICAST" in out
-
-
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    if not _lo_multicast():
+    if not lo_multicast():
         pytest.skip("multicast is off on lo (ip link set lo multicast on)")
     root = tmp_path_factory.mktemp("mesh")
     r = meshnode_cmd("invite", "--home", str(root / "a"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,17 +14,9 @@ from meshnode.net.caps import from_dict
 from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
 from meshnode.wire import Error, ErrorCode, Forward, Segment, StageStatus, Status
-from nodeproc import until
+from nodeproc import lo_multicast, until
 
 pytestmark = pytest.mark.net
-
-
-def _lo_multicast() -> bool:
-    # The MULTICAST flag `ip link show lo` prints, read from sysfs: no process in this tier.
-    try:
-        return bool(int(Path("/sys/class/net/lo/flags").read_text(), 16) & 0x1000)   # IFF_MULTICAST
-    except (OSError, ValueError):
-        return False
 
 
 def _fabric(tmp_path, name: str, secret: bytes, **kw) -> MeshFabric:
@@ -40,7 +31,7 @@ def _forward(i: int, width: int = 8) -> Forward:
 
 
 async def test_two_fabrics_discover_request_and_stream(tmp_path):
-    if not _lo_multicast():
+    if not lo_multicast():
         pytest.skip("multicast is off on lo")
     s = new_secret()
     a, b = _fabric(tmp_path, "a", s), _fabric(tmp_path, "b", s)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from pathlib import Path
 
 import pytest
 from zeroconf import IPVersion
@@ -22,19 +21,12 @@ from meshnode.mesh.fabric import MeshFabric
 from meshnode.net.discovery import SERVICE_TYPE, advertised_addresses, decode_txt, encode_txt
 from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
-from nodeproc import until
+from nodeproc import lo_multicast, until
 
 pytestmark = pytest.mark.net
 
 
-def _lo_multicast() -> bool:
-    try:
-        return bool(int(Path("/sys/class/net/lo/flags").read_text(), 16) & 0x1000)   # IFF_MULTICAST
-    except (OSError, ValueError):
-        return False
-
-
-needs_mdns = pytest.mark.skipif(not _lo_multicast(), reason="multicast is off on lo")
+needs_mdns = pytest.mark.skipif(not lo_multicast(), reason="multicast is off on lo")
 
 
 def _fabric(tmp_path, name: str, secret: bytes, **kw) -> MeshFabric:

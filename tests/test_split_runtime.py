@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,7 @@ from meshnode.mesh.stage_server import StageServerRuntime
 from meshnode.net.secret import new_secret
 from meshnode.paths import NodePaths
 from meshnode.state import StageChanged, StageState
-from nodeproc import until
+from nodeproc import lo_multicast, until
 
 pytestmark = [pytest.mark.net, pytest.mark.slow]
 
@@ -53,11 +52,6 @@ SECRET = new_secret()
 
 def _opts(**kw) -> ServeOptions:
     return ServeOptions(n_ctx=N_CTX, n_batch=N_BATCH, n_seq_max=1, **kw)
-
-
-def _lo_multicast() -> bool:
-    out = subprocess.run(["ip", "link", "show", "lo"], capture_output=True, text=True).stdout
-    return "MULTICAST" in out
 
 
 def _install(model, paths: NodePaths) -> None:
@@ -162,7 +156,7 @@ class _Node:
 
 @contextlib.asynccontextmanager
 async def _mesh(homes: dict[str, NodePaths], names: str):
-    use_mdns = _lo_multicast()
+    use_mdns = lo_multicast()
     nodes: list[_Node] = []
     try:
         for name in names:

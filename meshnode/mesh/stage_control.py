@@ -34,11 +34,12 @@ Errors: misuse by the host (a command in the wrong state) raises
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from meshnode.state import StageChanged, StageInfo
-from meshnode.wire import ErrorCode, LocalProtocolError
+from meshnode.wire import ErrorCode, LocalProtocolError, Message
 
 __all__ = [
     "ClaimLease",
@@ -230,6 +231,27 @@ class StopRequested:
 
 CoordinatorEvent = StageChanged | PlanReady | PlanFailed | LocalLoadRequested
 ServerEvent = StageChanged | Claimed | PrepareRequested | LoadRequested | StopRequested
+
+E = TypeVar("E")
+
+
+class MachineOutput(Generic[E]):
+    """What a stage-control machine leaves for its host: messages to send and events to
+    handle, drained by the host after every input (aioquic's ``datagrams_to_send`` /
+    ``next_event`` pattern). Both machines inherit it."""
+
+    def __init__(self) -> None:
+        self._out: list[tuple[str, Message]] = []
+        self._events: deque[E] = deque()
+
+    def messages_to_send(self) -> list[tuple[str, Message]]:
+        """Drain the queued ``(node_id, message)`` pairs; send them in order."""
+        out, self._out = self._out, []
+        return out
+
+    def next_event(self) -> E | None:
+        """The next event, or None when there is none."""
+        return self._events.popleft() if self._events else None
 
 
 def stages_json(stages: tuple[StageInfo, ...] | list[StageInfo]) -> list[dict[str, Any]]:

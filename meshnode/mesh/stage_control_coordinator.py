@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 
 from meshnode.mesh.planner import Plan
 from meshnode.mesh.stage_control import (
     CoordinatorEvent,
+    MachineOutput,
     LoadParams,
     LocalLoadRequested,
     PlanFailed,
@@ -137,7 +137,7 @@ class _Stage:
                          _PHASE_TO_STATE[self.phase], self.detail)
 
 
-class CoordinatorControl:
+class CoordinatorControl(MachineOutput[CoordinatorEvent]):
     """The coordinator's side of stage negotiation for one plan.
 
     Construction starts the negotiation: Claims are queued for every remote stage (or,
@@ -159,6 +159,7 @@ class CoordinatorControl:
     ) -> None:
         if not plan.stages or plan.stages[0].start != 0 or plan.stages[-1].end != n_layers:
             raise ValueError(f"plan does not cover layers 0:{n_layers}")
+        super().__init__()
         self.term = term
         self.model_sha256 = model_sha256
         self.model_name = model_name
@@ -171,8 +172,6 @@ class CoordinatorControl:
             for i, s in enumerate(plan.stages)
         ]
         self._by_node = {s.node_id: s for s in self._stages[1:]}
-        self._out: list[tuple[str, Message]] = []
-        self._events: deque[CoordinatorEvent] = deque()
         self._next_ref = 0
         self._n_embd: int | None = None
         for st in self._stages:
@@ -190,15 +189,6 @@ class CoordinatorControl:
     def stages(self) -> tuple[StageInfo, ...]:
         """Every stage as the UI and ``meshnode status --json`` show it."""
         return tuple(s.info() for s in self._stages)
-
-    def messages_to_send(self) -> list[tuple[str, Message]]:
-        """Drain the queued ``(node_id, message)`` pairs; send them in order."""
-        out, self._out = self._out, []
-        return out
-
-    def next_event(self) -> CoordinatorEvent | None:
-        """The next event, or None when there is none."""
-        return self._events.popleft() if self._events else None
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must be called next (None: no timer)."""

@@ -22,7 +22,6 @@ READY is the link's job (the host fails the stage when the link drops).
 from __future__ import annotations
 
 import logging
-from collections import deque
 
 from meshnode.mesh.stage_control import (
     ClaimLease,
@@ -30,6 +29,7 @@ from meshnode.mesh.stage_control import (
     LoadLimits,
     LoadParams,
     LoadRequested,
+    MachineOutput,
     PrepareRequested,
     ServerEvent,
     StageControlError,
@@ -79,7 +79,7 @@ _SERVER_TRANSITIONS: dict[StageState | None, frozenset[StageState]] = {
 _SERVING = frozenset({_S.ASSIGNED, _S.PREPARING, _S.LOADING, _S.READY})
 
 
-class StageServerControl:
+class StageServerControl(MachineOutput[ServerEvent]):
     """The serving side of stage negotiation on one node (at most one stage at a time).
 
     ``state`` is None while idle, else a :class:`StageState`. ``term`` is the highest
@@ -88,6 +88,7 @@ class StageServerControl:
 
     def __init__(self, node_id: str, now: float, *, name: str = "",
                  lease: ClaimLease = ClaimLease()) -> None:
+        super().__init__()
         self.node_id = node_id
         self.name = name or node_id
         self.state: StageState | None = None
@@ -107,8 +108,6 @@ class StageServerControl:
         self._present_at = now
         self._lease_until: float | None = None
         self._lapsed = False              # the last claim's lease ran out (see _on_claim)
-        self._out: list[tuple[str, Message]] = []
-        self._events: deque[ServerEvent] = deque()
 
     # -- public: reading
 
@@ -119,13 +118,6 @@ class StageServerControl:
             return None
         return StageInfo(self.stage_index, self.node_id, self.name, self.layer_start, self.layer_end,
                          self.state, self.detail)
-
-    def messages_to_send(self) -> list[tuple[str, Message]]:
-        out, self._out = self._out, []
-        return out
-
-    def next_event(self) -> ServerEvent | None:
-        return self._events.popleft() if self._events else None
 
     def get_timer(self) -> float | None:
         """When the claim lease runs out (None: no lease running)."""
