@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic.json_schema import models_json_schema
 
 from meshnode import __version__
@@ -41,7 +43,17 @@ def create_app(node: Any, security: HttpSecurity | None = None) -> FastAPI:
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"],
                            max_age=600)
     app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     return app
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own refusals (no such path, wrong method) in OpenAI's error shape too."""
+    assert isinstance(exc, StarletteHTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": code}},
+                        status_code=exc.status_code, headers=exc.headers)
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:

@@ -4,9 +4,12 @@ Theory of operation: :func:`make_openai_router` builds an ``APIRouter`` whose ha
 depend only on an :class:`~meshnode.serve.client.EngineClient` (fetched per request from
 the getter, so the node can swap engines). A handler
 
-1. parses the raw body itself (:func:`~meshnode.serve.schemas.parse_request`), so
-   malformed JSON and bad fields become OpenAI error JSON without touching the app's
-   global exception handlers;
+1. parses the raw body itself (:func:`~meshnode.serve.schemas.parse_request`; a body
+   over 64 KiB on a thread), so malformed JSON and bad fields become OpenAI error JSON
+   without touching the app's global exception handlers. The body has already passed
+   :mod:`meshnode.serve.http_guard` (size cap, content type, key); since FastAPI cannot
+   see a body parsed by hand, each route declares its request body and its error
+   responses for the OpenAPI document itself;
 2. converts it to a :class:`GenerationRequest`, checks the model id against
    ``models()``, and calls ``generate``;
 3. pulls the *first* event before answering, so request errors the engine raises up front
