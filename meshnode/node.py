@@ -77,9 +77,8 @@ class Node:
         from meshnode.mesh.coordinator import CoordinatorRuntime
         from meshnode.mesh.fabric import MeshFabric
         from meshnode.mesh.stage_server import StageServerRuntime
-        from meshnode.serve.service import ModelService
-
         from meshnode.serve.http_guard import HttpSecurity, check_binding
+        from meshnode.serve.service import ModelService
 
         # Refused before anything starts: an endpoint reachable from the network needs a key.
         self.http_security = http_security or HttpSecurity()
