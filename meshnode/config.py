@@ -14,6 +14,13 @@ the speculative-decoding precedence). docs/config.md lists every option.
     http_port = 8642
     max_memory = "6GB"
 
+    [http]                              # the OpenAI endpoint (docs/api.md, Security)
+    api_key = "..."                     # required when bound off loopback
+    allowed_hosts = ["laptop.local"]
+    cors_origins = ["http://localhost:3000"]
+    max_body = "4MiB"
+    max_queue = 16
+
     [defaults.speculative]              # every model
     strategy = "ngram"
     mode = "auto"
@@ -39,6 +46,7 @@ from meshnode.limits import MAX_VERIFY_WINDOW
 
 __all__ = [
     "ConfigError",
+    "HttpSettings",
     "MODES",
     "MeshnodeConfig",
     "ModelSettings",
@@ -80,6 +88,15 @@ class NodeSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpSettings:
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    max_body: int | None = None         # bytes
+    max_queue: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class WindowSettings:
     policy: str | None = None           # "adaptive" | "fixed"
     initial: int | None = None
@@ -108,6 +125,7 @@ class ModelSettings:
 class MeshnodeConfig:
     path: str | None = None             # the file it came from (None: no file)
     node: NodeSettings = field(default_factory=NodeSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
     defaults_speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     models: Mapping[str, ModelSettings] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
@@ -191,6 +209,12 @@ class _Reader:
             raise self.error(dotted, f"expected one of {', '.join(choices)}, got {v!r}")
         return v
 
+    def strs(self, t: Mapping[str, Any], key: str, dotted: str) -> tuple[str, ...]:
+        v = t.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+            raise self.error(dotted, f"expected a list of non-empty strings, got {v!r}")
+        return tuple(v)
+
     def int_(self, t: Mapping[str, Any], key: str, dotted: str, lo: int, hi: int) -> int | None:
         if key not in t:
             return None
@@ -245,7 +269,7 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
             raise ConfigError(f"not valid TOML: {e}", path=spath) from None
     warnings: list[str] = []
     r = _Reader(spath, warnings)
-    r.warn_unknown(data, "", ("node", "defaults", "models"))
+    r.warn_unknown(data, "", ("node", "http", "defaults", "models"))
 
     node_t = r.table(data, "node", "node")
     r.warn_unknown(node_t, "node.", ("name", "http_port", "quic_port", "max_memory"))
@@ -260,6 +284,24 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
         http_port=r.int_(node_t, "http_port", "node.http_port", 0, 65535),
         quic_port=r.int_(node_t, "quic_port", "node.quic_port", 0, 65535),
         max_memory=max_memory,
+    )
+
+    http_t = r.table(data, "http", "http")
+    r.warn_unknown(http_t, "http.", ("api_key", "allowed_hosts", "cors_origins", "max_body", "max_queue"))
+    max_body = None
+    if "max_body" in http_t:
+        try:
+            max_body = parse_size(http_t["max_body"])
+        except ConfigError as e:
+            raise r.error("http.max_body", str(e)) from None
+        if max_body < 1024:
+            raise r.error("http.max_body", f"expected at least 1KiB, got {max_body} bytes")
+    http = HttpSettings(
+        api_key=r.str_(http_t, "api_key", "http.api_key"),
+        allowed_hosts=r.strs(http_t, "allowed_hosts", "http.allowed_hosts"),
+        cors_origins=r.strs(http_t, "cors_origins", "http.cors_origins"),
+        max_body=max_body,
+        max_queue=r.int_(http_t, "max_queue", "http.max_queue", 0, 100_000),
     )
 
     defaults_t = r.table(data, "defaults", "defaults")
@@ -280,6 +322,7 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
     return MeshnodeConfig(
         path=spath,
         node=node,
+        http=http,
         defaults_speculative=defaults_spec,
         models=models,
         warnings=tuple(warnings),

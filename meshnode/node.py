@@ -24,6 +24,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from meshnode import __version__
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 EVENT_QUEUE = 1000
 CAPS_REFRESH_S = 30.0
 TELEMETRY_POINTS = 240      # one a second: the last four minutes
+HTTP_CONNECTIONS = 256
 
 
 class Node:
@@ -70,12 +72,19 @@ class Node:
         threads: int | None = None,
         decode_threads: int | None = None,
         max_memory: int | None = None,
+        http_security: Any = None,
     ) -> None:
         from meshnode.mesh.coordinator import CoordinatorRuntime
         from meshnode.mesh.fabric import MeshFabric
         from meshnode.mesh.stage_server import StageServerRuntime
+        from meshnode.serve.http_guard import HttpSecurity, check_binding
         from meshnode.serve.service import ModelService
 
+        # Refused before anything starts: an endpoint reachable from the network needs a key.
+        self.http_security = http_security or HttpSecurity()
+        check_binding(http_host, self.http_security.api_key)
+        if self.http_security.bound_host != http_host:
+            self.http_security = replace(self.http_security, bound_host=http_host)
         self.paths = paths.ensure()
         self.name = name or socket.gethostname()
         self.fabric = MeshFabric(
@@ -122,6 +131,9 @@ class Node:
         config = uvicorn.Config(
             create_app(self), host=self._http_host, port=self._http_port,
             log_level="warning", lifespan="off", access_log=False,
+            # connections and requests at once; past it uvicorn answers 503 without
+            # reading (the guard's max_requests bounds generation requests well below)
+            limit_concurrency=HTTP_CONNECTIONS, server_header=False,
         )
         self._server = _EmbeddedServer(config)
         self._server_task = asyncio.get_running_loop().create_task(self._server.serve())

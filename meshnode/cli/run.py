@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -24,6 +25,16 @@ def _port(text: str) -> int:
     return v
 
 
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {v}")
+    return v
+
+
 def _add_node_options(p: argparse.ArgumentParser) -> None:
     add_common_options(p)
     p.add_argument("--port", type=_port, default=None, metavar="N",
@@ -39,6 +50,21 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-discovery", action="store_true",
                    help="no mDNS: reach peers only through --peer (networks without multicast)")
     p.add_argument("--name", default=None, help="this node's display name (default: host name)")
+
+    h = p.add_argument_group("endpoint security (docs/api.md, Security)")
+    h.add_argument("--api-key", default=None, metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY'; required with a --host off "
+                        "loopback (also $MESHNODE_API_KEY or [http] api_key, which keep it out of ps)")
+    h.add_argument("--allow-host", action="append", default=None, metavar="NAME",
+                   help="another Host name the endpoint answers to, e.g. laptop.local (repeatable; "
+                        "loopback names and IP addresses always work; * = any)")
+    h.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let web pages of ORIGIN (e.g. http://localhost:3000) call the API "
+                        "(repeatable; default: none)")
+    h.add_argument("--max-body", type=size, default=None, metavar="SIZE",
+                   help="largest request body (default 4MiB)")
+    h.add_argument("--max-queue", type=_count, default=None, metavar="N",
+                   help="requests waiting beyond --parallel; more are answered 429 (default 16)")
 
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, metavar="MODEL",
@@ -153,13 +179,46 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
                                     window_min=args.draft_min, window_max=args.draft_max,
                                     no_draft=args.no_draft),
             config=config)
+    security, max_queue = _http_security(args, config.http)
+    if service is not None:
+        service = dataclasses.replace(service, max_queue=max_queue)
     return dict(
+        http_security=security,
         port=_first(args.quic_port, node_cfg.quic_port, 0),
         http_port=_first(args.port, node_cfg.http_port, 8642),
         http_host=args.host, interfaces=args.interface, name=args.name or node_cfg.name,
         static_peers=args.peer, discovery=not args.no_discovery, service=service, threads=args.threads,
         decode_threads=args.decode_threads, max_memory=max_memory,
     )
+
+
+def _http_security(args: argparse.Namespace, cfg):
+    """The endpoint's HttpSecurity and queue bound: flags over $MESHNODE_API_KEY over
+    ``[http]``. Raises MeshnodeError for a non-loopback --host without a key."""
+    import os
+
+    from meshnode.serve.http_guard import (
+        DEFAULT_MAX_BODY,
+        DEFAULT_MAX_QUEUE,
+        DEFAULT_MAX_REQUESTS,
+        HttpSecurity,
+        check_binding,
+    )
+
+    key = args.api_key or os.environ.get("MESHNODE_API_KEY") or cfg.api_key
+    check_binding(args.host, key)
+    max_queue = _first(args.max_queue, cfg.max_queue, DEFAULT_MAX_QUEUE)
+    security = HttpSecurity(
+        api_key=key,
+        allowed_hosts=tuple(args.allow_host or cfg.allowed_hosts),
+        cors_origins=tuple(args.cors_origin or cfg.cors_origins),
+        max_body=_first(args.max_body, cfg.max_body, DEFAULT_MAX_BODY),
+        # POSTs in flight at the door: every slot and queue place, and room to refuse
+        # the next ones with the model server's own 429
+        max_requests=max(DEFAULT_MAX_REQUESTS, args.parallel + max_queue + 8),
+        bound_host=args.host,
+    )
+    return security, max_queue
 
 
 def cmd_run(args: argparse.Namespace) -> int:

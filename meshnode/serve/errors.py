@@ -33,11 +33,17 @@ __all__ = [
     "EngineFailedError",
     "EngineUnavailableError",
     "ErrorSpec",
+    "ForbiddenRequestError",
     "InvalidRequestError",
     "MalformedRequestError",
+    "MissingApiKeyError",
+    "PayloadTooLargeError",
     "PromptTooLongError",
+    "RequestTimeoutError",
     "ServeError",
+    "ServerBusyError",
     "UnknownModelError",
+    "UnsupportedMediaTypeError",
     "UnsupportedValueError",
     "error_body",
     "error_spec",
@@ -89,14 +95,49 @@ class PromptTooLongError(ServeError):
     ``param`` may stay None: the route fills in its prompt field (``messages``/``prompt``).
     """
 
-    def __init__(self, prompt_tokens: int, n_ctx: int, *, param: str | None = None) -> None:
+    def __init__(self, prompt_tokens: int, n_ctx: int, *, param: str | None = None,
+                 at_least: bool = False) -> None:
+        # at_least: counted from the text's length without tokenizing (a lower bound)
         super().__init__(
             f"This model's maximum context length is {n_ctx} tokens. However, your request "
-            f"resulted in {prompt_tokens} prompt tokens. Please reduce the length of the prompt.",
+            f"resulted in {'at least ' if at_least else ''}{prompt_tokens} prompt tokens. "
+            "Please reduce the length of the prompt.",
             param=param,
         )
         self.prompt_tokens = prompt_tokens
         self.n_ctx = n_ctx
+
+
+# --- refused at the door (the HTTP guard, meshnode/serve/http_guard.py) -----------------
+
+
+class PayloadTooLargeError(ServeError):
+    """The body is larger than the node's cap (``--max-body``)."""
+
+
+class UnsupportedMediaTypeError(ServeError):
+    """A request body that is not ``application/json`` (a web page's form or ``text/plain``
+    POST, which a browser sends cross-site without asking)."""
+
+
+class MissingApiKeyError(ServeError):
+    """No ``Authorization: Bearer <key>``, or the wrong key."""
+
+
+class ForbiddenRequestError(ServeError):
+    """A Host the node does not answer to (DNS rebinding) or a foreign Origin (a web page)."""
+
+
+class RequestTimeoutError(ServeError):
+    """The body did not arrive in time (a slow sender holding a request slot)."""
+
+
+class ServerBusyError(ServeError):
+    """Every slot and the queue are taken: retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 # --- our fault (5xx) ------------------------------------------------------------------
@@ -129,6 +170,14 @@ ERROR_TABLE: dict[type[Exception], ErrorSpec] = {
     PromptTooLongError: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
     # prompt + completion (+ drafts) grew past a stage's context: too long a request
     ContextOverflowError: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
+    # refused at the door
+    MissingApiKeyError: ErrorSpec(401, "invalid_request_error", "invalid_api_key"),
+    ForbiddenRequestError: ErrorSpec(403, "invalid_request_error", "forbidden"),
+    RequestTimeoutError: ErrorSpec(408, "invalid_request_error", "request_timeout"),
+    PayloadTooLargeError: ErrorSpec(413, "invalid_request_error", "payload_too_large"),
+    UnsupportedMediaTypeError: ErrorSpec(415, "invalid_request_error", "unsupported_media_type"),
+    # full: every slot and the queue taken (Retry-After says when to come back)
+    ServerBusyError: ErrorSpec(429, "server_error", "server_busy"),
     # ours, and passing: the same request may succeed later
     EngineUnavailableError: ErrorSpec(503, "server_error", "engine_unavailable"),
     EngineBusyError: ErrorSpec(503, "server_error", "engine_unavailable"),

@@ -2,9 +2,14 @@
 
 Theory of operation
 -------------------
-``generate`` turns a request into tokens (the GGUF's chat template), refuses a prompt
-that does not fit the context, admits it as an :class:`~meshnode.serve.request.ActiveRequest`
-and runs it in its own task, which
+``generate`` validates the sampling fields (every value the final stage can get must
+sample: one request's bad value would otherwise fail every request of its batch), refuses
+a request past ``parallel + max_queue`` admitted ones (:class:`~meshnode.serve.errors.
+ServerBusyError`, a 429), refuses a prompt whose text alone proves it too long for the
+context without tokenizing it, turns it into tokens (the GGUF's chat template; a long
+prompt on the tokenizer's own thread, so the event loop that carries the mesh's
+heartbeats stays free), refuses a prompt that does not fit the context, admits it as an
+:class:`~meshnode.serve.request.ActiveRequest` and runs it in its own task, which
 
 1. waits for one of ``parallel`` sequence slots (every stage holds that many);
 2. **prefills**: the prompt goes through the pipeline in chunks of ``n_batch`` rows;
@@ -28,7 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -50,7 +58,16 @@ from meshnode.serve.client import (
 from meshnode.limits import MAX_VERIFY_WINDOW
 from meshnode.mesh.final import Sampling
 from meshnode.mesh.pipeline import Pipeline, Step
-from meshnode.serve.errors import EngineFailedError, PromptTooLongError, ServeError, UnknownModelError, error_spec
+from meshnode.serve.errors import (
+    EngineFailedError,
+    InvalidRequestError,
+    PromptTooLongError,
+    ServeError,
+    ServerBusyError,
+    UnknownModelError,
+    error_spec,
+)
+from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
 from meshnode.serve.request import ActiveRequest, new_session_id
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.serve.speculation import SpeculativeDecoder
@@ -61,6 +78,18 @@ from meshnode.state import RequestInfo, RequestStatus, RequestUpdated
 log = logging.getLogger(__name__)
 
 RECENT_REQUESTS = 50
+# A prompt of more than n_ctx * MAX_CHARS_PER_TOKEN characters cannot fit, whatever the
+# tokenizer: the longest token of SmolLM2's vocabulary is 81 characters (a newline and 80
+# spaces), Gemma 3's 48 bytes. Checked before tokenizing megabytes for nothing.
+MAX_CHARS_PER_TOKEN = 256
+# Prompts up to this many characters are tokenized inline (well under a millisecond);
+# longer ones on the tokenizer's thread.
+INLINE_TOKENIZE_CHARS = 16_384
+# Below this temperature sampling is greedy: logits divided by a denormal overflow to inf
+# and the distribution turns NaN (the final stage would fail the whole batch).
+MIN_TEMPERATURE = 1e-3
+MAX_TOP_K = 2**31 - 1          # the wire's i32 (wire/messages.py Segment.top_k)
+SEED_SPACE = 2**64             # the wire's u64 (Segment.seed)
 
 
 @dataclass
@@ -70,6 +99,7 @@ class ServeSettings:
     n_batch: int = 64           # prefill chunk (every stage uses the same schedule)
     max_batch_rows: int = MAX_VERIFY_WINDOW
     parallel: int = 4           # sessions at once; later requests wait in a queue
+    max_queue: int = DEFAULT_MAX_QUEUE   # requests waiting beyond parallel; more get a 429
     aliases: tuple[str, ...] = ()
     spec: SpecConfig | None = None
 
@@ -88,6 +118,8 @@ class ModelServer:
         self._sessions: set[int] = set()   # session ids in use (random: new_session_id)
         # Every stage holds parallel sequence slots; requests beyond that queue here.
         self._slots = asyncio.Semaphore(settings.parallel)
+        self._admitted = 0      # requests past the admission check and not yet finished
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._active: dict[str, ActiveRequest] = {}
         self._recent: deque[RequestInfo] = deque(maxlen=RECENT_REQUESTS)
         # Read by the node's telemetry sampler (one point a second).
@@ -115,17 +147,42 @@ class ModelServer:
             return self.tokenizer.apply_chat_template(msgs)
         return self.tokenizer.encode(req.prompt or "", add_bos=True), []
 
+    async def _tokenize(self, req: GenerationRequest) -> tuple[list[int], list[str]]:
+        n_chars = (sum(len(m.content) for m in req.messages) if req.messages is not None
+                   else len(req.prompt or ""))
+        n_ctx = self.settings.n_ctx
+        if n_chars > n_ctx * MAX_CHARS_PER_TOKEN:
+            raise PromptTooLongError(n_chars // MAX_CHARS_PER_TOKEN, n_ctx, at_least=True)
+        if n_chars <= INLINE_TOKENIZE_CHARS:
+            return self._prompt_tokens(req)
+        # One thread, so tokenizations queue behind each other instead of taking every
+        # core; llama.cpp's tokenizer releases the GIL, the chat template yields it.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._prompt_tokens, req)
+
+    def _sampling(self, req: GenerationRequest) -> Sampling:
+        return sampling_for(req, getattr(self.tokenizer, "n_vocab", None))
+
     async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         self._check_model(req.model)
-        prompt, template_stops = self._prompt_tokens(req)
+        sampling = self._sampling(req)
+        s = self.settings
+        if self._admitted >= s.parallel + s.max_queue:
+            raise ServerBusyError(
+                f"All {s.parallel} slots and {s.max_queue} queue places of {s.name} are taken; "
+                "retry shortly.", retry_after=1)
+        self._admitted += 1
+        try:
+            prompt, template_stops = await self._tokenize(req)
+        except BaseException:
+            self._admitted -= 1
+            raise
         n_ctx = self.settings.n_ctx
         if len(prompt) >= n_ctx:
+            self._admitted -= 1
             raise PromptTooLongError(len(prompt), n_ctx)
         budget = n_ctx - len(prompt)
         max_tokens = budget if req.max_tokens is None else min(req.max_tokens, budget)
-        sampling = Sampling(temperature=max(0.0, req.temperature), top_k=req.top_k or 0,
-                            top_p=req.top_p, seed=req.seed if req.seed is not None else
-                            int.from_bytes(np.random.default_rng().bytes(4), "little"))
         rid = req.request_id
         info = RequestInfo(rid, self.settings.name, RequestStatus.QUEUED, len(prompt), 0, 0.0, None, time.time(),
                            strategy=self._decoder.telemetry.strategy)
@@ -133,13 +190,14 @@ class ModelServer:
                            StopMatcher(tuple(req.stop) + tuple(template_stops)), info)
         self._active[rid] = ar
         self._update(ar)
-        yield Admitted(prompt_tokens=len(prompt))
-        # The request runs in its own task and hands events over through a queue: decoding
-        # never waits for the HTTP client to take the previous token, so every session is
-        # ready for the next batch at once (continuous batching stays dense).
         events: asyncio.Queue = asyncio.Queue()
-        task = asyncio.get_running_loop().create_task(self._produce(events, ar), name=f"request-{rid}")
+        task: asyncio.Task | None = None
         try:
+            yield Admitted(prompt_tokens=len(prompt))
+            # The request runs in its own task and hands events over through a queue:
+            # decoding never waits for the HTTP client to take the previous token, so every
+            # session is ready for the next batch at once (continuous batching stays dense).
+            task = asyncio.get_running_loop().create_task(self._produce(events, ar), name=f"request-{rid}")
             while True:
                 item = await events.get()
                 if isinstance(item, BaseException):
@@ -148,9 +206,15 @@ class ModelServer:
                 if isinstance(item, Finished):
                     return
         finally:
-            if not task.done():
-                task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            try:
+                if task is None:    # closed at Admitted: it never ran
+                    self._finish(ar, RequestStatus.CANCELLED)
+                else:
+                    if not task.done():
+                        task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            finally:
+                self._admitted -= 1
 
     async def _produce(self, events: asyncio.Queue, ar: ActiveRequest) -> None:
         """Prefill and decode one request, putting its events on ``events``."""
@@ -276,3 +340,32 @@ class ModelServer:
         await self.scheduler.close()
         await self.pipeline.close()
         self._decoder.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling:
+    """The final stage's :class:`Sampling` for ``req``; raises InvalidRequestError.
+
+    Every value that comes out samples without error (the final stage runs a whole batch
+    at once, so one value that raises there fails every request beside it): seed None or
+    -1 is random (llama.cpp's and many clients' spelling), another negative seed is taken
+    modulo 2**64; top_k <= 0 or >= the vocabulary is off; top_p <= 0 and temperatures
+    below MIN_TEMPERATURE are greedy."""
+    t, p = req.temperature, req.top_p
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+        raise InvalidRequestError("temperature", f"Invalid value for 'temperature': {t!r} (expected >= 0).")
+    if not (isinstance(p, (int, float)) and math.isfinite(p) and p <= 1):
+        raise InvalidRequestError("top_p", f"Invalid value for 'top_p': {p!r} (expected 0..1).")
+    top_k = req.top_k or 0
+    if top_k > MAX_TOP_K:
+        raise InvalidRequestError("top_k", f"Invalid value for 'top_k': {top_k} (expected at most {MAX_TOP_K}).")
+    if top_k < 0 or (n_vocab and top_k >= n_vocab):
+        top_k = 0
+    seed = req.seed
+    if seed is None or seed == -1:
+        seed = secrets.randbits(32)
+    elif not -SEED_SPACE // 2 <= seed < SEED_SPACE:
+        raise InvalidRequestError("seed", f"Invalid value for 'seed': {seed} (expected a 64-bit integer).")
+    if t < MIN_TEMPERATURE or p <= 0:
+        return Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=seed % SEED_SPACE)
+    return Sampling(temperature=float(t), top_k=top_k, top_p=float(p), seed=seed % SEED_SPACE)

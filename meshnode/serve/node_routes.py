@@ -13,6 +13,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from meshnode.serve.openai_routes import error_responses
+
 router = APIRouter()
 
 
@@ -43,7 +45,7 @@ def status_json(snapshot: Any) -> dict[str, Any]:
     }
 
 
-@router.get("/health")
+@router.get("/health", responses=error_responses((403, 500)))
 async def health(request: Request) -> dict[str, Any]:
     node = request.app.state.node
     fabric = getattr(node, "fabric", None)
@@ -52,7 +54,7 @@ async def health(request: Request) -> dict[str, Any]:
             "model": None if service is None else {"state": service.state, "detail": service.detail}}
 
 
-@router.get("/status")
+@router.get("/status", responses=error_responses((401, 403, 500)))
 async def status(request: Request) -> dict[str, Any]:
     node = request.app.state.node
     data = status_json(node.snapshot())

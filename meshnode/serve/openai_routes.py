@@ -4,9 +4,12 @@ Theory of operation: :func:`make_openai_router` builds an ``APIRouter`` whose ha
 depend only on an :class:`~meshnode.serve.client.EngineClient` (fetched per request from
 the getter, so the node can swap engines). A handler
 
-1. parses the raw body itself (:func:`~meshnode.serve.schemas.parse_request`), so
-   malformed JSON and bad fields become OpenAI error JSON without touching the app's
-   global exception handlers;
+1. parses the raw body itself (:func:`~meshnode.serve.schemas.parse_request`; a body
+   over 64 KiB on a thread), so malformed JSON and bad fields become OpenAI error JSON
+   without touching the app's global exception handlers. The body has already passed
+   :mod:`meshnode.serve.http_guard` (size cap, content type, key); since FastAPI cannot
+   see a body parsed by hand, each route declares its request body and its error
+   responses for the OpenAPI document itself;
 2. converts it to a :class:`GenerationRequest`, checks the model id against
    ``models()``, and calls ``generate``;
 3. pulls the *first* event before answering, so request errors the engine raises up front
@@ -55,6 +58,7 @@ from meshnode.serve.errors import (
     error_body,
     error_spec,
 )
+from meshnode.serve.http_guard import error_headers
 from meshnode.serve.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -67,6 +71,7 @@ from meshnode.serve.schemas import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    ErrorResponse,
     ModelList,
     ModelObject,
     UsageInfo,
@@ -76,10 +81,64 @@ from meshnode.serve.sse import DONE, KEEP_ALIVE, EventPump, KeepAliveTick, sse_d
 
 log = logging.getLogger("meshnode.serve.openai")
 
-__all__ = ["DEFAULT_KEEPALIVE_S", "OpenAIRoute", "error_response", "make_openai_router"]
+__all__ = ["DEFAULT_KEEPALIVE_S", "OpenAIRoute", "error_response", "error_responses", "make_openai_router"]
 
 DEFAULT_KEEPALIVE_S = 10.0
+# Bodies up to this size are parsed inline (well under a millisecond); larger ones on a
+# thread, so the Python parts of validation yield the loop to the mesh's heartbeats.
+INLINE_PARSE_BYTES = 64 * 1024
 _T = TypeVar("_T")
+_M = TypeVar("_M", ChatCompletionRequest, CompletionRequest)
+
+# What the OpenAPI document declares (the handlers parse bodies by hand, so FastAPI cannot
+# see them): every error status a route can answer, in OpenAI's error shape.
+_ERROR_DOCS = {
+    400: "invalid request (bad JSON, a bad field, a prompt longer than the context)",
+    401: "missing or wrong API key (the node was started with --api-key)",
+    403: "a Host or Origin this node does not answer to",
+    404: "unknown model",
+    408: "the body did not arrive in time",
+    413: "the body is larger than --max-body",
+    415: "the body is not application/json",
+    429: "every slot and queue place taken; see Retry-After",
+    500: "the engine failed",
+    503: "no route to the model right now",
+}
+GET_ERRORS = (400, 401, 403, 404, 500, 503)
+POST_ERRORS = tuple(_ERROR_DOCS)
+
+
+def error_responses(codes: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
+    """The ``responses`` entry of a route that can answer ``codes`` with an error."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        entry: dict[str, Any] = {"model": ErrorResponse, "description": _ERROR_DOCS[code]}
+        if code == 429:
+            entry["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+        if code == 401:
+            entry["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+        out[code] = entry
+    return out
+
+
+def _post_docs(request_model: type, response_model: type) -> dict[str, Any]:
+    name = request_model.__name__
+    return dict(
+        responses={200: {"model": response_model, "description": "the answer; text/event-stream chunks "
+                         "when stream is true",
+                         "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                   **error_responses(POST_ERRORS)},
+        # components/schemas/<name> is added by meshnode.serve.app (request_schemas)
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}},
+    )
+
+
+async def _parse(model: type[_M], request: Request) -> _M:
+    body = await request.body()
+    if len(body) <= INLINE_PARSE_BYTES:
+        return parse_request(model, body)
+    return await asyncio.to_thread(parse_request, model, body)
 
 
 def error_response(exc: Exception) -> JSONResponse:
@@ -90,7 +149,7 @@ def error_response(exc: Exception) -> JSONResponse:
         exc = EngineFailedError("Internal server error.")
         spec = error_spec(exc)
     assert spec is not None
-    return JSONResponse(error_body(exc), status_code=spec.status)
+    return JSONResponse(error_body(exc), status_code=spec.status, headers=error_headers(exc))
 
 
 class OpenAIRoute(APIRoute):
@@ -125,26 +184,27 @@ def make_openai_router(
     ``EngineUnavailableError`` (-> 503). Include it with ``app.include_router(router)``."""
     router = APIRouter(prefix="/v1", route_class=OpenAIRoute, tags=["openai"])
 
-    @router.get("/models")
+    @router.get("/models", response_model=None, responses={200: {"model": ModelList}, **error_responses(GET_ERRORS)})
     async def list_models() -> JSONResponse:
         cards = get_client().models()
         return _json(ModelList(data=[_model_object(c) for c in cards]))
 
-    @router.get("/models/{model_id:path}")
+    @router.get("/models/{model_id:path}", response_model=None,
+                responses={200: {"model": ModelObject}, **error_responses(GET_ERRORS)})
     async def retrieve_model(model_id: str) -> JSONResponse:
         for card in get_client().models():
             if card.id == model_id:
                 return _json(_model_object(card))
         raise UnknownModelError(model_id)
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", response_model=None, **_post_docs(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
-        body = parse_request(ChatCompletionRequest, await request.body())
+        body = await _parse(ChatCompletionRequest, request)
         return await _serve(request, body, _ChatChunks(body.model, body.include_usage), "messages")
 
-    @router.post("/completions")
+    @router.post("/completions", response_model=None, **_post_docs(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
-        body = parse_request(CompletionRequest, await request.body())
+        body = await _parse(CompletionRequest, request)
         return await _serve(request, body, _TextChunks(body.model, body.include_usage), "prompt")
 
     async def _serve(

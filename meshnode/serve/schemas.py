@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -33,6 +33,8 @@ __all__ = [
     "CompletionChunk",
     "CompletionRequest",
     "CompletionResponse",
+    "ErrorObject",
+    "ErrorResponse",
     "ModelList",
     "ModelObject",
     "UsageInfo",
@@ -40,6 +42,20 @@ __all__ = [
 ]
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+# Bounds on what one request may make the node hold or do. Validation runs on the event
+# loop that also carries the mesh's heartbeats, and its cost grows with the number of
+# objects: 130k empty messages in a 4 MiB body took 0.38 s to validate, 10k take 0.03 s.
+MAX_MESSAGES = 10_000
+MAX_CONTENT_PARTS = 1_000
+# Stop strings are matched on every generated token, on the loop (StopMatcher): OpenAI
+# allows 4; llama.cpp clients send a handful.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+# The wire carries top_k as i32 and the seed as u64 (wire/messages.py Segment).
+MAX_TOP_K = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+_StopStr = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 def _omit_none(v: Any) -> bool:
@@ -59,7 +75,7 @@ class ContentPart(_Lenient):
 
 class ChatMessageIn(_Lenient):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
 
     @model_validator(mode="after")
     def _known_role(self) -> ChatMessageIn:
@@ -79,9 +95,11 @@ class _SamplingRequest(_Lenient):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)          # llama.cpp extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    # llama.cpp extension; 0 and -1 (vLLM's spelling) turn it off
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
+    # -1 is llama.cpp's and many clients' "random"; any other int64/uint64 is a seed
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: _StopStr | Annotated[list[_StopStr], Field(max_length=MAX_STOPS)] | None = None
     n: int | None = Field(default=None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -120,7 +138,7 @@ class _SamplingRequest(_Lenient):
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or None,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else None,
             seed=self.seed,
             stop=self._stops(),
             **prompt,
@@ -128,7 +146,7 @@ class _SamplingRequest(_Lenient):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -198,13 +216,16 @@ def parse_request(model: type[_M], body: bytes) -> _M:
     """Parse a raw JSON body into ``model``.
 
     Raises MalformedRequestError (not JSON / not an object) or InvalidRequestError with
-    ``param`` set to the first offending field.
+    ``param`` set to the first offending field. Hostile JSON is the caller's mistake too:
+    NaN/Infinity (not JSON), nesting deeper than the parser's recursion limit, integers
+    past Python's 4300-digit conversion limit (all ValueError or RecursionError).
     """
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
         raise MalformedRequestError(
-            f"We could not parse the JSON body of your request ({e}). The body must be a JSON object."
+            f"We could not parse the JSON body of your request ({reason}). The body must be a JSON object."
         ) from None
     if not isinstance(data, dict):
         raise MalformedRequestError("The request body must be a JSON object.")
@@ -216,6 +237,10 @@ def parse_request(model: type[_M], body: bytes) -> _M:
         if err["type"] == "missing":
             raise InvalidRequestError(param, f"Missing required parameter: '{param}'.") from None
         raise InvalidRequestError(param, f"Invalid value for '{param}': {err['msg']}.") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 # Tags pydantic puts in ``loc`` for union members: builtin type names, class names
@@ -326,3 +351,16 @@ class ModelObject(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelObject]
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the endpoint answers (``errors.error_body``): OpenAI's error object."""
+
+    error: ErrorObject

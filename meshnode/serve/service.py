@@ -23,6 +23,7 @@ from pathlib import Path
 from meshnode.errors import MeshnodeError
 from meshnode.serve.client import GenerationEvent, GenerationRequest, ModelCard
 from meshnode.serve.errors import EngineUnavailableError
+from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
 from meshnode.state import ModelInfo, ModelStatus, TransferInfo
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class ServiceOptions:
     n_ctx: int = 2048                   # per request
     n_batch: int = 64                   # prefill chunk, every stage
     parallel: int = 4                   # concurrent requests (sequence slots)
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond parallel (then 429)
     wire_dtype: str = "f32"
     threads: int | None = None
     gpu_layers: int = 0
@@ -128,7 +130,7 @@ class ModelService:
                 n_batch=o.n_batch, n_seq_max=o.parallel, wire_dtype=o.wire_dtype))
             self.serving = serving
             self.server = ModelServer(
-                ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch, parallel=o.parallel,
+                ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch, parallel=o.parallel, max_queue=o.max_queue,
                               aliases=tuple(o.aliases) + (ref.path.name, ref.path.stem), spec=spec),
                 tokenizer, serving.pipeline, publish=self.node.publish, draft=draft)
             self._set(ModelStatus.READY, f"{serving.pipeline.n_stages} stage(s)")

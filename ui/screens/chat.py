@@ -115,7 +115,10 @@ class ChatScreen(NodeScreen):
                 answer.error = "no model is loaded yet (see the Mesh screen)"
                 return
             last_draw = 0.0
-            async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0)) as client:
+            # a node started with --api-key wants it from its own TUI too
+            key = getattr(getattr(app.node, "http_security", None), "api_key", None)
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), headers=headers) as client:
                 async for chunk in stream_chat(client, app.node.http_url, snap.model, self.history,
                                                temperature=app.chat_temperature):
                     match chunk:
