@@ -20,30 +20,13 @@ from meshnode.mesh.final import Finalized
 from meshnode.serve.model_server import ModelServer, ServeSettings
 from meshnode.spec.window import WindowPolicy
 from meshnode.spec.strategy import SpecConfig
+from char_tokenizer import CharTokenizer
 
 # The answer copies the prompt's code with a few edits, so the n-gram proposer runs
 # long, and its guesses fail at every edit.
 CODE = "def total(items):\n    s = 0\n    for x in items:\n        s += x.price\n    return s\n" * 2
 GARBAGE = ord("~")   # what the fake model says after a context it was not trained on
 ANSWER = CODE.replace("total", "sum_all", 1).replace("price", "cost", 2) + "# done\n"
-
-
-class CharTokenizer:
-    """One token per character; no end-of-generation token."""
-
-    eog_ids: frozenset[int] = frozenset()
-
-    def encode(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode_bytes(self, tokens: list[int]) -> bytes:
-        return "".join(chr(t) for t in tokens).encode()
-
-    def decode(self, tokens: list[int]) -> str:
-        return "".join(chr(t) for t in tokens)
-
-    def apply_chat_template(self, messages: list[dict]) -> tuple[list[int], list[str]]:
-        return self.encode("".join(m["content"] for m in messages)), []
 
 
 class OraclePipeline:

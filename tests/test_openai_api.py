@@ -34,6 +34,7 @@ from meshnode.serve.errors import EngineFailedError, EngineUnavailableError, Pro
 from meshnode.mesh.final import Finalized
 from meshnode.serve.model_server import ModelServer, ServeSettings
 from meshnode.serve.openai_routes import make_openai_router
+from char_tokenizer import CharTokenizer
 
 MODEL = "fake-model"
 N_CTX = 64
@@ -450,22 +451,6 @@ SERVED_CTX = 256    # the model server's context per request
 STAGE_CTX = 48      # ... but a stage holds less: a long answer overflows it mid-decode
 
 
-class _CharTokenizer:
-    eog_ids: frozenset[int] = frozenset()
-
-    def encode(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode_bytes(self, tokens: list[int]) -> bytes:
-        return "".join(chr(t) for t in tokens).encode()
-
-    def decode(self, tokens: list[int]) -> str:
-        return "".join(chr(t) for t in tokens)
-
-    def apply_chat_template(self, messages: list[dict]) -> tuple[list[int], list[str]]:
-        return self.encode("".join(m["content"] for m in messages)), []
-
-
 class _FailingStages:
     """A one-token-at-a-time "model" (it always says ``a``) whose stage holds
     ``STAGE_CTX`` positions and raises as the engine does past them; a prompt saying
@@ -492,7 +477,7 @@ def served_url() -> Iterator[str]:
 
     def get_client() -> ModelServer:
         if not servers:   # built on uvicorn's loop: the scheduler's task lives there
-            servers.append(ModelServer(ServeSettings(MODEL, n_ctx=SERVED_CTX), _CharTokenizer(),
+            servers.append(ModelServer(ServeSettings(MODEL, n_ctx=SERVED_CTX), CharTokenizer(),
                                        _FailingStages()))
         return servers[0]
 
