@@ -130,7 +130,7 @@ def cmd_invite(args: argparse.Namespace) -> int:
 
     paths = _paths(args).ensure()
     secret = SecretStore(paths).load_or_create()
-    print(f"mesh {mesh_id(secret)}: on another machine run `meshnode join TOKEN` with this token:", file=sys.stderr)
+    print(f"mesh {mesh_id(secret)}: on another machine run `meshnode join` and paste this token at its prompt:", file=sys.stderr)
     print(make_token(secret))
     return 0
 
