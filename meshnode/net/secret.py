@@ -96,7 +96,7 @@ class SecretStore:
     def __init__(self, paths: NodePaths, backend: str | None = None) -> None:
         self._paths = paths
         self._backend = backend or os.environ.get(KEYRING_ENV) or "keyring"
-        self._warned = False
+        self._why: str | None = None   # why the keyring is not used (warned when saving)
 
     @property
     def file(self) -> Path:
@@ -124,9 +124,11 @@ class SecretStore:
         return keyring
 
     def _warn(self, why: str) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning("%s; keeping the mesh secret in %s (mode 0600)", why, self.file)
+        """The keyring is out (``why``). Reading the secret back from the file is routine,
+        so it is only logged at debug level; :meth:`save` warns when it writes the file."""
+        if self._why is None:
+            self._why = why
+            log.debug("%s; the mesh secret lives in %s", why, self.file)
 
     def load(self) -> bytes | None:
         kr = self._keyring()
@@ -178,6 +180,8 @@ class SecretStore:
                         self.file.unlink()
                     return "keyring"
                 self._warn(f"the keyring ({type(kr.get_keyring()).__name__}) did not keep the secret")
+        if self._backend != "file":
+            log.warning("%s; keeping the mesh secret in %s (mode 0600)", self._why or "no keyring", self.file)
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
             with atomic_write(self.file) as f:
