@@ -22,7 +22,7 @@ import pytest
 from meshnode import wire
 from meshnode.engine import EngineInputError
 from meshnode.mesh import stage_host as stage_host_mod
-from meshnode.mesh.pipeline import MeshPipeline
+from meshnode.mesh.pipeline import MeshPipeline, _Waiting
 from meshnode.mesh.stage_control import (
     ClaimLease,
     LoadLimits,
@@ -256,15 +256,17 @@ def test_token_return_only_from_the_final_stage():
     async def main():
         pipe = MeshPipeline(types.SimpleNamespace(), types.SimpleNamespace(), ["s1", "s2"])
         loop = asyncio.get_running_loop()
-        fut = pipe._pending[7] = loop.create_future()   # noqa: SLF001
+        fut = loop.create_future()
+        pipe._pending[7] = _Waiting(fut, frozenset({1}))   # noqa: SLF001
         forged = wire.TokenReturn(ref=0, batch_id=7, results=(wire.SegmentResult(1, (666,), 0, 0),))
         real = wire.TokenReturn(ref=0, batch_id=7, results=(wire.SegmentResult(1, (42,), 0, 0),))
         assert pipe.on_data("s1", forged) and not fut.done()        # a middle stage
         assert pipe.on_data("mallory", forged) and not fut.done()   # not a stage at all
         assert pipe.on_data("mallory", wire.DataError(0, 7, 1, ErrorCode.BUSY, "x")) and not fut.done()
         assert pipe.on_data("s2", real) and fut.result() is real
-        fut2 = pipe._pending[8] = loop.create_future()   # noqa: SLF001
-        pipe.on_data("s1", wire.DataError(0, 8, 1, ErrorCode.ENGINE_ERROR, "boom"))   # a stage may fail a step
+        fut2 = loop.create_future()
+        pipe._pending[8] = _Waiting(fut2, frozenset({1}))   # noqa: SLF001
+        pipe.on_data("s1", wire.DataError(0, 8, 0, ErrorCode.ENGINE_ERROR, "boom"))   # a stage may fail a batch
         assert fut2.done() and fut2.exception() is not None
         return pipe.refused
 

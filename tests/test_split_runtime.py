@@ -265,6 +265,67 @@ async def test_lost_lane_frames_are_resent_and_the_tokens_stay_exact(homes, refe
         await sm.stop("test done")
 
 
+async def test_one_session_failing_at_the_final_stage_leaves_its_batch_neighbour_exact(
+        homes, reference, prompt_tokens, monkeypatch):
+    """#17 finding 6 on a split: two sessions decode in the same batches; the final
+    stage's sampler fails on purpose for one of them (its seed marks it). That step alone
+    fails (a DataError naming its session, then the TokenReturn of the other); the other
+    session decodes on with exactly the whole model's greedy tokens."""
+    from meshnode.mesh.final import FinalSampler, Sampling
+    from meshnode.mesh.pipeline import StepFailedError
+
+    poison = 666
+    real = FinalSampler.finalize
+    calls: list[int] = []
+
+    def finalize(self, session, logits, drafts, sampling: Sampling):
+        if sampling.seed == poison:
+            calls.append(session)
+            if len(calls) >= 3:          # prefill, then decodes beside the other session
+                raise ValueError("sampling poisoned on purpose")
+        return real(self, session, logits, drafts, sampling)
+
+    monkeypatch.setattr(FinalSampler, "finalize", finalize)
+    good, bad = 7, 8
+    bad_sampling = Sampling(seed=poison)   # greedy; the seed only marks it
+    async with _mesh(homes, "ab") as (a, b):
+        sm = await a.coord.start_model(coord_model(homes["a"]),
+                                       ServeOptions(n_ctx=N_CTX, n_batch=N_BATCH, n_seq_max=2, split=2))
+        pipe = sm.pipeline
+        # prefill both (the good one in the reference's chunks)
+        pos, res = 0, None
+        for i in range(0, len(prompt_tokens), N_BATCH):
+            chunk = np.asarray(prompt_tokens[i:i + N_BATCH], dtype=np.int32)
+            res = await pipe.run([Step(good, pos, chunk, n_logits=1 if i + N_BATCH >= len(prompt_tokens) else 0)])
+            pos += len(chunk)
+        out = [res[0].tokens[-1]]
+        bad_prompt = np.asarray(prompt_tokens[:20], dtype=np.int32)
+        (r,) = await pipe.run([Step(bad, 0, bad_prompt, sampling=bad_sampling)])
+        bad_last, bad_pos, failed = r.tokens[-1], len(bad_prompt), None
+        shared = 0
+        while len(out) < N_NEW:
+            steps = [Step(good, pos, np.asarray(out[-1:], dtype=np.int32))]
+            if failed is None:
+                steps.append(Step(bad, bad_pos, np.asarray([bad_last], dtype=np.int32), sampling=bad_sampling))
+            results = await pipe.run(steps)
+            pos += 1
+            assert not isinstance(results[0], Exception), results[0]
+            out.append(results[0].tokens[-1])
+            if len(results) == 2:
+                shared += 1
+                if isinstance(results[1], StepFailedError):
+                    failed = results[1]
+                    await pipe.end_session(bad)
+                else:
+                    bad_last, bad_pos = results[1].tokens[-1], bad_pos + 1
+        await pipe.end_session(good)
+        assert out == reference
+        assert isinstance(failed, StepFailedError) and failed.session == bad
+        assert "poisoned on purpose" in str(failed) and shared == 2
+        assert not any(type(m).__name__ in ("Error", "DataError") for n in (a, b) for m in n.unhandled)
+        await sm.stop("test done")
+
+
 async def test_single_stage_is_local(homes, reference, prompt_tokens):
     async with _mesh(homes, "a") as (a,):
         sm = await a.coord.start_model(coord_model(homes["a"]), _opts(split=1))

@@ -8,15 +8,23 @@ samples exactly what a single node would.
 It is part of the mesh's data plane: the stage host of a final stage
 (:mod:`meshnode.mesh.stage_host`) and the pipelines at stage 0
 (:mod:`meshnode.mesh.pipeline`) both run it.
+
+Sampling is per session, so its failures are too: a session whose logits or sampling
+parameters make it raise (NaN logits, a value the sampler cannot take) fails alone, and
+the other sessions of the same engine call keep their tokens (:meth:`FinalSampler.finalize_isolated`,
+used by both callers). Only a failure of the engine call itself fails the whole batch.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from meshnode.spec.acceptance import verify_logits
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +49,13 @@ class Finalized:
     n_drafted: int
 
 
+@dataclass(frozen=True, slots=True)
+class SamplingFailed:
+    """One session's sampling raised: why (the session's own failure, not the batch's)."""
+
+    reason: str
+
+
 class FinalSampler:
     """Per-session random generators for the final stage."""
 
@@ -58,6 +73,19 @@ class FinalSampler:
         res = verify_logits(logits[-(len(drafts) + 1):], drafts, temperature=sampling.temperature,
                             top_k=sampling.top_k, top_p=sampling.top_p, rng=rng)
         return Finalized(res.tokens, res.n_accepted, len(drafts))
+
+    def finalize_isolated(self, session: int, logits: np.ndarray, drafts: tuple[int, ...],
+                          sampling: Sampling) -> Finalized | SamplingFailed:
+        """:meth:`finalize`, with a failure returned instead of raised, so that the caller,
+        which finalizes every session of one engine call in turn, hands it to this session
+        alone. The session's generator is dropped: it may have advanced part way, and the
+        request fails anyway."""
+        try:
+            return self.finalize(session, logits, drafts, sampling)
+        except Exception as exc:  # noqa: BLE001 - this session's failure, never its batch's
+            log.warning("session %x: sampling failed: %s", session, exc, exc_info=not isinstance(exc, ValueError))
+            self.forget(session)
+            return SamplingFailed(f"sampling failed: {exc}")
 
     def forget(self, session: int) -> None:
         self._rngs.pop(session, None)

@@ -21,6 +21,12 @@ This is the data plane between stages, so it lives in the mesh beside the stage 
 its scheduler. A failure is a :class:`PipelineUnavailableError` (no route right now:
 retry later) or a :class:`PipelineFailedError` (a stage failed computing the step); the
 serving layer maps them to its own errors.
+
+Failures are as wide as their cause. An engine call that fails (stage 0's, or any
+stage's ``DataError`` for the whole batch) fails every step of the batch: ``run`` raises.
+A session whose sampling fails at the final stage fails alone: ``run`` returns a
+:class:`StepFailedError` in that step's place and the other steps' tokens beside it
+(docs/protocol.md, "Data": a ``DataError`` naming one session of the batch).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -39,7 +45,8 @@ from meshnode.engine import EngineError, Segment
 from meshnode.engine.worker import EngineWorker
 from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import Fabric
-from meshnode.mesh.final import GREEDY, FinalSampler, Finalized, Sampling
+from meshnode.mesh.final import GREEDY, FinalSampler, Finalized, Sampling, SamplingFailed
+from meshnode.wire.messages import WHOLE_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,21 @@ class PipelineFailedError(MeshnodeError):
     """A stage failed while computing a step."""
 
 
+class StepFailedError(PipelineFailedError):
+    """One session's step failed at the final stage (its sampling); the other steps of
+    its batch got their tokens. Returned in that step's place by :meth:`Pipeline.run`,
+    so that only this session's request fails."""
+
+    def __init__(self, session: int, message: str) -> None:
+        super().__init__(message)
+        self.session = session
+
+
+# What Pipeline.run gives per step: the final stage's tokens, this step's own failure, or
+# None (the step wanted no logits).
+StepResult = Finalized | StepFailedError | None
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
     session: int
@@ -78,7 +100,9 @@ class Step:
 class Pipeline(Protocol):
     n_stages: int
 
-    async def run(self, steps: Sequence[Step]) -> list[Finalized | None]: ...
+    async def run(self, steps: Sequence[Step]) -> list[StepResult]:
+        """One result per step, in order. Raises when the whole batch failed."""
+        ...
 
     async def end_session(self, session: int) -> None: ...
 
@@ -100,12 +124,15 @@ class LocalPipeline:
         self.sampler = FinalSampler()
         self.closed: str | None = None   # why, once closed: later runs fail with it
 
-    def _run_sync(self, steps: Sequence[Step]) -> list[Finalized | None]:
+    def _run_sync(self, steps: Sequence[Step]) -> list[StepResult]:
         outs = self.worker.engine.forward(_segments(steps, True), rewind=True)
-        return [self.sampler.finalize(s.session, out, s.drafts, s.sampling) if s.n_logits else None
-                for s, out in zip(steps, outs)]
+        return [self._finalize(s, out) if s.n_logits else None for s, out in zip(steps, outs)]
 
-    async def run(self, steps: Sequence[Step]) -> list[Finalized | None]:
+    def _finalize(self, step: Step, logits: np.ndarray) -> Finalized | StepFailedError:
+        res = self.sampler.finalize_isolated(step.session, logits, step.drafts, step.sampling)
+        return StepFailedError(step.session, res.reason) if isinstance(res, SamplingFailed) else res
+
+    async def run(self, steps: Sequence[Step]) -> list[StepResult]:
         if self.closed is not None:
             raise PipelineUnavailableError(self.closed)
         return await self.worker.step(sum(int(s.tokens.shape[0]) for s in steps), self._run_sync, steps)
@@ -126,6 +153,15 @@ def _time_out(fut: asyncio.Future) -> None:
         fut.set_exception(PipelineUnavailableError("the final stage did not answer in time"))
 
 
+@dataclass(slots=True)
+class _Waiting:
+    """A batch sent, awaiting its answer: the TokenReturn, or a DataError for all of it."""
+
+    fut: asyncio.Future
+    wants: frozenset[int]                  # sessions whose steps want tokens back
+    failed: dict[int, str] = field(default_factory=dict)   # session -> why it failed alone
+
+
 class MeshPipeline:
     """Stage 0 here; stages 1..n-1 on peers (``route``), reached through the fabric."""
 
@@ -138,7 +174,7 @@ class MeshPipeline:
         self.wire_dtype = np.float16 if wire_dtype == "f16" else np.float32
         self.reply_timeout = reply_timeout
         self._batch_ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, _Waiting] = {}
         # Hot path: a lone one-row decode step reuses its session's preencoded frame and
         # only patches batch id, position and the activation (wire.DecodeTemplate).
         self._templates: dict[int, wire.DecodeTemplate] = {}
@@ -161,25 +197,36 @@ class MeshPipeline:
                         "the final stage" if isinstance(msg, wire.TokenReturn) else "a stage of this model")
             return True
         if isinstance(msg, wire.TokenReturn):
-            fut = self._pending.pop(msg.batch_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            waiting = self._pending.pop(msg.batch_id, None)
+            if waiting is not None and not waiting.fut.done():
+                waiting.fut.set_result(msg)
             return True
         if isinstance(msg, wire.DataError):
-            fut = self._pending.pop(msg.batch_id, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(PipelineFailedError(f"stage on {peer} failed: {msg.message}"))
+            waiting = self._pending.get(msg.batch_id)
+            if waiting is None or waiting.fut.done():
+                return True
+            why = f"stage on {peer} failed: {msg.message}"
+            if msg.session != WHOLE_BATCH and msg.session in waiting.wants:
+                # This session alone failed; the batch's TokenReturn brings the others,
+                # unless none is left waiting for one.
+                waiting.failed[msg.session] = why
+                if len(waiting.failed) < len(waiting.wants):
+                    return True
+                waiting.fut.set_result(wire.TokenReturn(ref=0, batch_id=msg.batch_id, results=()))
+            else:
+                waiting.fut.set_exception(PipelineFailedError(why))
+            self._pending.pop(msg.batch_id, None)
             return True
         return False
 
     def fail_all(self, reason: str) -> None:
         """A stage vanished: every waiting step fails now rather than at its timeout."""
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(PipelineUnavailableError(reason))
+        for waiting in self._pending.values():
+            if not waiting.fut.done():
+                waiting.fut.set_exception(PipelineUnavailableError(reason))
         self._pending.clear()
 
-    async def run(self, steps: Sequence[Step]) -> list[Finalized | None]:
+    async def run(self, steps: Sequence[Step]) -> list[StepResult]:
         if self.closed is not None:
             raise PipelineUnavailableError(self.closed)
         try:
@@ -200,7 +247,7 @@ class MeshPipeline:
             return [None] * len(steps)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._pending[batch_id] = fut
+        waiting = self._pending[batch_id] = _Waiting(fut, frozenset(s.session for s in steps if s.n_logits))
         for s in steps:
             self._busy[s.session] = self._busy.get(s.session, 0) + 1
         t0, resends = loop.time(), self.lane_resends
@@ -226,10 +273,17 @@ class MeshPipeline:
             rtt = loop.time() - t0
             self._lane_rtt = rtt if self._lane_rtt is None else self._lane_rtt + 0.2 * (rtt - self._lane_rtt)
         by_session = {r.session: r for r in reply.results}
-        out: list[Finalized | None] = []
+        out: list[StepResult] = []
         for s in steps:
-            r = by_session.get(s.session) if s.n_logits else None
-            out.append(None if r is None else Finalized(tuple(r.tokens), r.n_accepted, r.n_drafted))
+            r = by_session.get(s.session)
+            if not s.n_logits:
+                out.append(None)
+            elif s.session in waiting.failed:
+                out.append(StepFailedError(s.session, waiting.failed[s.session]))
+            elif r is None or not r.tokens:
+                out.append(StepFailedError(s.session, f"the final stage returned no tokens for session {s.session:x}"))
+            else:
+                out.append(Finalized(tuple(r.tokens), r.n_accepted, r.n_drafted))
         return out
 
     # ---- the fast lane ----------------------------------------------------------------

@@ -12,6 +12,13 @@ through this stage's slice in one engine call (all its sessions' rows together).
 middle stage forwards the hidden states downstream; the final stage samples or verifies
 and sends ``TokenReturn`` straight to the coordinator (stage 0), not hop by hop.
 A failure answers ``DataError`` to the coordinator; it never takes the node down.
+
+A failure is as wide as its cause. The engine call failing, a full queue or a stale
+frame fail the whole batch (``DataError`` with session ``WHOLE_BATCH``). One session's
+sampling failing on the final stage fails that session alone: a ``DataError`` naming it,
+then the ``TokenReturn`` of the others. A session that ended here (its request was
+cancelled while its step was in flight) is left out of the computation; the other
+sessions of its batch are computed as if it had not been there.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from meshnode import wire
 from meshnode.engine import EngineError, Segment
 from meshnode.engine.worker import EngineWorker
 from meshnode.mesh.fabric_api import Fabric
-from meshnode.mesh.final import FinalSampler, Sampling
+from meshnode.mesh.final import FinalSampler, Sampling, SamplingFailed
+from meshnode.wire.messages import WHOLE_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +116,7 @@ class StageHost:
                         self._queue.qsize(), self._queued_bytes, type(msg).__name__, peer)
             if isinstance(msg, wire.Forward):
                 self._reply_soon(wire.DataError(
-                    ref=0, batch_id=msg.batch_id, session=msg.segments[0].session if msg.segments else 0,
+                    ref=0, batch_id=msg.batch_id, session=WHOLE_BATCH,
                     code=wire.ErrorCode.BUSY, message="stage queue full: not computed"))
             return True
         self._queued_bytes += size
@@ -160,8 +168,7 @@ class StageHost:
                             exc_info=not isinstance(exc, EngineError))
                 if isinstance(msg, wire.Forward):
                     await self._send(self.route.coordinator, wire.DataError(
-                        ref=0, batch_id=msg.batch_id,
-                        session=msg.segments[0].session if msg.segments else 0,
+                        ref=0, batch_id=msg.batch_id, session=WHOLE_BATCH,
                         code=wire.ErrorCode.ENGINE_ERROR, message=str(exc)))
 
     def _compute(self, msg: wire.Forward):
@@ -175,12 +182,18 @@ class StageHost:
         if not self.is_last:
             out = np.concatenate(outs, axis=0)
             return out if out.dtype == self._out_dtype else out.astype(self._out_dtype)
-        results = []
+        results: list[wire.SegmentResult | wire.DataError] = []
         for s, logits in zip(msg.segments, outs):
             verified = s.pos + s.n_rows
             if s.n_logits:
-                fin = self.sampler.finalize(s.session, logits, tuple(s.drafts),
-                                            Sampling(s.temperature, s.top_k, s.top_p, s.seed))
+                fin = self.sampler.finalize_isolated(s.session, logits, tuple(s.drafts),
+                                                     Sampling(s.temperature, s.top_k, s.top_p, s.seed))
+                if isinstance(fin, SamplingFailed):
+                    # this session's failure: the others of the batch keep their tokens
+                    results.append(wire.DataError(ref=0, batch_id=msg.batch_id, session=s.session,
+                                                  code=wire.ErrorCode.ENGINE_ERROR, message=fin.reason))
+                    self._verified.pop(s.session, None)
+                    continue
                 results.append(wire.SegmentResult(session=s.session, tokens=fin.tokens,
                                                   n_accepted=fin.n_accepted, n_drafted=fin.n_drafted))
                 verified -= fin.n_drafted - fin.n_accepted   # rows holding rejected drafts
@@ -197,9 +210,26 @@ class StageHost:
         verified = self._verified.get(seg.session)
         return verified is not None and seg.pos > verified
 
+    def _without_ended(self, msg: wire.Forward) -> wire.Forward:
+        """``msg`` less the segments (and activation rows) of sessions ended here: their
+        requests are gone, the batch's other sessions are not."""
+        if not any(s.session in self._ended for s in msg.segments):
+            return msg
+        keep, rows, row = [], [], 0
+        for s in msg.segments:
+            if s.session not in self._ended:
+                keep.append(s)
+                rows.append(np.arange(row, row + s.n_rows))
+            row += s.n_rows
+        if not keep:
+            return msg   # all ended: refused whole (_refusal)
+        act = np.asarray(msg.act)[np.concatenate(rows)]
+        log.debug("batch %d: %d ended session(s) left out", msg.batch_id, len(msg.segments) - len(keep))
+        return wire.Forward(ref=msg.ref, batch_id=msg.batch_id, step=msg.step, segments=tuple(keep), act=act)
+
     def _refusal(self, msg: wire.Forward) -> tuple[wire.ErrorCode, str] | None:
         """Why ``msg`` must not be computed here (None: compute it)."""
-        if any(s.session in self._ended for s in msg.segments):
+        if msg.segments and all(s.session in self._ended for s in msg.segments):
             return wire.ErrorCode.NO_SUCH_SESSION, "session ended"
         if any(self._newest.get(s.session, 0) > msg.batch_id for s in msg.segments):
             return wire.ErrorCode.BAD_FIELD, "superseded (a newer batch of the session was computed)"
@@ -208,6 +238,7 @@ class StageHost:
         return None
 
     async def _forward(self, msg: wire.Forward) -> None:
+        msg = self._without_ended(msg)
         refused = self._refusal(msg)
         if refused is not None:
             # Answer at once, so the coordinator's step ends (it drops the result anyway)
@@ -216,7 +247,7 @@ class StageHost:
             self.skipped += 1
             log.debug("batch %d (session %d): %s: not computed", msg.batch_id, msg.segments[0].session, why)
             await self._send(self.route.coordinator, wire.DataError(
-                ref=0, batch_id=msg.batch_id, session=msg.segments[0].session, code=code,
+                ref=0, batch_id=msg.batch_id, session=WHOLE_BATCH, code=code,
                 message=f"{why}: not computed"))
             return
         out = await self.worker.step(len(msg.act), self._compute, msg)
@@ -229,9 +260,18 @@ class StageHost:
         if not self.is_last:
             await self._send(self.route.downstream, wire.Forward(
                 ref=0, batch_id=msg.batch_id, step=msg.step, segments=msg.segments, act=out), lane)
-        elif out:
-            await self._send(self.route.coordinator,
-                             wire.TokenReturn(ref=0, batch_id=msg.batch_id, results=tuple(out)), lane)
+        else:
+            # One session's failure first, then the others' tokens, both on the data
+            # stream (in order; the lane carries no DataError): stage 0 then knows the
+            # failed sessions when the TokenReturn ends the batch.
+            failed = [r for r in out if isinstance(r, wire.DataError)]
+            results = tuple(r for r in out if isinstance(r, wire.SegmentResult))
+            for err in failed:
+                await self._send(self.route.coordinator, err)
+            if results:
+                await self._send(self.route.coordinator,
+                                 wire.TokenReturn(ref=0, batch_id=msg.batch_id, results=results),
+                                 lane and not failed)
 
     async def _send(self, node: str | None, msg: wire.Message, lane: bool = False) -> None:
         if node is None or (lane and self.fabric.send_lane(node, msg)):

@@ -47,6 +47,7 @@ from meshnode.mesh.stage_control import ClaimLease, LoadLimits, LoadRequested, P
 from meshnode.mesh.stage_control_server import StageServerControl
 from meshnode.paths import NodePaths
 from meshnode.state import PeerInfo, StageChanged, StageInfo, StageState
+from meshnode.wire.messages import WHOLE_BATCH
 
 __all__ = ["StageServerRuntime"]
 
@@ -321,8 +322,7 @@ class StageServerRuntime:
             self._host.accept(node_id, msg)
             return
         if isinstance(msg, wire.Forward):
-            reply = wire.DataError(ref=0, batch_id=msg.batch_id,
-                                   session=msg.segments[0].session if msg.segments else 0,
+            reply = wire.DataError(ref=0, batch_id=msg.batch_id, session=WHOLE_BATCH,
                                    code=wire.ErrorCode.NO_SUCH_SESSION,
                                    message=f"{self.fabric.name} serves no stage now")
             task = asyncio.get_running_loop().create_task(self._send_data(node_id, reply))

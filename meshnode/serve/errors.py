@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from meshnode.engine.errors import ContextOverflowError, EngineBusyError, EngineError
 from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric import PeerUnavailableError
-from meshnode.mesh.pipeline import PipelineFailedError, PipelineUnavailableError
+from meshnode.mesh.pipeline import PipelineFailedError, PipelineUnavailableError, StepFailedError
 
 __all__ = [
     "ERROR_TABLE",
@@ -186,6 +186,8 @@ ERROR_TABLE: dict[type[Exception], ErrorSpec] = {
     # ours
     EngineFailedError: ErrorSpec(500, "server_error", "engine_failed"),
     PipelineFailedError: ErrorSpec(500, "server_error", "engine_failed"),
+    # one request's step failed alone (its sampling): that request's 500, not its batch's
+    StepFailedError: ErrorSpec(500, "server_error", "engine_failed"),
     EngineError: ErrorSpec(500, "server_error", "engine_failed"),
     ServeError: ErrorSpec(500, "server_error", None),
 }

@@ -17,8 +17,11 @@ a returning batch's sessions submit together and leave together again.
 Batches stay small enough for batch invariance (docs/engine.md: identical logits up to
 32 rows); a prefill chunk larger than that travels alone, exactly as on a single node.
 
-The pipeline belongs to the mesh and fails with the mesh's errors; every waiter of a
-failed batch gets that error as it is, and serve/errors.py's table gives it its HTTP status.
+The pipeline belongs to the mesh and fails with the mesh's errors, which reach the
+waiters as they are (serve/errors.py's table gives them their HTTP status). A failure is
+handed only to the waiters it concerns: a batch that failed as a whole (``run`` raised)
+fails every waiter of it; a step that failed alone (a ``StepFailedError`` in its place,
+e.g. its sampling raised) fails its own waiter, and the others get their tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Sequence
 
 from meshnode.limits import MAX_VERIFY_WINDOW
 from meshnode.mesh.final import Finalized
-from meshnode.mesh.pipeline import Pipeline, Step
+from meshnode.mesh.pipeline import Pipeline, PipelineFailedError, Step
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +146,16 @@ class BatchScheduler:
             results = await self.pipeline.run(steps)
             self.batches += 1
             self.rows += sum(int(s.tokens.shape[0]) for s in steps)
+            if len(results) != len(steps):   # a pipeline bug: no waiter may hang on it
+                raise PipelineFailedError(f"the pipeline returned {len(results)} results for {len(steps)} steps")
             for (_, fut), res in zip(batch, results):
-                if not fut.done():
+                if fut.done():
+                    continue
+                if isinstance(res, Exception):   # this step's own failure
+                    fut.set_exception(res)
+                else:
                     fut.set_result(res)
-        except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
+        except Exception as exc:  # noqa: BLE001 - the whole batch failed: every waiter gets it
             for _, fut in batch:
                 if not fut.done():
                     fut.set_exception(exc)

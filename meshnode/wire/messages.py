@@ -447,6 +447,12 @@ class SessionEnd:
     session: int = wf(U64)
 
 
+# DataError.session of a failure of the whole batch (session ids are never 0). A DataError
+# naming one session of the batch fails that session only (its sampling failed at the
+# final stage); the batch's TokenReturn still brings the others (docs/protocol.md).
+WHOLE_BATCH = 0
+
+
 @message(MessageKind.DATA_ERROR)
 @dataclass(frozen=True, slots=True)
 class DataError:
