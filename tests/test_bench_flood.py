@@ -56,9 +56,12 @@ def test_bench_flood_reports_serving_unaffected(tmp_path, smollm2):
     assert "verdict: OK" in out
     assert f"serving {smollm2.path.stem}" in out or smollm2.name in out
     assert "2 stages, the second on the member" in out
-    assert "connected 20" in out and "closed by the node 20" in out
+    # the node may refuse some handshakes outright (its limit on handshakes in flight); it
+    # closes every connection it accepted
+    m = re.search(r"connected (\d+), refused before QUIC (\d+), closed by the node (\d+)", out)
+    assert m and int(m[1]) + int(m[2]) == 20 and m[3] == m[1], out
     assert "member link: unchanged, authenticated" in out
-    m = re.search(r"baseline (\d+) ok, (\d+) failed.*during the flood (\d+) ok, (\d+) failed", out)
-    assert m, out
-    assert (int(m[1]), int(m[2])) == (3, 0) and int(m[3]) >= 1 and int(m[4]) == 0
+    phases = dict(re.findall(r"(before|during|after) the flood: +(\d+ ok, \d+ failed)", out))
+    assert phases["before"] == phases["after"] == "3 ok, 0 failed", out
+    assert re.fullmatch(r"[1-9]\d* ok, 0 failed", phases["during"]), out
     assert "identical in every request" in out
