@@ -43,7 +43,8 @@ class LocalNode:
     info: dict = field(default_factory=dict)
 
     def get(self, path: str) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.info['http_port']}{path}", timeout=5) as r:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # loopback: no proxy
+        with opener.open(f"http://127.0.0.1:{self.info['http_port']}{path}", timeout=5) as r:
             return json.loads(r.read())
 
     @property

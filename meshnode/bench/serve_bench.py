@@ -52,7 +52,7 @@ def _stream(base: str, model: str, prompt: str, max_tokens: int) -> dict:
     ttft = t_first = None
     stamps: list[float] = []
     usage = timings = None
-    with httpx.Client(timeout=600) as c, c.stream("POST", f"{base}/chat/completions", json=body) as r:
+    with httpx.Client(timeout=600, trust_env=False) as c, c.stream("POST", f"{base}/chat/completions", json=body) as r:
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"HTTP {r.status_code} from the node: {r.text[:300]}")

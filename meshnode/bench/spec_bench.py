@@ -238,7 +238,7 @@ def _complete(base: str, model: str, prompt: str, max_tokens: int) -> dict:
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0}
-    r = httpx.post(f"{base}/chat/completions", json=body, timeout=600)
+    r = httpx.post(f"{base}/chat/completions", json=body, timeout=600, trust_env=False)  # loopback: no proxy
     r.raise_for_status()
     data = r.json()
     return {"text": data["choices"][0]["message"]["content"],

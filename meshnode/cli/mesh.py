@@ -71,7 +71,9 @@ def fetch_status(paths, timeout: float = 5.0) -> dict:
     host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     url = f"http://{host}:{info['http_port']}/status"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        # The node is on this machine: never through an HTTP proxy from the environment.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=timeout) as resp:
             return json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise MeshnodeError(f"cannot reach the node at {url}: {exc}")

@@ -118,7 +118,9 @@ class ChatScreen(NodeScreen):
             # a node started with --api-key wants it from its own TUI too
             key = getattr(getattr(app.node, "http_security", None), "api_key", None)
             headers = {"Authorization": f"Bearer {key}"} if key else {}
-            async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), headers=headers) as client:
+            # The endpoint is this machine's: never through an HTTP proxy from the environment.
+            async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), headers=headers,
+                                         trust_env=False) as client:
                 async for chunk in stream_chat(client, app.node.http_url, snap.model, self.history,
                                                temperature=app.chat_temperature):
                     match chunk:
