@@ -36,6 +36,7 @@ from meshnode.serve.errors import error_body, error_spec
 from meshnode.serve.model_server import ModelServer, ServeSettings
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.wire.messages import WHOLE_BATCH
+from inproc import collect
 
 N_EMBD, N_VOCAB = 4, 128
 GOOD, BAD, OTHER = 0x1111, 0x2222, 0x3333
@@ -370,17 +371,6 @@ def _poison_by_seed(monkeypatch) -> None:
     monkeypatch.setattr(FinalSampler, "finalize", finalize)
 
 
-async def _collect(server: ModelServer, req: GenerationRequest) -> str | BaseException:
-    text = []
-    try:
-        async for ev in server.generate(req):
-            if hasattr(ev, "text"):
-                text.append(ev.text)
-    except Exception as exc:  # noqa: BLE001 - the request's outcome
-        return exc
-    return "".join(text)
-
-
 def test_the_model_server_fails_only_the_request_whose_sampling_failed(monkeypatch):
     _poison_by_seed(monkeypatch)
 
@@ -389,8 +379,8 @@ def test_the_model_server_fails_only_the_request_whose_sampling_failed(monkeypat
         server = ModelServer(ServeSettings("m", n_ctx=256), CharTokenizer(), LocalPipeline(_Worker(engine)))
         good = GenerationRequest("good", "m", prompt="hello", max_tokens=12, temperature=0.0)
         bad = replace(good, request_id="bad", prompt="world", seed=POISON_SEED)
-        alone = await _collect(server, good)
-        together = await asyncio.gather(_collect(server, good), _collect(server, bad))
+        alone = await collect(server, good)
+        together = await asyncio.gather(collect(server, good), collect(server, bad))
         await server.close()
         return engine.calls, alone, together
 

@@ -18,22 +18,12 @@ from meshnode.mesh.pipeline import LocalPipeline, StepFailedError
 from meshnode.serve.client import GenerationRequest
 from meshnode.serve.errors import error_spec
 from meshnode.serve.model_server import ModelServer, ServeSettings
+from inproc import collect
 
 pytestmark = pytest.mark.slow
 
 POISON_SEED = 666
 N_CTX, N_NEW = 512, 24
-
-
-async def _collect(server: ModelServer, req: GenerationRequest) -> str | BaseException:
-    text = []
-    try:
-        async for ev in server.generate(req):
-            if hasattr(ev, "text"):
-                text.append(ev.text)
-    except Exception as exc:  # noqa: BLE001 - the request's outcome
-        return exc
-    return "".join(text)
 
 
 def test_a_request_whose_sampling_fails_does_not_fail_its_neighbour(smollm2, monkeypatch):
@@ -72,8 +62,8 @@ def test_a_request_whose_sampling_fails_does_not_fail_its_neighbour(smollm2, mon
                                      temperature=0.0)
             bad = replace(good, request_id="bad", prompt="Once upon a time, in a small village,",
                           seed=POISON_SEED)
-            alone = await _collect(server, good)
-            together = await asyncio.gather(_collect(server, good), _collect(server, bad))
+            alone = await collect(server, good)
+            together = await asyncio.gather(collect(server, good), collect(server, bad))
         finally:
             await server.close()
         return calls, alone, together

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -17,12 +16,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from meshnode.mesh.final import FinalSampler
 from meshnode.serve.app import create_app
 from meshnode.serve.http_guard import HttpSecurity
 from meshnode.serve.model_server import ModelServer, ServeSettings
+from inproc import serve_app
 
 MODEL = "tiny"
 N_CTX = 512
@@ -106,26 +105,9 @@ class StubNode:
         return self._server
 
 
-def serve(app) -> Iterator[str]:
-    """uvicorn on 127.0.0.1:0 in a thread; yields the base URL (no /v1)."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(5)
-
-
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    yield from serve(create_app(StubNode()))
+    yield from serve_app(create_app(StubNode()))
 
 
 def chat(text: str = "hi", **extra) -> dict:
@@ -173,7 +155,7 @@ def test_a_foreign_origin_is_refused(url: str) -> None:
 
 def test_cors_only_for_the_origins_named() -> None:
     ok = "http://localhost:3000"
-    for base in serve(create_app(StubNode(HttpSecurity(cors_origins=(ok,))))):
+    for base in serve_app(create_app(StubNode(HttpSecurity(cors_origins=(ok,))))):
         pre = httpx.options(base + "/v1/chat/completions", headers={
             "origin": ok, "access-control-request-method": "POST",
             "access-control-request-headers": "content-type"})
@@ -198,7 +180,7 @@ def test_a_foreign_host_header_is_refused(url: str) -> None:
 
 
 def test_allowed_host_names_are_configurable() -> None:
-    for base in serve(create_app(StubNode(HttpSecurity(allowed_hosts=("laptop.local",))))):
+    for base in serve_app(create_app(StubNode(HttpSecurity(allowed_hosts=("laptop.local",))))):
         assert httpx.get(base + "/v1/models", headers={"host": "laptop.local:8642"}).status_code == 200
         assert httpx.get(base + "/v1/models", headers={"host": "other.local"}).status_code == 403
 
@@ -208,7 +190,7 @@ def test_allowed_host_names_are_configurable() -> None:
 
 def test_api_key() -> None:
     key = "s3cret-key"
-    for base in serve(create_app(StubNode(HttpSecurity(api_key=key)))):
+    for base in serve_app(create_app(StubNode(HttpSecurity(api_key=key)))):
         err = error_of(post(base, chat()), 401)
         assert err["code"] == "invalid_api_key"
         resp = post(base, chat(), authorization="Bearer wrong")
@@ -271,7 +253,7 @@ def test_the_cli_says_it_in_one_line(monkeypatch, tmp_path, capsys) -> None:
 
 def test_a_body_over_the_cap_is_refused_413() -> None:
     cap = 64 * 1024
-    for base in serve(create_app(StubNode(HttpSecurity(max_body=cap)))):
+    for base in serve_app(create_app(StubNode(HttpSecurity(max_body=cap)))):
         big = json.dumps(chat("x" * (2 * cap)))
         err = error_of(post(base, big), 413)               # Content-Length declared
         assert err["code"] == "payload_too_large" and str(cap) in err["message"]
@@ -310,7 +292,7 @@ def test_many_tiny_messages_are_bounded(url: str) -> None:
 
 async def test_past_the_queue_requests_get_429_with_retry_after() -> None:
     node = StubNode(delay=0.02, parallel=1, max_queue=1)
-    for base in serve(create_app(node)):
+    for base in serve_app(create_app(node)):
         async with httpx.AsyncClient(timeout=30) as c:
             long = chat("slow", max_tokens=30)
             # one running, one queued: both complete; the rest are refused at once
@@ -325,7 +307,7 @@ async def test_past_the_queue_requests_get_429_with_retry_after() -> None:
 
 async def test_the_door_bounds_requests_in_flight() -> None:
     node = StubNode(HttpSecurity(max_requests=2), delay=0.02, parallel=4, max_queue=100)
-    for base in serve(create_app(node)):
+    for base in serve_app(create_app(node)):
         async with httpx.AsyncClient(timeout=30) as c:
             replies = await asyncio.gather(*[c.post(base + "/v1/chat/completions", json=chat(max_tokens=20))
                                              for _ in range(4)])
@@ -338,7 +320,7 @@ async def test_the_door_bounds_requests_in_flight() -> None:
 
 async def test_seed_minus_one_is_random_and_a_bad_request_spares_its_batch() -> None:
     node = StubNode(delay=0.01)
-    for base in serve(create_app(node)):
+    for base in serve_app(create_app(node)):
         async with httpx.AsyncClient(timeout=30) as c:
             async def send(**extra):
                 return await c.post(base + "/v1/chat/completions", json=chat("abc", max_tokens=12, **extra))
@@ -420,7 +402,7 @@ async def test_large_prompts_do_not_stall_the_event_loop() -> None:
         tick.append(asyncio.get_running_loop().create_task(ticker()))
         return {}
 
-    for base in serve(app):
+    for base in serve_app(app):
         httpx.get(base + "/start-ticker")
         async with httpx.AsyncClient(timeout=60) as c:
             under = chat("a" * 8_000_000, max_tokens=2)    # < n_ctx * 256 chars: tokenized

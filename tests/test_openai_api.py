@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from meshnode.engine.errors import ContextOverflowError
@@ -35,6 +34,7 @@ from meshnode.mesh.final import Finalized
 from meshnode.serve.model_server import ModelServer, ServeSettings
 from meshnode.serve.openai_routes import make_openai_router
 from char_tokenizer import CharTokenizer
+from inproc import serve_app
 
 MODEL = "fake-model"
 N_CTX = 64
@@ -136,25 +136,12 @@ def engine() -> FakeEngine:
     return FakeEngine()
 
 
-def _uvicorn(app: FastAPI) -> Iterator[str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(5)
-
-
 @pytest.fixture(scope="module")
 def base_url(engine: FakeEngine) -> Iterator[str]:
     app = FastAPI()
     app.include_router(make_openai_router(lambda: engine, keepalive_s=0.1))
-    yield from _uvicorn(app)
+    for base in serve_app(app):
+        yield base + "/v1"
 
 
 @pytest.fixture
@@ -483,7 +470,8 @@ def served_url() -> Iterator[str]:
 
     app = FastAPI()
     app.include_router(make_openai_router(get_client, keepalive_s=0.1))
-    yield from _uvicorn(app)
+    for base in serve_app(app):
+        yield base + "/v1"
 
 
 def test_model_server_answers_within_the_stage_context(served_url: str) -> None:

@@ -24,7 +24,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from meshnode.serve.app import create_app
-from test_http_security import StubNode, serve
+from inproc import serve_app
+from test_http_security import StubNode
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,7 +35,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def api_url() -> Iterator[str]:
-    yield from serve(create_app(StubNode(n_ctx=64)))
+    yield from serve_app(create_app(StubNode(n_ctx=64)))
 
 
 @pytest.fixture(scope="module")
