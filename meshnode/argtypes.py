@@ -11,14 +11,34 @@ from __future__ import annotations
 import argparse
 
 
+def _int(text: str, what: str = "a whole number") -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1, with a one-line error otherwise."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    v = _int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {v}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number >= 0 (a count that may be zero)."""
+    v = _int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {v}")
+    return v
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP/UDP port, 0 (any free port) to 65535."""
+    v = _int(text, "a port number")
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {v}")
     return v
 
 

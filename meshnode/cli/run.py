@@ -9,37 +9,17 @@ import logging
 import signal
 import sys
 
-from meshnode.argtypes import cpu_list, positive_int, size
+from meshnode.argtypes import cpu_list, non_negative_int, port, positive_int, size
 from meshnode.cli import add_common_options
 
 log = logging.getLogger(__name__)
 
 
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {v}")
-    return v
-
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {v}")
-    return v
-
-
 def _add_node_options(p: argparse.ArgumentParser) -> None:
     add_common_options(p)
-    p.add_argument("--port", type=_port, default=None, metavar="N",
+    p.add_argument("--port", type=port, default=None, metavar="N",
                    help="HTTP port of the OpenAI endpoint (default 8642, or [node] http_port; 0 = any free port)")
-    p.add_argument("--quic-port", type=_port, default=None, metavar="N",
+    p.add_argument("--quic-port", type=port, default=None, metavar="N",
                    help="UDP port for QUIC links to peers (default 0 = any)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address the HTTP endpoint binds to (default 127.0.0.1)")
@@ -63,7 +43,7 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                         "(repeatable; default: none)")
     h.add_argument("--max-body", type=size, default=None, metavar="SIZE",
                    help="largest request body (default 4MiB)")
-    h.add_argument("--max-queue", type=_count, default=None, metavar="N",
+    h.add_argument("--max-queue", type=non_negative_int, default=None, metavar="N",
                    help="requests waiting beyond --parallel; more are answered 429 (default 16)")
 
     m = p.add_argument_group("model")
