@@ -45,8 +45,10 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +243,43 @@ class Netns:
                 yield
             finally:
                 _setns(home.fileno())
+
+    def tcp_rate(self, src: int, dst: int, nbytes: int) -> float:
+        """Bits/s of one TCP stream of ``nbytes`` from node ``src`` to node ``dst``: the
+        ceiling a transfer protocol can reach on that link. Both ends run in this
+        process (each socket made inside its namespace); nothing else is started."""
+        with self.inside(dst):
+            srv = socket.create_server((self.ip(dst), 0))
+        got: list[int] = []
+
+        def drain() -> None:
+            conn, _ = srv.accept()
+            n = 0
+            while chunk := conn.recv(1 << 16):
+                n += len(chunk)
+            got.append(n)
+            conn.close()
+
+        t = threading.Thread(target=drain, daemon=True)
+        t.start()
+        try:
+            with self.inside(src):
+                c = socket.create_connection((self.ip(dst), srv.getsockname()[1]), timeout=30)
+            block = b"\0" * (1 << 20)
+            t0 = time.monotonic()
+            with c:
+                left = nbytes
+                while left > 0:
+                    c.sendall(block[:left])
+                    left -= min(left, len(block))
+                c.shutdown(socket.SHUT_WR)
+                t.join(60)
+            dt = time.monotonic() - t0
+        finally:
+            srv.close()
+        if got != [nbytes]:
+            raise RuntimeError(f"tcp_rate: {got} bytes arrived of {nbytes}")
+        return nbytes * 8 / dt
 
     # ---- the link -----------------------------------------------------------------
 
