@@ -6,6 +6,7 @@ node whose :class:`NodeProc` extends the benchmarks' :class:`~meshnode.bench.clu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -77,17 +78,50 @@ class NodeProc(LocalNode):
         return self.proc.returncode
 
 
+def _serve_argv(home: Path, name: str, interface: str, extra: tuple[str, ...]) -> list[str]:
+    return meshnode_argv("serve", "--headless", "--home", str(home), "--port", "0",
+                         "--interface", interface, "--name", name, "--log-level", "debug", *extra)
+
+
 def start_node(home: Path, name: str, *extra: str) -> NodeProc:
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / "node.log"
     f = open(log_path, "wb")
-    proc = subprocess.Popen(
-        meshnode_argv("serve", "--headless", "--home", str(home), "--port", "0",
-                      "--interface", "127.0.0.1", "--name", name, "--log-level", "debug", *extra),
-        env=env(), stdout=f, stderr=subprocess.STDOUT,
-    )
+    proc = subprocess.Popen(_serve_argv(home, name, "127.0.0.1", extra),
+                            env=env(), stdout=f, stderr=subprocess.STDOUT)
     f.close()
     return NodeProc(name=name, home=home, proc=proc, log_path=log_path)
+
+
+class NetnsNodeProc(NodeProc):
+    """A node in namespace ``index`` of a :class:`meshnode.bench.netns.Netns`: its HTTP
+    endpoint is on that namespace's loopback, so requests to it are made from inside."""
+
+    netns = None   # the Netns
+    index = 0
+
+    def get(self, path: str) -> dict:
+        with self.netns.inside(self.index):
+            return super().get(path)
+
+    @contextlib.contextmanager
+    def inside(self):
+        """The calling thread in this node's namespace (for an HTTP client of its own)."""
+        with self.netns.inside(self.index):
+            yield
+
+
+def start_node_in(net, index: int, home: Path, name: str, *extra: str) -> NetnsNodeProc:
+    """:func:`start_node` inside namespace ``index`` of ``net``, announcing (mDNS) and
+    reachable (QUIC) at that namespace's own address."""
+    home.mkdir(parents=True, exist_ok=True)
+    log_path = home / "node.log"
+    with open(log_path, "wb") as f:
+        proc = net.popen(index, _serve_argv(home, name, net.ip(index), extra),
+                         env=env(), stdout=f, stderr=subprocess.STDOUT)
+    node = NetnsNodeProc(name=name, home=home, proc=proc, log_path=log_path)
+    node.netns, node.index = net, index
+    return node
 
 
 def wait_for(pred, timeout: float, interval: float = 0.05) -> float:
