@@ -17,7 +17,7 @@ from meshnode import __version__
 from meshnode.errors import MeshnodeError
 
 # Command modules, in the order they appear in --help.
-COMMAND_MODULES = ("run", "mesh", "models", "bench")
+COMMAND_MODULES = ("run", "mesh", "models", "bench", "service")
 
 
 def build_parser() -> argparse.ArgumentParser:
