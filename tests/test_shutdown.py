@@ -185,7 +185,8 @@ def _same_mesh(homes: list[Path]) -> None:
         assert r.returncode == 0, r.stderr
 
 
-def test_split_coordinator_shutdown_stops_the_peer_stage_and_withdraws_mdns(smollm2, tmp_path):
+def _split(smollm2, tmp_path: Path, *coord_flags: str):
+    """A coordinator and a peer serving its second stage (found over mDNS on lo)."""
     if not lo_multicast():
         pytest.skip("multicast is off on lo (ip link set lo multicast on)")
     homes = [tmp_path / "coord", tmp_path / "peer"]
@@ -193,13 +194,25 @@ def test_split_coordinator_shutdown_stops_the_peer_stage_and_withdraws_mdns(smol
         link_model(h, smollm2.path)
     _same_mesh(homes)
     peer = start_node(homes[1], "peer", "--no-model", *NODE_FLAGS).wait_up(30)
-    coord = None
     try:
         coord = start_node(homes[0], "coord", "--model", str(smollm2.path), "--split", "2",
-                           "--shutdown-grace", "1", *NODE_FLAGS).wait_up(30)
+                           *coord_flags, *NODE_FLAGS).wait_up(30)
+    except BaseException:
+        peer.stop()
+        raise
+    try:
         coord.wait_model(120)
         assert [s["state"] for s in peer.status()["stages"]] == ["ready"]
-        model = coord.get("/v1/models")["data"][0]["id"]
+    except BaseException:
+        for n in (coord, peer):
+            n.stop()
+        raise
+    return coord, peer, coord.get("/v1/models")["data"][0]["id"]
+
+
+def test_split_coordinator_shutdown_stops_the_peer_stage_and_withdraws_mdns(smollm2, tmp_path):
+    coord, peer, model = _split(smollm2, tmp_path, "--shutdown-grace", "1")
+    try:
         s = Stream(coord.http_port, model, STORY, 900)
         wait_for(lambda: s.content_chunks() >= 3, 30, 0.005)
         coord.proc.send_signal(signal.SIGTERM)
@@ -220,8 +233,27 @@ def test_split_coordinator_shutdown_stops_the_peer_stage_and_withdraws_mdns(smol
         assert time.monotonic() - exited < 2.0
     finally:
         for n in (coord, peer):
-            if n is not None:
-                n.stop()
+            n.stop()
+
+
+def test_a_peer_that_stops_lets_the_answers_through_it_finish(smollm2, tmp_path):
+    """SIGTERM to the node serving stage 1: it waits (its default grace) until the
+    coordinator's request through it has finished, then leaves."""
+    coord, peer, model = _split(smollm2, tmp_path)
+    try:
+        reference = _post(coord.http_port, model, SHORT, 40).json()["choices"][0]["message"]["content"]
+        s = Stream(coord.http_port, model, SHORT, 40)
+        wait_for(lambda: s.content_chunks() >= 1, 30, 0.005)
+        peer.proc.send_signal(signal.SIGTERM)
+        s.join(30)
+        assert s.lines[-1] == "[DONE]" and not any("error" in c for c in s.chunks), s.lines[-3:]
+        assert s.text == reference
+        peer.proc.wait(10)
+        assert peer.proc.returncode == 0
+        _assert_clean_log(peer)
+    finally:
+        for n in (coord, peer):
+            n.stop()
 
 
 def _tmux(*args: str) -> str:
