@@ -18,8 +18,8 @@ do the sessions peers' requests hold on the stage this node serves); what is lef
 ended in-band (:meth:`~meshnode.serve.model_server.ModelServer.shutdown`: an error chunk
 and ``[DONE]``, or an error JSON). Then the stages this node placed on peers get Stop
 (they free their engines), the mDNS record is withdrawn, the links and the HTTP server
-close. Every step after the grace has its own bound, so ``stop`` returns within the
-grace plus about 2 s.
+close. Each step after the grace has its own bound (a peer that does not answer Stop, a
+client that does not read): typically they take half a second together.
 """
 
 from __future__ import annotations
@@ -62,8 +62,6 @@ CAPS_REFRESH_S = 30.0
 TELEMETRY_POINTS = 240      # one a second: the last four minutes
 HTTP_CONNECTIONS = 256
 DEFAULT_SHUTDOWN_GRACE = 3.0    # seconds requests in flight get to finish at shutdown
-SHUTTING_DOWN = "This node is shutting down; the request was not served. Retry on another node."
-ENDED_AT_SHUTDOWN = "This node is shutting down; the request was ended before it finished."
 # The steps after the grace, each bounded so that a stuck peer or client cannot hold the
 # process: peers' answers to Stop (they answer in milliseconds on a LAN), and responses
 # still being written (after that uvicorn cancels them).
@@ -206,7 +204,7 @@ class Node:
         server = self.service.server if self.service is not None else None
         if server is not None:
             with contextlib.suppress(Exception):
-                ended = await server.shutdown(grace, ENDED_AT_SHUTDOWN)
+                ended = await server.shutdown(grace)
                 if ended:
                     log.info("ended %d request(s) still running after the %.1f s grace", ended, grace)
         await self._wait_stage_sessions(t0 + grace)
@@ -223,7 +221,7 @@ class Node:
             self._server.should_exit = True
             if self._server_task is not None:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await asyncio.wait_for(self._server_task, HTTP_CLOSE_S + 1.0)
+                    await asyncio.wait_for(self._server_task, HTTP_CLOSE_S + 0.5)
             self._server = None
         log.info("node %s stopped in %.1f s", self.name, time.monotonic() - t0)
         if self._log_handler is not None:
@@ -279,6 +277,8 @@ class Node:
         from meshnode.serve.service import UnavailableClient
 
         if self.stopping:
+            from meshnode.serve.model_server import SHUTTING_DOWN
+
             return UnavailableClient(lambda: SHUTTING_DOWN)
         if self.service is None:
             return UnavailableClient(lambda: "this node coordinates no model (started with --no-model)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -301,15 +302,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve_headless(args))
 
 
-# A graceful stop that runs this long past its grace is stuck (an engine thread in a long
-# llama_decode, a hung peer): the process exits anyway, with status 1.
+# A graceful stop that runs this long past its grace is stuck (a hung peer, a stuck
+# engine call): the process exits anyway, with status 1.
 HARD_EXIT_AFTER_S = 2.5
+# Once the node has stopped, what still runs is work nobody waits for (a large model
+# being hashed, the prefill of an ended request): asyncio.run and the interpreter would
+# wait for those threads; they get this long, then the process exits with status 0.
+BUSY_THREADS_S = 0.5
 
 
 def exit_now(code: int, why: str) -> None:
     """Leave at once, without running anything else: a second signal, or a stuck stop."""
+    for h in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            h.flush()
     print(f"meshnode: {why}", file=sys.stderr, flush=True)
     os._exit(code)
+
+
+def _exit_after(seconds: float, code: int, why: str) -> threading.Timer:
+    timer = threading.Timer(seconds, exit_now, (code, why))
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 async def serve_headless(args: argparse.Namespace) -> int:
@@ -338,9 +353,8 @@ async def serve_headless(args: argparse.Namespace) -> int:
     try:
         await stop.wait()
     finally:
-        watchdog = threading.Timer(node.shutdown_grace + HARD_EXIT_AFTER_S, exit_now,
-                                   (1, "the node did not stop in time; exiting"))
-        watchdog.daemon = True
-        watchdog.start()
+        stuck = _exit_after(node.shutdown_grace + HARD_EXIT_AFTER_S, 1, "the node did not stop in time; exiting")
         await node.stop()
+        stuck.cancel()
+        _exit_after(BUSY_THREADS_S, 0, "stopped (not waiting for busy worker threads)")
     return 0

@@ -97,10 +97,12 @@ INLINE_TOKENIZE_CHARS = 16_384
 # and the distribution turns NaN (the final stage would fail the whole batch).
 MIN_TEMPERATURE = 1e-3
 MAX_TOP_K = 2**31 - 1          # the wire's i32 (wire/messages.py Segment.top_k)
+SEED_SPACE = 2**64             # the wire's u64 (Segment.seed)
 # At shutdown, how long requests ended after the grace get to hand their error over
 # (their consumers take it at once; this only bounds a stuck one).
 END_WAIT_S = 0.5
-SEED_SPACE = 2**64             # the wire's u64 (Segment.seed)
+SHUTTING_DOWN = "This node is shutting down; the request was not served. Retry on another node."
+ENDED_AT_SHUTDOWN = "This node is shutting down; the request was ended before it finished."
 
 
 @dataclass
@@ -133,7 +135,7 @@ class ModelServer:
         self._idle = asyncio.Event()    # set while _admitted == 0 (shutdown waits for it)
         self._idle.set()
         self._channels: dict[str, asyncio.Queue] = {}   # each admitted request's event queue
-        self._closing: str | None = None    # set by shutdown(): why new requests are refused
+        self._closing = False   # set by shutdown(): new requests are refused
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._active: dict[str, ActiveRequest] = {}
         self._recent: deque[RequestInfo] = deque(maxlen=RECENT_REQUESTS)
@@ -191,8 +193,8 @@ class ModelServer:
         self._check_model(req.model)
         sampling = self._sampling(req)
         s = self.settings
-        if self._closing is not None:
-            raise EngineUnavailableError(self._closing)
+        if self._closing:
+            raise EngineUnavailableError(SHUTTING_DOWN)
         if self._admitted >= s.parallel + s.max_queue:
             raise ServerBusyError(
                 f"All {s.parallel} slots and {s.max_queue} queue places of {s.name} are taken; "
@@ -207,9 +209,9 @@ class ModelServer:
         if len(prompt) >= n_ctx:
             self._release()
             raise PromptTooLongError(len(prompt), n_ctx)
-        if self._closing is not None:   # shutdown began while the prompt was tokenized
+        if self._closing:   # shutdown began while the prompt was tokenized
             self._release()
-            raise EngineUnavailableError(self._closing)
+            raise EngineUnavailableError(SHUTTING_DOWN)
         budget = n_ctx - len(prompt)
         max_tokens = budget if req.max_tokens is None else min(req.max_tokens, budget)
         rid = req.request_id
@@ -367,12 +369,12 @@ class ModelServer:
     def recent_drafts(self):
         return self._decoder.telemetry.recent()
 
-    async def shutdown(self, grace: float, message: str) -> int:
+    async def shutdown(self, grace: float) -> int:
         """Node shutdown: refuse new requests (:class:`EngineUnavailableError`, a 503),
         give the admitted ones up to ``grace`` seconds to finish, then end the rest with
-        an EngineUnavailableError(``message``) after the text they already produced.
-        Returns how many were ended; takes at most ``grace`` + :data:`END_WAIT_S`."""
-        self._closing = message
+        an EngineUnavailableError (:data:`ENDED_AT_SHUTDOWN`) after the text they already
+        produced. Returns how many were ended; takes at most ``grace`` + :data:`END_WAIT_S`."""
+        self._closing = True
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), grace)
         if self._idle.is_set():
@@ -381,7 +383,7 @@ class ModelServer:
         for events in ended:
             # The consumer raises it when it gets there (generate's finally then cancels
             # the request's task and frees its session on every stage).
-            events.put_nowait(EngineUnavailableError(message))
+            events.put_nowait(EngineUnavailableError(ENDED_AT_SHUTDOWN))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), END_WAIT_S)
         return len(ended)
