@@ -13,6 +13,7 @@ the speculative-decoding precedence). docs/config.md lists every option.
     name = "laptop"
     http_port = 8642
     max_memory = "6GB"
+    shutdown_grace = 3.0                # seconds requests in flight get at SIGINT/SIGTERM
 
     [http]                              # the OpenAI endpoint (docs/api.md, Security)
     api_key = "..."                     # required when bound off loopback
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 WINDOW_POLICIES = ("adaptive", "fixed")
+MAX_SHUTDOWN_GRACE = 3600.0     # seconds; a longer wait is a mistake, not a setting
 
 
 class ConfigError(MeshnodeError):
@@ -85,6 +87,7 @@ class NodeSettings:
     http_port: int | None = None
     quic_port: int | None = None
     max_memory: int | None = None       # bytes
+    shutdown_grace: float | None = None  # seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +228,14 @@ class _Reader:
             raise self.error(dotted, f"expected an integer in [{lo}, {hi}], got {v}")
         return v
 
+    def float_(self, t: Mapping[str, Any], key: str, dotted: str, lo: float, hi: float) -> float | None:
+        if key not in t:
+            return None
+        v = t[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            raise self.error(dotted, f"expected a number in [{lo:g}, {hi:g}], got {v!r}")
+        return float(v)
+
 
 def _parse_window(r: _Reader, spec: Mapping[str, Any], prefix: str) -> WindowSettings:
     dotted = prefix + "window"
@@ -272,7 +283,7 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
     r.warn_unknown(data, "", ("node", "http", "defaults", "models"))
 
     node_t = r.table(data, "node", "node")
-    r.warn_unknown(node_t, "node.", ("name", "http_port", "quic_port", "max_memory"))
+    r.warn_unknown(node_t, "node.", ("name", "http_port", "quic_port", "max_memory", "shutdown_grace"))
     max_memory = None
     if "max_memory" in node_t:
         try:
@@ -284,6 +295,7 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
         http_port=r.int_(node_t, "http_port", "node.http_port", 0, 65535),
         quic_port=r.int_(node_t, "quic_port", "node.quic_port", 0, 65535),
         max_memory=max_memory,
+        shutdown_grace=r.float_(node_t, "shutdown_grace", "node.shutdown_grace", 0, MAX_SHUTDOWN_GRACE),
     )
 
     http_t = r.table(data, "http", "http")

@@ -11,6 +11,15 @@ serve layer ranges of peers' models) and a :class:`~meshnode.mesh.runtime.Coordi
 a node asked to coordinate a model also runs a :class:`~meshnode.serve.service.ModelService`,
 whose EngineClient backs the ``/v1`` routes. Fabric messages are dispatched to whichever
 of them claims them.
+
+Shutdown (:meth:`Node.stop`, what SIGINT / SIGTERM and the TUI's quit run): new requests
+get a 503 at once; requests in flight have ``shutdown_grace`` seconds to finish (and so
+do the sessions peers' requests hold on the stage this node serves); what is left is
+ended in-band (:meth:`~meshnode.serve.model_server.ModelServer.shutdown`: an error chunk
+and ``[DONE]``, or an error JSON). Then the stages this node placed on peers get Stop
+(they free their engines), the mDNS record is withdrawn, the links and the HTTP server
+close. Each step after the grace has its own bound (a peer that does not answer Stop, a
+client that does not read): typically they take half a second together.
 """
 
 from __future__ import annotations
@@ -52,6 +61,12 @@ EVENT_QUEUE = 1000
 CAPS_REFRESH_S = 30.0
 TELEMETRY_POINTS = 240      # one a second: the last four minutes
 HTTP_CONNECTIONS = 256
+DEFAULT_SHUTDOWN_GRACE = 3.0    # seconds requests in flight get to finish at shutdown
+# The steps after the grace, each bounded so that a stuck peer or client cannot hold the
+# process: peers' answers to Stop (they answer in milliseconds on a LAN), and responses
+# still being written (after that uvicorn cancels them).
+STAGE_STOP_S = 1.0
+HTTP_CLOSE_S = 0.5
 
 
 class Node:
@@ -73,6 +88,7 @@ class Node:
         decode_threads: int | None = None,
         max_memory: int | None = None,
         http_security: Any = None,
+        shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     ) -> None:
         from meshnode.mesh.coordinator import CoordinatorRuntime
         from meshnode.mesh.fabric import MeshFabric
@@ -103,6 +119,8 @@ class Node:
         self._subscribers: set[asyncio.Queue] = set()
         self._log_handler: logging.Handler | None = None
         self._started_at: float | None = None
+        self.shutdown_grace = shutdown_grace
+        self._stop_task: asyncio.Task | None = None
         self.fabric.on_peer_change(self._on_peer_change)
         self.max_memory = max_memory
         self.stage_server = StageServerRuntime(self.fabric, self.paths, n_threads=threads,
@@ -134,6 +152,8 @@ class Node:
             # connections and requests at once; past it uvicorn answers 503 without
             # reading (the guard's max_requests bounds generation requests well below)
             limit_concurrency=HTTP_CONNECTIONS, server_header=False,
+            # responses still being written this long after shutdown are cancelled
+            timeout_graceful_shutdown=HTTP_CLOSE_S,
         )
         self._server = _EmbeddedServer(config)
         self._server_task = asyncio.get_running_loop().create_task(self._server.serve())
@@ -160,31 +180,59 @@ class Node:
         if self.service is not None:
             self.service.start()
 
-    async def stop(self) -> None:
-        """Withdraw from the mesh, stop HTTP, remove the runtime file (idempotent)."""
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`stop` began: new requests are refused."""
+        return self._stop_task is not None
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Shut down (see the module docstring); idempotent: a second call waits for the
+        first. ``grace``: seconds requests in flight get (default ``shutdown_grace``)."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.get_running_loop().create_task(
+                self._shutdown(self.shutdown_grace if grace is None else grace), name="node-stop")
+        await asyncio.shield(self._stop_task)
+
+    async def _shutdown(self, grace: float) -> None:
+        t0 = time.monotonic()
         with contextlib.suppress(FileNotFoundError):
             self.paths.runtime_file.unlink()
         if self._caps_task is not None:
             self._caps_task.cancel()
         if self._telemetry_task is not None:
             self._telemetry_task.cancel()
+        server = self.service.server if self.service is not None else None
+        if server is not None:
+            with contextlib.suppress(Exception):
+                ended = await server.shutdown(grace)
+                if ended:
+                    log.info("ended %d request(s) still running after the %.1f s grace", ended, grace)
+        await self._wait_stage_sessions(t0 + grace)
         if self.service is not None:
             with contextlib.suppress(Exception):
-                await self.service.stop()
+                await self.service.stop(stage_timeout=STAGE_STOP_S)
         with contextlib.suppress(Exception):
             await self.coordinator.close()
         with contextlib.suppress(Exception):
             await self.stage_server.stop()
         await self.fabric.stop()
         if self._server is not None:
+            _quiet_cancelled_responses()
             self._server.should_exit = True
             if self._server_task is not None:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await asyncio.wait_for(self._server_task, 3.0)
+                    await asyncio.wait_for(self._server_task, HTTP_CLOSE_S + 0.5)
             self._server = None
+        log.info("node %s stopped in %.1f s", self.name, time.monotonic() - t0)
         if self._log_handler is not None:
             logging.getLogger("meshnode").removeHandler(self._log_handler)
             self._log_handler = None
+
+    async def _wait_stage_sessions(self, deadline: float) -> None:
+        """Give the requests of peers' models that pass through the stage this node
+        serves until ``deadline`` to end (their coordinators end the sessions)."""
+        while self.stage_server.sessions() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     # ---- NodeAPI ---------------------------------------------------------------
 
@@ -228,6 +276,10 @@ class Node:
         """What the /v1 routes talk to (a 503-answering stand-in until a model is ready)."""
         from meshnode.serve.service import UnavailableClient
 
+        if self.stopping:
+            from meshnode.serve.model_server import SHUTTING_DOWN
+
+            return UnavailableClient(lambda: SHUTTING_DOWN)
         if self.service is None:
             return UnavailableClient(lambda: "this node coordinates no model (started with --no-model)")
         return self.service.engine_client
@@ -327,6 +379,26 @@ class Node:
 
         self._log_handler = _Handler(logging.NOTSET)  # the logger's level decides
         logging.getLogger("meshnode").addHandler(self._log_handler)
+
+
+class _CancelledResponse(logging.Filter):
+    """uvicorn reports a response it cancelled at shutdown (a client that stopped reading
+    its stream) as "Exception in ASGI application" with a CancelledError traceback; it is
+    the shutdown working as intended, so one line without the traceback says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError):
+            record.msg, record.args = "a response was cut off at shutdown (its client was not reading)", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def _quiet_cancelled_responses() -> None:
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _CancelledResponse) for f in logger.filters):
+        logger.addFilter(_CancelledResponse())
 
 
 class _EmbeddedServer:

@@ -24,6 +24,7 @@ name = "laptop"
 http_port = 8642
 quic_port = 0
 max_memory = "6GB"
+shutdown_grace = 1.5
 
 [defaults.speculative]
 strategy = "ngram"
@@ -47,7 +48,8 @@ def test_full_file(tmp_path):
     cfg = load_config(paths.config_file)
     assert cfg.path == str(paths.config_file) and cfg.warnings == ()
     assert cfg.node.name == "laptop" and cfg.node.http_port == 8642 and cfg.node.quic_port == 0
-    assert cfg.node.max_memory == 6 * 10**9
+    assert cfg.node.max_memory == 6 * 10**9 and cfg.node.shutdown_grace == 1.5
+    assert parse_config("[node]\nshutdown_grace = 0\n").node.shutdown_grace == 0.0
     assert cfg.defaults_speculative == SpeculativeSettings(
         "ngram", "auto", None, WindowSettings("adaptive", 4, 2, 16)
     )
@@ -85,6 +87,9 @@ def test_unknown_keys_warn(caplog):
         ("[node]\nquic_port = true\n", "node.quic_port", "integer"),
         ("[node]\nname = 3\n", "node.name", "string"),
         ("[node]\nmax_memory = 'lots'\n", "node.max_memory", "size"),
+        ("[node]\nshutdown_grace = -1\n", "node.shutdown_grace", "[0, 3600]"),
+        ("[node]\nshutdown_grace = nan\n", "node.shutdown_grace", "number"),
+        ("[node]\nshutdown_grace = '3s'\n", "node.shutdown_grace", "number"),
         ("node = 3\n", "node", "table"),
         ("[defaults.speculative]\nmode = 'maybe'\n", "defaults.speculative.mode", "auto, on, off"),
         ("[defaults.speculative]\nwindow = 64\n", "defaults.speculative.window", "[1, 32]"),

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+import meshnode.serve.service  # noqa: F401 - _node_kwargs loads it; ifaddr's import starts a process
+from meshnode.cli import build_parser
+from meshnode.cli.run import _node_kwargs
+from meshnode.node import DEFAULT_SHUTDOWN_GRACE
+from meshnode.paths import NodePaths
 from nodeproc import meshnode_cmd
 
 
@@ -17,6 +22,9 @@ from nodeproc import meshnode_cmd
     ("--split", "x"),
     ("--ctx", "0"),
     ("--wire-dtype", "f8"),
+    ("--shutdown-grace", "-1"),
+    ("--shutdown-grace", "soon"),
+    ("--shutdown-grace", "1e9"),
 ])
 def test_malformed_serve_options_are_refused_up_front(tmp_path, option, value, meshnode_main):
     r = meshnode_main("--home", str(tmp_path), "serve", "--headless", option, value)
@@ -29,3 +37,16 @@ def test_the_meshnode_command_refuses_a_malformed_serve_option(tmp_path):
     r = meshnode_cmd("--home", str(tmp_path), "serve", "--headless", "--split", "x")
     assert r.returncode == 2
     assert "argument --split" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("config, flags, expect", [
+    ("", (), DEFAULT_SHUTDOWN_GRACE),
+    ("[node]\nshutdown_grace = 10\n", (), 10.0),            # config.toml
+    ("[node]\nshutdown_grace = 10\n", ("--shutdown-grace", "0.5"), 0.5),   # the flag wins
+])
+def test_shutdown_grace_from_flag_over_config(tmp_path, monkeypatch, config, flags, expect):
+    monkeypatch.delenv("MESHNODE_API_KEY", raising=False)
+    paths = NodePaths.resolve(tmp_path).ensure()
+    paths.config_file.write_text(config)
+    args = build_parser().parse_args(["--home", str(tmp_path), "serve", "--headless", "--no-model", *flags])
+    assert _node_kwargs(args, paths)["shutdown_grace"] == expect

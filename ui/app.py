@@ -20,6 +20,8 @@ import asyncio
 import contextlib
 import datetime as _dt
 import logging
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -132,7 +134,7 @@ class MeshnodeApp(App[int]):
         self.latest_snapshot: NodeSnapshot | None = None
         self.node_state = "starting" if manage_node else "running"
         self.node_detail = ""
-        self._stopped = False
+        self._stopping: asyncio.Future | None = None
         self._flush_timer: Timer | None = None
         self._last_flush = 0.0
         self._subscribed = False
@@ -164,10 +166,15 @@ class MeshnodeApp(App[int]):
         self.poll()
 
     async def stop_node(self) -> None:
-        """Stop a managed node once (idempotent); a no-op for nodes the app didn't start."""
-        if not self.manage_node or self._stopped:
+        """Stop a managed node once; a no-op for nodes the app didn't start. A second
+        call (q during a signal's stop) waits for the first to finish."""
+        if not self.manage_node:
             return
-        self._stopped = True
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop_node())
+        await asyncio.shield(self._stopping)
+
+    async def _stop_node(self) -> None:
         self.workers.cancel_group(self, "node-lifecycle")
         self.set_node_state("stopping")
         try:
@@ -268,17 +275,59 @@ def _terminal_logging_muted() -> Iterator[None]:
             root.addHandler(h)
 
 
+def _terminal_state() -> list | None:
+    """The terminal's settings before the TUI changes them (None without a terminal)."""
+    try:
+        import termios
+
+        return termios.tcgetattr(sys.__stdin__.fileno())
+    except Exception:  # noqa: BLE001 - no terminal, or not a POSIX one
+        return None
+
+
+def _restore_terminal(saved: list | None) -> None:
+    """Best effort before an immediate exit: leave the alternate screen, show the cursor
+    and give the shell back its line mode (the TUI's own cleanup will not run)."""
+    with contextlib.suppress(Exception):
+        sys.__stdout__.write("\x1b[?1049l\x1b[?25h")
+        sys.__stdout__.flush()
+    if saved is not None:
+        with contextlib.suppress(Exception):
+            import termios
+
+            termios.tcsetattr(sys.__stdin__.fileno(), termios.TCSANOW, saved)
+
+
 def run_tui(make_node: Callable[[], ManagedNode], *, refresh_hz: float = 4.0) -> int:
     """Run the node and the TUI in one asyncio loop until the user quits.
 
     ``make_node`` is called inside the loop (so the node may bind loop resources in its
     constructor); the node is started once the UI is up and stopped when it closes,
-    however it closes. Returns the process exit code (1 when the node failed to start).
+    however it closes (q, SIGINT or SIGTERM; a second signal exits at once with 128 + its
+    number). Returns the process exit code (1 when the node failed to start).
     """
 
     async def main() -> int:
         node = make_node()
         app = MeshnodeApp(node, refresh_hz=refresh_hz, manage_node=True)
+        signalled: list[int] = []
+        quitting: list[asyncio.Future] = []
+        terminal = _terminal_state()
+
+        def on_signal(sig: signal.Signals) -> None:
+            # SIGTERM (or SIGINT sent from outside: in the TUI Ctrl-C is a key) quits
+            # as q does: the node drains and stops. A second one exits at once.
+            if signalled:
+                _restore_terminal(terminal)
+                print(f"meshnode: {sig.name} again: exiting without waiting", file=sys.stderr, flush=True)
+                os._exit(128 + sig)
+            signalled.append(sig)
+            log.info("%s: stopping (%s again exits at once)", sig.name, sig.name)
+            quitting.append(asyncio.ensure_future(app.action_quit()))   # held: not collected
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
         try:
             await app.run_async()
         finally:

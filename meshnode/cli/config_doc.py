@@ -32,6 +32,9 @@ KEYS: dict[str, tuple[str, str, str]] = {
     "node.max_memory": ("size", "--max-memory",
                         "memory this node may use for model layers; a peer's Load that would need "
                         "more is refused"),
+    "node.shutdown_grace": ("seconds 0-3600", "--shutdown-grace",
+                            "at SIGINT/SIGTERM, how long requests in flight may still finish before "
+                            "they are ended in-band (a second signal exits at once)"),
     "http.api_key": ("string", "--api-key, $MESHNODE_API_KEY",
                      "clients must send `Authorization: Bearer <key>`; a node bound off loopback "
                      "(`--host`) refuses to start without one. Keep the file private (mode 0600)"),
@@ -101,7 +104,7 @@ def defaults() -> dict[str, object]:
     spec = resolve_strategy("any-model")
     return {
         "node.name": kw["name"], "node.http_port": kw["http_port"], "node.quic_port": kw["port"],
-        "node.max_memory": kw["max_memory"],
+        "node.max_memory": kw["max_memory"], "node.shutdown_grace": kw["shutdown_grace"],
         "http.api_key": sec.api_key, "http.allowed_hosts": list(sec.allowed_hosts),
         "http.cors_origins": list(sec.cors_origins), "http.max_body": sec.max_body,
         "http.max_queue": kw["service"].max_queue if kw["service"] else _max_queue(args),

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
+import threading
 
-from meshnode.argtypes import cpu_list, non_negative_int, port, positive_int, size
+from meshnode.argtypes import cpu_list, non_negative_float, non_negative_int, port, positive_int, size
 from meshnode.cli import add_common_options
+from meshnode.config import MAX_SHUTDOWN_GRACE
 
 log = logging.getLogger(__name__)
+
+
+def _grace(text: str) -> float:
+    v = non_negative_float(text)
+    if v > MAX_SHUTDOWN_GRACE:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SHUTDOWN_GRACE:g} seconds, got {text}")
+    return v
 
 
 def _add_node_options(p: argparse.ArgumentParser) -> None:
@@ -30,6 +41,10 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-discovery", action="store_true",
                    help="no mDNS: reach peers only through --peer (networks without multicast)")
     p.add_argument("--name", default=None, help="this node's display name (default: host name)")
+    p.add_argument("--shutdown-grace", type=_grace, default=None, metavar="SECONDS",
+                   help="at SIGINT/SIGTERM (or q in the TUI), how long requests in flight may "
+                        "still run before they are ended with an error; a second signal exits at "
+                        "once (default 3, or [node] shutdown_grace)")
 
     h = p.add_argument_group("endpoint security (docs/api.md, Security)")
     h.add_argument("--api-key", default=None, metavar="KEY",
@@ -136,6 +151,7 @@ def _check_model_options(args: argparse.Namespace) -> None:
 def _node_kwargs(args: argparse.Namespace, paths) -> dict:
     """Node arguments from CLI flags over config.toml over defaults. Raises MeshnodeError."""
     from meshnode.config import load_config
+    from meshnode.node import DEFAULT_SHUTDOWN_GRACE
     from meshnode.serve.service import ServiceOptions
     from meshnode.spec.strategy import CliSpecOptions
 
@@ -169,6 +185,7 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
         http_host=args.host, interfaces=args.interface, name=args.name or node_cfg.name,
         static_peers=args.peer, discovery=not args.no_discovery, service=service, threads=args.threads,
         decode_threads=args.decode_threads, max_memory=max_memory,
+        shutdown_grace=_first(args.shutdown_grace, node_cfg.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
     )
 
 
@@ -265,7 +282,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve_headless(args))
 
 
+# A graceful stop that runs this long past its grace is stuck (a hung peer, a stuck
+# engine call): the process exits anyway, with status 1.
+HARD_EXIT_AFTER_S = 2.5
+# Once the node has stopped, what still runs is work nobody waits for (a large model
+# being hashed, the prefill of an ended request): asyncio.run and the interpreter would
+# wait for those threads; they get this long, then the process exits with status 0.
+BUSY_THREADS_S = 0.5
+
+
+def exit_now(code: int, why: str) -> None:
+    """Leave at once, without running anything else: a second signal, or a stuck stop."""
+    for h in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            h.flush()
+    print(f"meshnode: {why}", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def _exit_after(seconds: float, code: int, why: str) -> threading.Timer:
+    timer = threading.Timer(seconds, exit_now, (code, why))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 async def serve_headless(args: argparse.Namespace) -> int:
+    """Run the node until SIGINT / SIGTERM, then stop it gracefully (status 0); a second
+    signal exits at once with 128 + its number (130, 143), as a shell reports a process
+    killed by it."""
     from meshnode.node import Node
     from meshnode.paths import NodePaths
 
@@ -273,13 +318,23 @@ async def serve_headless(args: argparse.Namespace) -> int:
     node = Node(paths, **_node_kwargs(args, paths))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            exit_now(128 + sig, f"{sig.name} again: exiting without waiting")
+        log.info("%s: stopping (requests in flight get %.1f s; %s again exits at once)",
+                 sig.name, node.shutdown_grace, sig.name)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     await node.start()
     print(f"meshnode: node {node.fabric.node_id} ({node.name}) serving {node.http_url}", file=sys.stderr, flush=True)
     try:
         await stop.wait()
     finally:
-        log.info("stopping")
+        stuck = _exit_after(node.shutdown_grace + HARD_EXIT_AFTER_S, 1, "the node did not stop in time; exiting")
         await node.stop()
+        stuck.cancel()
+        _exit_after(BUSY_THREADS_S, 0, "stopped (not waiting for busy worker threads)")
     return 0

@@ -106,11 +106,12 @@ class ServingModel:
         await asyncio.shield(self._ready)
         return self
 
-    async def stop(self, reason: str = "stopped") -> None:
+    async def stop(self, reason: str = "stopped", timeout: float | None = None) -> None:
         """Stop every stage and free stage 0's engine (idempotent).
 
-        Waits up to ``options.stop_timeout`` s for each reachable stage to answer
-        ``Status(stopped)`` (its host then frees the engine)."""
+        Waits up to ``timeout`` s (default ``options.stop_timeout``; node shutdown
+        passes less) for each reachable stage to answer ``Status(stopped)`` (its host
+        then frees the engine)."""
         if self.control.state is not CoordinatorState.STOPPED:
             reachable = {p.node_id for p in self.runtime.fabric.peers()}
             # Stages already FAILED / STOPPED were sent Stop when the plan failed.
@@ -126,7 +127,8 @@ class ServingModel:
             if self._stop_waiting:
                 self._stopped.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stopped.wait(), self.options.stop_timeout)
+                    await asyncio.wait_for(self._stopped.wait(),
+                                           self.options.stop_timeout if timeout is None else timeout)
         for t in list(self._tasks):
             t.cancel()
         if self._timer is not None:

@@ -23,6 +23,7 @@ of the default route, or the LAN interfaces), never VPN or container bridges.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -39,6 +40,7 @@ SERVICE_TYPE = "_meshnode._udp.local."
 MAX_NAME = 64            # characters of a node name in the record (and kept from one)
 MAX_ADDRESSES = 4        # addresses taken from one record
 MAX_RECORDS = 64         # records of our mesh kept at once (a forger can announce thousands)
+GOODBYE_WAIT_S = 1.0     # bound on sending the goodbyes at stop (they take ~0.25 s)
 # Interfaces that are not the LAN: container bridges, VMs, VPNs and overlay networks.
 # Announcing their addresses tells strangers about them and gives peers dead ends to dial.
 VIRTUAL_PREFIXES = ("docker", "br-", "veth", "virbr", "vboxnet", "vmnet", "lxc", "lxd", "cni",
@@ -187,7 +189,11 @@ class Discovery:
             if self._browser is not None:
                 await self._browser.async_cancel()
             if self._info is not None:
-                await azc.async_unregister_service(self._info)
+                # Returns the task that sends the goodbyes (three, 125 ms apart): closing
+                # before it ran sent none, and peers kept the record until its TTL ran out.
+                goodbyes = await azc.async_unregister_service(self._info)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(goodbyes, GOODBYE_WAIT_S)
         finally:
             await azc.async_close()
 

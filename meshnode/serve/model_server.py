@@ -27,11 +27,18 @@ heartbeats stays free), refuses a prompt that does not fit the context, admits i
    :data:`~meshnode.serve.errors.ERROR_TABLE` has a row for its type (a session that
    outgrows its context is a 400, a lost stage a 503); anything else is logged and
    reported as :class:`~meshnode.serve.errors.EngineFailedError`.
+
+:meth:`ModelServer.shutdown` (the node's SIGINT / SIGTERM) refuses new requests, waits
+up to a grace for the admitted ones, then ends the rest by handing each consumer an
+:class:`~meshnode.serve.errors.EngineUnavailableError` through the request's own event
+queue, after the text it already produced: the OpenAI routes turn it into a final error
+chunk and ``[DONE]`` (streams) or a 503 error JSON, as any in-band failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
@@ -60,6 +67,7 @@ from meshnode.mesh.final import Sampling
 from meshnode.mesh.pipeline import Pipeline, Step
 from meshnode.serve.errors import (
     EngineFailedError,
+    EngineUnavailableError,
     InvalidRequestError,
     PromptTooLongError,
     ServeError,
@@ -90,6 +98,11 @@ INLINE_TOKENIZE_CHARS = 16_384
 MIN_TEMPERATURE = 1e-3
 MAX_TOP_K = 2**31 - 1          # the wire's i32 (wire/messages.py Segment.top_k)
 SEED_SPACE = 2**64             # the wire's u64 (Segment.seed)
+# At shutdown, how long requests ended after the grace get to hand their error over
+# (their consumers take it at once; this only bounds a stuck one).
+END_WAIT_S = 0.5
+SHUTTING_DOWN = "This node is shutting down; the request was not served. Retry on another node."
+ENDED_AT_SHUTDOWN = "This node is shutting down; the request was ended before it finished."
 
 
 @dataclass
@@ -119,6 +132,10 @@ class ModelServer:
         # Every stage holds parallel sequence slots; requests beyond that queue here.
         self._slots = asyncio.Semaphore(settings.parallel)
         self._admitted = 0      # requests past the admission check and not yet finished
+        self._idle = asyncio.Event()    # set while _admitted == 0 (shutdown waits for it)
+        self._idle.set()
+        self._channels: dict[str, asyncio.Queue] = {}   # each admitted request's event queue
+        self._closing = False   # set by shutdown(): new requests are refused
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._active: dict[str, ActiveRequest] = {}
         self._recent: deque[RequestInfo] = deque(maxlen=RECENT_REQUESTS)
@@ -163,24 +180,38 @@ class ModelServer:
     def _sampling(self, req: GenerationRequest) -> Sampling:
         return sampling_for(req, getattr(self.tokenizer, "n_vocab", None))
 
+    def _admit(self) -> None:
+        self._admitted += 1
+        self._idle.clear()
+
+    def _release(self) -> None:
+        self._admitted -= 1
+        if self._admitted == 0:
+            self._idle.set()
+
     async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         self._check_model(req.model)
         sampling = self._sampling(req)
         s = self.settings
+        if self._closing:
+            raise EngineUnavailableError(SHUTTING_DOWN)
         if self._admitted >= s.parallel + s.max_queue:
             raise ServerBusyError(
                 f"All {s.parallel} slots and {s.max_queue} queue places of {s.name} are taken; "
                 "retry shortly.", retry_after=1)
-        self._admitted += 1
+        self._admit()
         try:
             prompt, template_stops = await self._tokenize(req)
         except BaseException:
-            self._admitted -= 1
+            self._release()
             raise
         n_ctx = self.settings.n_ctx
         if len(prompt) >= n_ctx:
-            self._admitted -= 1
+            self._release()
             raise PromptTooLongError(len(prompt), n_ctx)
+        if self._closing:   # shutdown began while the prompt was tokenized
+            self._release()
+            raise EngineUnavailableError(SHUTTING_DOWN)
         budget = n_ctx - len(prompt)
         max_tokens = budget if req.max_tokens is None else min(req.max_tokens, budget)
         rid = req.request_id
@@ -191,6 +222,7 @@ class ModelServer:
         self._active[rid] = ar
         self._update(ar)
         events: asyncio.Queue = asyncio.Queue()
+        self._channels[rid] = events
         task: asyncio.Task | None = None
         try:
             yield Admitted(prompt_tokens=len(prompt))
@@ -214,7 +246,8 @@ class ModelServer:
                         task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
             finally:
-                self._admitted -= 1
+                self._channels.pop(rid, None)
+                self._release()
 
     async def _produce(self, events: asyncio.Queue, ar: ActiveRequest) -> None:
         """Prefill and decode one request, putting its events on ``events``."""
@@ -335,6 +368,25 @@ class ModelServer:
 
     def recent_drafts(self):
         return self._decoder.telemetry.recent()
+
+    async def shutdown(self, grace: float) -> int:
+        """Node shutdown: refuse new requests (:class:`EngineUnavailableError`, a 503),
+        give the admitted ones up to ``grace`` seconds to finish, then end the rest with
+        an EngineUnavailableError (:data:`ENDED_AT_SHUTDOWN`) after the text they already
+        produced. Returns how many were ended; takes at most ``grace`` + :data:`END_WAIT_S`."""
+        self._closing = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace)
+        if self._idle.is_set():
+            return 0
+        ended = list(self._channels.values())
+        for events in ended:
+            # The consumer raises it when it gets there (generate's finally then cancels
+            # the request's task and frees its session on every stage).
+            events.put_nowait(EngineUnavailableError(ENDED_AT_SHUTDOWN))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), END_WAIT_S)
+        return len(ended)
 
     async def close(self) -> None:
         await self.scheduler.close()

@@ -210,11 +210,13 @@ class ModelService:
     def transfers(self) -> tuple[TransferInfo, ...]:
         return tuple(self._transfers.values())
 
-    async def stop(self) -> None:
+    async def stop(self, stage_timeout: float | None = None) -> None:
+        """Stop serving: Stop to every stage, waiting up to ``stage_timeout`` s for their
+        answers (default: the plan's own ``stop_timeout``)."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
         if self.server is not None:
             await self.server.close()
         if self.serving is not None:
-            await self.serving.stop()
+            await self.serving.stop(timeout=stage_timeout)
         self._set("stopped", "")
