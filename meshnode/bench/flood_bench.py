@@ -1,5 +1,5 @@
 """`meshnode bench flood`: a non-member floods a node; does the node keep its memory, its
-links and its answers? (issue #17)
+links and its answers? (docs/security.md)
 
 The victim is a real node process (``meshnode serve``, own home, loopback only) serving a
 real model over its OpenAI endpoint: the default model from the store (SmolLM2), the one

@@ -155,7 +155,7 @@ def ack_with_next_packet(space: Any, now: float) -> None:
         space.ack_at = min(space.ack_at, now)
 
 
-# ---- flow control and paths (issue #17: limits before authentication) -------------------------
+# ---- flow control and paths (limits before authentication) ----------------------------------
 
 def received_stream_bytes(quic: QuicConnection) -> int:
     """Stream bytes the peer has sent us so far, counting every offset it reached: data

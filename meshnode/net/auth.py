@@ -22,7 +22,7 @@ Rules (both sides run the same machine; the QUIC client is side ``a``, the serve
    failure, or any other message before that, moves the machine to FAILED with a reason;
    it never leaves FAILED.
 
-Every field the peer sends is checked here before anything else reads it (issue #17: a
+Every field the peer sends is checked here before anything else reads it (docs/security.md: a
 ``quic_port`` of ``"x"`` once made the failure log itself raise, so the connection
 outlived its deadline): sizes, types and ranges of the Hello and of the Profile's
 capabilities (:func:`check_capabilities`). The frames themselves are bounded by the

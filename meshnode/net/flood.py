@@ -2,7 +2,7 @@
 
 Theory of operation: :func:`stranger_connection` connects to a node the way any host on
 the LAN can (its own fresh self-signed certificate, the mesh's ALPN, no secret), then
-misbehaves in one of the ways issue #17 measured: it opens many streams and writes on
+misbehaves in one of the ways docs/security.md guards against: it opens many streams and writes on
 each a frame header declaring the largest frame (``MAX_FRAME``, 64 MiB), optionally
 followed by payload bytes, or it sends a ``Hello`` whose fields are hostile, and then
 holds the connection open. It reports how long the node let the connection live and why

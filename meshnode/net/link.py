@@ -20,7 +20,7 @@ authentication each end sends its lane key (``LaneKey``) on the control stream, 
 lane, and :meth:`PeerLink.send_lane` then seals a frame into one UDP datagram on this
 connection's socket. Lane packets are told from QUIC by their first byte.
 
-Before the peer proved the mesh secret (issue #17) the link holds little for it: only the
+Before the peer proved the mesh secret (docs/security.md) the link holds little for it: only the
 control stream may carry data (any other stream closes the connection), its frames are
 fed one at a time under a cap of ``handshake_max_frame`` (a bigger one, or a bad frame,
 closes the connection), the connection may send at most ``handshake_max_bytes`` of
@@ -100,7 +100,7 @@ class LinkSettings:
     # The fast lane for per-token frames (meshnode.net.lane); off: everything over QUIC.
     lane: bool = True
     lane_backoff_s: float = 5.0      # a lane switched off waits this long, doubling each time, to probe again
-    # Limits before the peer proved the mesh secret (issue #17; see the module docstring)
+    # Limits before the peer proved the mesh secret (see the module docstring)
     handshake_max_frame: int = 4096          # Hello, AuthChallenge, AuthProof, AuthResult, Error
     handshake_max_bytes: int = 32 * 1024     # stream bytes a connection may send before its proof
     handshake_window: int = 64 * 1024        # QUIC connection receive window until authenticated
@@ -213,7 +213,7 @@ class PeerLink(QuicConnectionProtocol):
     @property
     def address(self) -> str:
         """``host:port`` of the peer's QUIC endpoint (its advertised port once known).
-        Never raises: it goes into the log lines of failures (issue #17)."""
+        Never raises: it goes into the log lines of failures."""
         host = self.remote_addr[0] if self.remote_addr else "?"
         port = self.remote_addr[1] if self.remote_addr else 0
         peer = self.auth.peer if self.auth is not None else None
@@ -392,7 +392,7 @@ class PeerLink(QuicConnectionProtocol):
         if size > compat.max_datagram_size(self.quic) and _is_loopback(host):
             compat.set_max_datagram_size(self.quic, size)
 
-    # ---- limits (issue #17, see the module docstring) --------------------------------
+    # ---- limits (see the module docstring) -------------------------------------------
 
     @property
     def buffered_bytes(self) -> int:
@@ -526,7 +526,7 @@ class PeerLink(QuicConnectionProtocol):
             try:
                 who = "peer refused us" if self.auth.refused_by_peer else "refused peer"
                 log.warning("%s %s at %s: %s", who, self.peer_node_id, self.address, self.auth.reason)
-            finally:   # whatever the log line does, the connection goes (issue #17)
+            finally:   # whatever the log line does, the connection goes
                 self._close_later(0.1)
 
     # ---- the fast lane (meshnode.net.lane) ------------------------------------------
@@ -606,7 +606,7 @@ class PeerLink(QuicConnectionProtocol):
     def _lane_send(self, frame: bytes | bytearray | memoryview, pad_to: int = 0) -> None:
         transport = compat.datagram_transport(self)
         # only to an address QUIC validated: a datagram's source is whatever its sender
-        # wrote, so a spoofed one must not redirect the lane (issue #17)
+        # wrote, so a spoofed one must not redirect the lane
         addr = compat.validated_peer_address(self.quic)
         if self._lane_tx is None or addr is None or transport is None:
             return
@@ -658,7 +658,7 @@ class PeerLink(QuicConnectionProtocol):
             elif isinstance(action, AuthTimedOut):
                 try:
                     log.warning("peer %s at %s: authentication timed out", self.peer_node_id, self.address)
-                finally:   # the deadline holds even if the log line raised (issue #17)
+                finally:   # the deadline holds even if the log line raised
                     self.close_with("authentication timed out")
                 return
         self._arm_watch()

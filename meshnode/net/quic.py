@@ -11,7 +11,7 @@ they are told from QUIC by their first byte and handed to the owner, which finds
 by the packet's key id, before aioquic's server parses anything. A dialled link's own
 socket does the same in :meth:`PeerLink.datagram_received`.
 
-Before a peer proved the mesh secret it gets little (issue #17): small receive windows
+Before a peer proved the mesh secret it gets little (docs/security.md): small receive windows
 (a connection window of ``LinkSettings.handshake_window``, opened once the link
 authenticated), and the listener
 admits a new connection only while fewer than ``max_handshakes`` connections are still

@@ -7,7 +7,7 @@ buffer until the announced length arrived, and a ``Forward`` activation is then 
 as a view of that buffer (each frame gets its own buffer, so views stay valid after
 later feeds). The buffer grows with the bytes that actually arrived, never with what
 the header declares: a 10-byte header announcing 64 MiB costs nothing until 64 MiB
-came (a stranger's headers once made a node allocate 1.3 GB, issue #17). Growing a
+came (a stranger's headers could make a node allocate gigabytes: docs/security.md). Growing a
 large ``bytearray`` is a ``realloc`` that glibc serves with ``mremap`` for big buffers,
 so each byte is still copied about once. Frames that arrive whole at the start of a feed (QUIC
 delivers a decode step's frame in one piece) skip the byte-wise phases: each is copied

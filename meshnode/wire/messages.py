@@ -80,7 +80,7 @@ class MessageKind(enum.IntEnum):
     TRIM = 0x0102
     SESSION_END = 0x0103
     DATA_ERROR = 0x0104
-    # membership and trust (issue #17): capability updates, secret rotation
+    # membership and trust: capability updates, secret rotation
     CAPS_UPDATE = 0x0040
     SECRET_ROTATE = 0x0041
     SECRET_ACK = 0x0042
@@ -118,7 +118,7 @@ def message(kind: MessageKind, check: Callable[[Any], None] | None = None) -> Ca
 # ----------------------------------------------------------------------------- control
 
 
-# Bounds of the peer-describing fields (issue #17): a Hello travels before the mesh proof,
+# Bounds of the peer-describing fields (docs/security.md): a Hello travels before the mesh proof,
 # so it must fit the handshake's frame cap; a name is a label, not a document.
 MAX_NODE_ID_LEN = 64
 MAX_MESH_ID_LEN = 64
@@ -464,7 +464,7 @@ class DataError:
     message: str = wf(STR)
 
 
-# ------------------------------------------------------------ membership and trust (#17)
+# ------------------------------------------------------------------ membership and trust
 # Capabilities travel only over authenticated links (never from mDNS), and a leaked mesh
 # secret is replaced on the members that are online (`meshnode mesh rotate`).
 
