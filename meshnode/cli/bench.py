@@ -15,6 +15,7 @@ BENCHMARKS = {
     "flood": "flood_bench",
     "net": "net_bench",
     "replay": "replay_bench",
+    "report": "report",
     "serve": "serve_bench",
     "spec": "spec_bench",
 }
