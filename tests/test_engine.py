@@ -212,7 +212,7 @@ def test_dropping_a_session_under_others_chain_equals_whole_model(smol_chains, p
     "(llama_kv_cache::seq_rm), so the next tokens of the surviving sessions land in the "
     "dropped session's hole, below their own earlier cells; the attention kernel then visits "
     "their keys in another order and the rounding differs (~0.9 in SmolLM2's logits, "
-    "amplified by Q8 activation quantization). See docs/benchmarks.md, Engine."))
+    "amplified by Q8 activation quantization). See docs/engine.md, Exactness."))
 def test_dropping_a_session_under_others_equals_alone(smol_chains, prompts):
     got = _drop_while_others_run(smol_chains["whole"], prompts)
     ref = [_alone(smol_chains["whole"], prompts[i], CONT[i]) for i in (0, 2)]

@@ -101,8 +101,7 @@ def cpu_flags(index: int, n_nodes: int, threads: int, *, pin: bool) -> tuple[str
 
     Nodes of one split on one machine compute faster on cores of their own (the final
     stage's step 8.4 ms against 11.0 on the 2-core VM), but so does a pinned single
-    node, and `bench serve`'s ratios did not move (docs/benchmarks.md, "Pinned
-    stages"), so the benchmarks pin only when asked (``--pin``)."""
+    node, and `bench serve`'s ratios did not move, so the benchmarks pin only when asked (``--pin``)."""
     import os
 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

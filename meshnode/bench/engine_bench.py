@@ -15,7 +15,7 @@ llama_decode per stage instead of one in all.
   a step after ``--gap-ms`` of sleep. A pipeline stage waits for the other stages between
   its steps; on a machine whose cores lose their warm state while idle that wait would
   make the stage's own compute slower, which no network optimisation can win back (on
-  a 2-core VM it measured 1.02x: docs/benchmarks.md).
+  a 2-core VM it measured 1.02x).
 - prefill: a ``--prefill``-token prompt fed in chunks of ``--batch`` rows, ``--reps``
   times per path (chunk by chunk, alternating which path goes first), median tokens/s.
 

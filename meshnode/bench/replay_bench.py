@@ -14,7 +14,7 @@ steps and verify windows), the drafts proposed and accepted, and the *predicted*
 of drafting over plain decoding: ``sum over steps of cost(k)`` against ``tokens x
 cost(0)``, where ``cost(k) = --hop-ms + engine time of k + 1 rows``. ``--hop-ms`` stands
 for what a split adds to every step (default 13: the spec benchmark's emulated 5 ms
-each way plus ~3 ms of messaging between two stages on loopback; docs/benchmarks.md).
+each way plus ~3 ms of messaging between two stages on loopback).
 
 What it leaves out, on purpose: the auto policy (drafting is on for the whole answer,
 as in its ENABLED state) and lookahead windows (their overlap depends on timing), so

@@ -185,7 +185,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-quant", default=None, metavar="TYPE", type=_quant_type,
                    help="serve a copy of the model requantized to TYPE (made once, cached); "
                         "default: as is. F16 makes verify rows cheap on CPUs without AVX2 but "
-                        "is not batch-invariant there (see docs/benchmarks.md)")
+                        "is not batch-invariant there (see docs/speculative.md)")
     p.add_argument("--rounds", type=positive_int, default=None,
                    help="rounds over all strategies; per prompt the fastest round counts "
                         "(default 3, --quick 2)")

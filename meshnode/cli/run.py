@@ -256,7 +256,7 @@ def pin_cpus(cpus: frozenset[int] | None) -> None:
 
     For several nodes on one machine: with two stages of a split on the 2-core VM, the
     final stage's step took 11.0 ms unpinned against 8.4 ms with each process on a core
-    of its own (docs/benchmarks.md, "Pinned stages"). Threads started later inherit the
+    of its own. Threads started later inherit the
     mask, so call it before any starts."""
     if not cpus:
         return

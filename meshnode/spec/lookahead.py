@@ -38,8 +38,8 @@ class LookaheadParams:
     initial: float = 0.7     # prior hit rate: copy runs mostly continue
     # A wrong guess costs little: stage 0 computed it while it would have idled, and the
     # later stages are mostly done with it before the real next window reaches them. A
-    # right one saves stage 0's compute and a hop. Measured on the 2-stage bench
-    # (docs/benchmarks.md): ~30 ms saved per right guess, a few ms lost per wrong one.
+    # right one saves stage 0's compute and a hop. Measured on `bench spec`'s 2-stage split
+    # (5 ms each way): ~30 ms saved per right guess, a few ms lost per wrong one.
     min_rate: float = 0.25
     ewma: float = 0.2        # weight of the newest outcome
     probe_every: int = 16    # while closed, allow one guess per this many windows
