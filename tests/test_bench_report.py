@@ -84,6 +84,7 @@ def test_every_benchmark_has_its_command_table_and_reading():
     assert "| code_edit | ngram_auto | 38.6 | 0.75 | 100 | 1.80x | yes |" in md
     assert "| mixed_chat | draft | 16.5 | 0.49 | 100 | 0.68x | **NO** |" in md  # a mismatch stands out
     assert "| 576 x f32 | 0.379 | 0.305 |" in md
+    assert "\n|---|---|---:|---:|---:|---:|---:|\n" in md  # workload and strategy are text: left
 
 
 def test_charts_are_well_formed_svg_and_linked():

@@ -194,9 +194,10 @@ def _f(x, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def _table(header: list[str], rows: list[list[str]], text_columns: int = 1) -> str:
+    """A markdown table: the first ``text_columns`` columns left-aligned, numbers right."""
     lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+             "|" + "|".join("---" if i < text_columns else "---:" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -312,7 +313,8 @@ def _spec(d: dict) -> str:
         for s, r in strategies.items():
             rows.append([w, s, _f(r["tok_s"]), _f(r["acceptance"], 2), str(r["draft_n"]),
                          f"{r['speedup']:.2f}x", "yes" if r["same_text_as_baseline"] else "**NO**"])
-    md = _table(["workload", "strategy", "tok/s", "acceptance", "drafted", "speedup", "same text"], rows)
+    md = _table(["workload", "strategy", "tok/s", "acceptance", "drafted", "speedup", "same text"], rows,
+                text_columns=2)
     md += ("\nHow to read it: a 2-stage split on loopback with 5 ms of emulated latency each way; "
            "`speedup` is decode tokens/s over `baseline` (no speculation) on the same prompts; "
            "acceptance is accepted / drafted tokens. Greedy decoding, so every strategy must give "
