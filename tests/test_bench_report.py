@@ -151,3 +151,34 @@ def test_machine_info_reads_this_machine(monkeypatch):
     monkeypatch.setattr(report, "_commit", lambda: None)  # git is a process: not in the fast tier
     m = report.machine_info()
     assert m["cores"] >= 1 and m["python"] and len(m["loadavg_before"]) == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--only", "engine,flood"], "--only takes some of engine,net,serve,spec"),
+    (["--from-json", "missing.json"], "cannot read missing.json"),
+])
+def test_bad_report_options_are_one_line_and_write_nothing(tmp_path, monkeypatch, args, message, meshnode_main):
+    monkeypatch.chdir(tmp_path)
+    r = meshnode_main("--home", str(tmp_path / "home"), "bench", "report", *args)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "docs").exists()
+
+
+@pytest.mark.slow
+def test_the_command_runs_a_benchmark_and_splices_its_results(tmp_path):
+    """`bench net` needs no model: the cheap end-to-end path (subprocess, JSON, splice)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "benchmarks.md"
+    out.write_text(f"# B\n\nintro\n\n{report.BEGIN}\nold\n{report.END}\n\n## Reference\n")
+    r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path / "home"), "bench", "report",
+                        "--quick", "--only", "net", "--out", str(out), "--charts", str(tmp_path / "bench")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = out.read_text()
+    assert md.startswith("# B\n\nintro\n") and md.endswith("## Reference\n") and "old" not in md
+    assert "$ meshnode bench net --iters 50 --bulk-mb 8 --json" in md and "| 576 x f32 lane |" in md
+    saved = json.loads((tmp_path / "bench" / "results.json").read_text())
+    assert saved["quick"] and saved["benchmarks"]["net"][0]["datagram"] == 1350
