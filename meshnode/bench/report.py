@@ -361,10 +361,11 @@ def _charts(b: dict) -> dict[str, tuple[str, str]]:
         res = next(iter(serve.values()))
         rows = []
         for i, c in enumerate(res["ceiling_tok_s"]):
+            streams = "1 stream" if c == "1" else f"{c} streams"
             for n in sorted((k for k in res if k.isdigit()), key=int):
-                rows.append((f"{c} streams, {'1 node' if n == '1' else n + ' stages'}",
+                rows.append((f"{streams}, {'1 node' if n == '1' else n + ' stages'}",
                              res[n]["aggregate_tok_s"][c], i))
-            rows.append((f"{c} streams, engine ceiling", res["ceiling_tok_s"][c], i))
+            rows.append((f"{streams}, engine ceiling", res["ceiling_tok_s"][c], i))
         out["concurrency.svg"] = (bar_chart("Aggregate decode tokens/s by concurrency",
                                             "tokens/s over all streams (higher is better)", rows),
                                   "aggregate tokens/s by concurrency")
