@@ -228,6 +228,18 @@ class _Reader:
             raise self.error(dotted, f"expected an integer in [{lo}, {hi}], got {v}")
         return v
 
+    def size_(self, t: Mapping[str, Any], key: str, dotted: str, lo: int = 0) -> int | None:
+        """A size such as ``"6GB"`` or a number of bytes, at least ``lo`` bytes."""
+        if key not in t:
+            return None
+        try:
+            v = parse_size(t[key])
+        except ConfigError as e:
+            raise self.error(dotted, str(e)) from None
+        if v < lo:
+            raise self.error(dotted, f"expected at least {lo // 1024}KiB, got {v} bytes")
+        return v
+
     def float_(self, t: Mapping[str, Any], key: str, dotted: str, lo: float, hi: float) -> float | None:
         if key not in t:
             return None
@@ -284,35 +296,21 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
 
     node_t = r.table(data, "node", "node")
     r.warn_unknown(node_t, "node.", ("name", "http_port", "quic_port", "max_memory", "shutdown_grace"))
-    max_memory = None
-    if "max_memory" in node_t:
-        try:
-            max_memory = parse_size(node_t["max_memory"])
-        except ConfigError as e:
-            raise r.error("node.max_memory", str(e)) from None
     node = NodeSettings(
         name=r.str_(node_t, "name", "node.name"),
         http_port=r.int_(node_t, "http_port", "node.http_port", 0, 65535),
         quic_port=r.int_(node_t, "quic_port", "node.quic_port", 0, 65535),
-        max_memory=max_memory,
+        max_memory=r.size_(node_t, "max_memory", "node.max_memory"),
         shutdown_grace=r.float_(node_t, "shutdown_grace", "node.shutdown_grace", 0, MAX_SHUTDOWN_GRACE),
     )
 
     http_t = r.table(data, "http", "http")
     r.warn_unknown(http_t, "http.", ("api_key", "allowed_hosts", "cors_origins", "max_body", "max_queue"))
-    max_body = None
-    if "max_body" in http_t:
-        try:
-            max_body = parse_size(http_t["max_body"])
-        except ConfigError as e:
-            raise r.error("http.max_body", str(e)) from None
-        if max_body < 1024:
-            raise r.error("http.max_body", f"expected at least 1KiB, got {max_body} bytes")
     http = HttpSettings(
         api_key=r.str_(http_t, "api_key", "http.api_key"),
         allowed_hosts=r.strs(http_t, "allowed_hosts", "http.allowed_hosts"),
         cors_origins=r.strs(http_t, "cors_origins", "http.cors_origins"),
-        max_body=max_body,
+        max_body=r.size_(http_t, "max_body", "http.max_body", lo=1024),
         max_queue=r.int_(http_t, "max_queue", "http.max_queue", 0, 100_000),
     )
 
