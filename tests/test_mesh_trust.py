@@ -26,7 +26,6 @@ from nodeproc import lo_multicast, until
 pytestmark = pytest.mark.net
 
 
-needs_mdns = pytest.mark.skipif(not lo_multicast(), reason="multicast is off on lo")
 
 
 def _fabric(tmp_path, name: str, secret: bytes, **kw) -> MeshFabric:
@@ -78,7 +77,8 @@ def _drain(s: socket.socket) -> int:
         n += 1
 
 
-@needs_mdns
+@pytest.mark.slow
+@pytest.mark.skipif(not lo_multicast(), reason="multicast is off on lo")
 async def test_forged_record_does_not_change_capabilities(tmp_path):
     s = new_secret()
     a, b = _fabric(tmp_path, "a", s), _fabric(tmp_path, "b", s)
@@ -102,7 +102,8 @@ async def test_forged_record_does_not_change_capabilities(tmp_path):
         await b.stop()
 
 
-@needs_mdns
+@pytest.mark.slow
+@pytest.mark.skipif(not lo_multicast(), reason="multicast is off on lo")
 async def test_announcement_does_not_redirect_a_known_member(tmp_path):
     # b announces nothing itself (no mDNS): a learns b only from the record announced here,
     # so b never dials a and every reconnection is a's redial.
@@ -133,7 +134,8 @@ async def test_announcement_does_not_redirect_a_known_member(tmp_path):
         await b.stop()
 
 
-@needs_mdns
+@pytest.mark.slow
+@pytest.mark.skipif(not lo_multicast(), reason="multicast is off on lo")
 async def test_dialled_peer_must_be_the_announced_node(tmp_path):
     # A record says node X is at c's address; c is a member, but not X: the link is dropped.
     s = new_secret()

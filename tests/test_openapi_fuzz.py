@@ -27,7 +27,8 @@ from meshnode.serve.app import create_app
 from inproc import serve_app
 from test_http_security import StubNode
 
-pytestmark = pytest.mark.timeout(180)
+# schemathesis over every operation takes ~10 s: the slow tier.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance]
