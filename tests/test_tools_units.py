@@ -288,3 +288,15 @@ def test_grammar_mask_frame_bounds(rows, n_vocab):
 def test_constraint_class_is_what_compile_returns(byte_tok):
     c = compile_constraint(Structure("json", schema={"type": "object"}), byte_tok, "response_format")
     assert isinstance(c, Constraint) and LLMatcher is not None
+
+
+def test_drafts_that_end_the_grammar_leave_the_matcher_where_it_was(byte_tok):
+    # an end-of-generation draft after a complete answer must not be consumed: a rollback
+    # across the matcher's stop would not restore it
+    c = compile_constraint(Structure("json", schema={"type": "integer"}), byte_tok, "response_format")
+    c.commit([ord("4")])
+    before = c.masks()[0].copy()
+    m = c.masks([ord("2"), EOS, ord("x")])
+    assert EOS in _allowed(m[1]) and (c.masks()[0] == before).all()
+    c.commit([ord("2"), EOS])
+    assert c.done

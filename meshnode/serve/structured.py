@@ -19,8 +19,8 @@ advances it by what the final stage actually returned. The masks travel with the
 (``Step.mask``; on a split the ``GrammarMask`` frame, docs/protocol.md).
 
 Masks are ``uint32`` words, bit ``t % 32`` of word ``t // 32`` for token ``t``
-(llguidance's layout). Cost: tens of microseconds per row for SmolLM2's 49152 tokens
-(``meshnode bench grammar``).
+(llguidance's layout). Cost: 37 us median, 0.2 ms worst, per row for SmolLM2's 49152
+tokens through a tool-call grammar (docs/api.md, "Tools and structured output").
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ MAX_GRAMMAR_CHARS = 256 * 1024
 class Constraint:
     """One request's grammar: masks for a step's rows, and the committed tokens."""
 
-    def __init__(self, matcher: Any, n_vocab: int) -> None:
+    def __init__(self, matcher: Any, n_vocab: int, eos: frozenset[int] = frozenset()) -> None:
         self._m = matcher
+        self._eos = eos
         self.n_vocab = n_vocab
         self.words = (n_vocab + 31) // 32
 
@@ -59,12 +60,16 @@ class Constraint:
         out = np.empty((len(drafts) + 1, self.words), dtype=np.uint32)
         out[0] = self._mask()
         n_ok = self._m.validate_tokens(list(drafts)) if drafts else 0
+        # never consume an end-of-generation draft: it stops the matcher, and a rollback
+        # across the stop does not restore it (the request ends there anyway)
+        n_ok = next((i for i in range(n_ok) if int(drafts[i]) in self._eos), n_ok)
         for i in range(n_ok):
             if not self._m.consume_token(int(drafts[i])):   # validated: cannot fail
                 raise RuntimeError(f"grammar refused a validated draft: {self._m.get_error()}")
             out[i + 1] = self._mask()
-        if n_ok:
-            self._m.rollback(n_ok)
+        if n_ok and not self._m.rollback(n_ok):
+            raise RuntimeError(f"the grammar could not roll back {n_ok} draft(s): {self._m.get_error()}")
+        log.debug("masks: drafts %s, %d valid", list(drafts), n_ok)
         # rows after a forbidden draft are never reached: any mask that samples will do
         out[n_ok + 1:] = out[n_ok]
         return out
@@ -72,6 +77,7 @@ class Constraint:
     def commit(self, tokens: list[int] | tuple[int, ...]) -> None:
         """The step's result (accepted drafts, then the bonus): each was sampled under
         its row's mask, so the grammar takes it."""
+        log.debug("commit %s", list(tokens))
         for t in tokens:
             if self._m.is_stopped():
                 return   # after the end: only end-of-generation, which the request stops on
@@ -100,7 +106,7 @@ def compile_constraint(structure: Structure, tokenizer: Any, param: str) -> Cons
     matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
     if matcher.is_error():
         raise InvalidRequestError(param, f"Unsupported or invalid JSON schema: {_one_line(matcher.get_error())}")
-    return Constraint(matcher, int(tokenizer.n_vocab))
+    return Constraint(matcher, int(tokenizer.n_vocab), frozenset(lltok.eos_tokens))
 
 
 def _one_line(text: str) -> str:
