@@ -110,7 +110,7 @@ def test_tool_calling_loop(client):
 
 def test_streamed_tool_calls_have_openai_delta_shape(client):
     stream = client.chat.completions.create(model=client.model_id, messages=ASK, tools=TOOLS, tool_choice="required",
-                                            temperature=0, max_tokens=400, stream=True)
+                                            temperature=0, max_tokens=200, stream=True)
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -133,7 +133,7 @@ def test_streamed_tool_calls_have_openai_delta_shape(client):
         jsonschema_rs.validate(SCHEMAS[c["name"]], json.loads(c["arguments"]))
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2])
 def test_named_tool_choice_is_always_a_valid_call_of_that_tool(client, seed):
     # sampled, not greedy: whatever the model picks, the grammar keeps it valid
     r = client.chat.completions.create(
@@ -213,7 +213,7 @@ def _constrained_outputs(c) -> list[str]:
     model = c.models.list().data[0].id
     out = []
     r = c.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                  temperature=0, max_tokens=200)
+                                  parallel_tool_calls=False, temperature=0, max_tokens=80)
     out.append(json.dumps([(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls]))
     r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Invent a person."}],
                                   temperature=0, max_tokens=150, response_format={

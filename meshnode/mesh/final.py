@@ -92,6 +92,8 @@ class FinalSampler:
         alone. The session's generator is dropped: it may have advanced part way, and the
         request fails anyway."""
         try:
+            if mask is None:
+                return self.finalize(session, logits, drafts, sampling)
             return self.finalize(session, logits, drafts, sampling, mask)
         except Exception as exc:  # noqa: BLE001 - this session's failure, never its batch's
             log.warning("session %x: sampling failed: %s", session, exc, exc_info=not isinstance(exc, ValueError))
