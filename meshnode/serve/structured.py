@@ -69,7 +69,6 @@ class Constraint:
             out[i + 1] = self._mask()
         if n_ok and not self._m.rollback(n_ok):
             raise RuntimeError(f"the grammar could not roll back {n_ok} draft(s): {self._m.get_error()}")
-        log.debug("masks: drafts %s, %d valid", list(drafts), n_ok)
         # rows after a forbidden draft are never reached: any mask that samples will do
         out[n_ok + 1:] = out[n_ok]
         return out
@@ -77,7 +76,6 @@ class Constraint:
     def commit(self, tokens: list[int] | tuple[int, ...]) -> None:
         """The step's result (accepted drafts, then the bonus): each was sampled under
         its row's mask, so the grammar takes it."""
-        log.debug("commit %s", list(tokens))
         for t in tokens:
             if self._m.is_stopped():
                 return   # after the end: only end-of-generation, which the request stops on
