@@ -17,6 +17,7 @@ from meshnode.wire import (
     CapsUpdate,
     Claim,
     DataError,
+    GrammarMask,
     DecoderState,
     Error,
     ErrorCode,
@@ -133,6 +134,9 @@ messages = st.one_of(
     st.builds(CapsUpdate, u32, st.dictionaries(text, json_value, max_size=4)),
     st.builds(SecretRotate, u32, st.binary(min_size=32, max_size=32)),
     st.builds(SecretAck, u32, text),
+    st.builds(lambda b, sess, m: GrammarMask.pack(b, sess, np.asarray(m, dtype=np.uint32), 32 * len(m[0])),
+              u64, u64, st.integers(1, 4).flatmap(lambda w: st.lists(
+                  st.lists(st.integers(0, 2**32 - 1), min_size=w, max_size=w), min_size=1, max_size=33))),
 )
 
 
@@ -149,11 +153,11 @@ def same(a: object, b: object) -> bool:
 
 
 def test_every_kind_has_a_strategy():
-    # one_of keeps its branches; make sure none of the 23 kinds was forgotten
+    # one_of keeps its branches; make sure none of the 24 kinds was forgotten
     kinds = {
         Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, LaneKey, Profile, Claim, Prepare, Inventory, Load,
         Ready, Stop, Status, Error, Forward, TokenReturn, Trim, SessionEnd, DataError,
-        CapsUpdate, SecretRotate, SecretAck,
+        CapsUpdate, SecretRotate, SecretAck, GrammarMask,
     }  # fmt: skip
     assert {k.KIND for k in kinds} == set(MessageKind)
 

@@ -9,6 +9,11 @@ It is part of the mesh's data plane: the stage host of a final stage
 (:mod:`meshnode.mesh.stage_host`) and the pipelines at stage 0
 (:mod:`meshnode.mesh.pipeline`) both run it.
 
+A step may carry allowed-token masks, one per logit row (grammar-constrained sampling;
+stage 0 computes them, :mod:`meshnode.serve.structured`): the logits outside a row's
+mask are set to -inf before sampling or verifying, so a forbidden draft is rejected like
+any other mismatch and the bonus token is always allowed.
+
 Sampling is per session, so its failures are too: a session whose logits or sampling
 parameters make it raise (NaN logits, a value the sampler cannot take) fails alone, and
 the other sessions of the same engine call keep their tokens (:meth:`FinalSampler.finalize_isolated`,
@@ -63,25 +68,33 @@ class FinalSampler:
         self._rngs: dict[int, np.random.Generator] = {}
 
     def finalize(self, session: int, logits: np.ndarray, drafts: tuple[int, ...],
-                 sampling: Sampling) -> Finalized:
-        """``logits``: ``(len(drafts) + 1, V)`` rows for ``[last, d1..dk]``."""
+                 sampling: Sampling, mask: np.ndarray | None = None) -> Finalized:
+        """``logits``: ``(len(drafts) + 1, V)`` rows for ``[last, d1..dk]``; ``mask``:
+        None, or the allowed tokens of each of those rows (uint32 words, see apply_mask)."""
         rng = None
         if not sampling.greedy:
             rng = self._rngs.get(session)
             if rng is None:
                 rng = self._rngs[session] = np.random.default_rng(sampling.seed)
-        res = verify_logits(logits[-(len(drafts) + 1):], drafts, temperature=sampling.temperature,
+        rows = logits[-(len(drafts) + 1):]
+        if mask is not None:
+            if mask.shape[0] != rows.shape[0]:
+                raise ValueError(f"{mask.shape[0]} mask rows for {rows.shape[0]} logit rows")
+            rows = apply_mask(rows, mask)
+        res = verify_logits(rows, drafts, temperature=sampling.temperature,
                             top_k=sampling.top_k, top_p=sampling.top_p, rng=rng)
         return Finalized(res.tokens, res.n_accepted, len(drafts))
 
     def finalize_isolated(self, session: int, logits: np.ndarray, drafts: tuple[int, ...],
-                          sampling: Sampling) -> Finalized | SamplingFailed:
+                          sampling: Sampling, mask: np.ndarray | None = None) -> Finalized | SamplingFailed:
         """:meth:`finalize`, with a failure returned instead of raised, so that the caller,
         which finalizes every session of one engine call in turn, hands it to this session
         alone. The session's generator is dropped: it may have advanced part way, and the
         request fails anyway."""
         try:
-            return self.finalize(session, logits, drafts, sampling)
+            if mask is None:
+                return self.finalize(session, logits, drafts, sampling)
+            return self.finalize(session, logits, drafts, sampling, mask)
         except Exception as exc:  # noqa: BLE001 - this session's failure, never its batch's
             log.warning("session %x: sampling failed: %s", session, exc, exc_info=not isinstance(exc, ValueError))
             self.forget(session)
@@ -89,3 +102,19 @@ class FinalSampler:
 
     def forget(self, session: int) -> None:
         self._rngs.pop(session, None)
+
+
+def apply_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``logits`` ``(rows, V)`` with every token outside its row's ``mask`` set to -inf
+    (a new float32 array). ``mask``: ``(rows, words)`` uint32, token ``t`` allowed when
+    bit ``t % 32`` of word ``t // 32`` is set (llguidance's layout); tokens past the
+    mask's bits are not allowed. A row that allows nothing fails the sampling."""
+    rows, vocab = logits.shape
+    bits = np.unpackbits(np.ascontiguousarray(mask, dtype="<u4").view(np.uint8).reshape(rows, -1),
+                         axis=1, count=None, bitorder="little")
+    n = min(vocab, bits.shape[1])
+    if not bits[:, :n].any(axis=1).all():
+        raise ValueError("the grammar allows no token")
+    out = np.full((rows, vocab), -np.inf, dtype=np.float32)
+    np.copyto(out[:, :n], logits[:, :n], where=bits[:, :n].astype(bool))
+    return out

@@ -90,11 +90,14 @@ class Step:
     n_logits: int = 1             # 0 = no output wanted; else len(drafts) + 1
     drafts: tuple[int, ...] = ()
     sampling: Sampling = GREEDY
+    # grammar-constrained sampling: the allowed tokens of each logit row (n_logits rows of
+    # uint32 words, mesh.final.apply_mask), or None
+    mask: np.ndarray | None = None
 
     @property
     def plain_decode(self) -> bool:
-        """One row, one token out, no drafts: the per-token step (template, fast lane)."""
-        return self.n_logits == 1 and not self.drafts and self.tokens.shape[0] == 1
+        """One row, one token out, no drafts, no mask: the per-token step (template, fast lane)."""
+        return self.n_logits == 1 and not self.drafts and self.tokens.shape[0] == 1 and self.mask is None
 
 
 class Pipeline(Protocol):
@@ -129,7 +132,7 @@ class LocalPipeline:
         return [self._finalize(s, out) if s.n_logits else None for s, out in zip(steps, outs)]
 
     def _finalize(self, step: Step, logits: np.ndarray) -> Finalized | StepFailedError:
-        res = self.sampler.finalize_isolated(step.session, logits, step.drafts, step.sampling)
+        res = self.sampler.finalize_isolated(step.session, logits, step.drafts, step.sampling, step.mask)
         return StepFailedError(step.session, res.reason) if isinstance(res, SamplingFailed) else res
 
     async def run(self, steps: Sequence[Step]) -> list[StepResult]:
@@ -252,6 +255,11 @@ class MeshPipeline:
             self._busy[s.session] = self._busy.get(s.session, 0) + 1
         t0, resends = loop.time(), self.lane_resends
         try:
+            # each constrained step's masks go right before the frame, on the same stream
+            # (a masked step never takes the lane: _lane_eligible)
+            for s in steps:
+                if s.mask is not None and s.n_logits:
+                    await self._send(wire.GrammarMask.pack(batch_id, s.session, s.mask, 32 * s.mask.shape[1]), False)
             await self._send(msg, lane)
             # Timers on the future itself rather than asyncio.wait_for: wait_for wakes this
             # task through an extra waiter, a loop iteration more on every decode step.
@@ -302,7 +310,8 @@ class MeshPipeline:
             wire.Segment(session=s.session, pos=s.pos, n_rows=int(s.tokens.shape[0]),
                          n_logits=s.n_logits, drafts=tuple(s.drafts),
                          temperature=s.sampling.temperature, top_k=s.sampling.top_k,
-                         top_p=s.sampling.top_p, seed=s.sampling.seed, flags=flags)
+                         top_p=s.sampling.top_p, seed=s.sampling.seed,
+                         flags=flags | (wire.SEG_MASKED if s.mask is not None and s.n_logits else 0))
             for s in steps)
         return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
 

@@ -49,6 +49,9 @@ QUEUE_MAX_BYTES = 256 * 1024 * 1024
 # Trim and SessionEnd are a few bytes and must not be lost behind a full queue (a lost
 # SessionEnd keeps a KV slot busy): they have their own, larger bound.
 QUEUE_MAX_SMALL = 4096
+# Masks kept for Forwards not yet computed (each comes right before its Forward; the
+# bound only matters for an upstream that sends masks without frames).
+MASKS_KEPT = 4 * QUEUE_MAX_FRAMES
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +96,15 @@ class StageHost:
         # session's end, and must not bring the session back.
         self._ended: OrderedDict[int, None] = OrderedDict()
         self._replies: set[asyncio.Task] = set()
+        # Final stage: GrammarMask rows by (batch id, session), until their Forward comes.
+        self._masks: dict[tuple[int, int], np.ndarray] = {}
 
     def accept(self, peer: str, msg: wire.Message) -> bool:
         """Queue a data-plane message from ``peer``; False if it is not one.
 
         A message from a node that may not send it is dropped (True: it was ours to
         refuse); a Forward over the queue bound is answered with DataError(BUSY)."""
-        if not isinstance(msg, (wire.Forward, wire.Trim, wire.SessionEnd)):
+        if not isinstance(msg, (wire.Forward, wire.Trim, wire.SessionEnd, wire.GrammarMask)):
             return False
         source = self.route.source
         allowed = peer == source or (not isinstance(msg, wire.Forward) and peer == self.route.coordinator)
@@ -109,8 +114,10 @@ class StageHost:
             return True
         size = _act_bytes(msg)
         forward = isinstance(msg, wire.Forward)
+        # a refused GrammarMask fails its session at the final stage (SEG_MASKED without a mask)
         if (self._queued_frames >= QUEUE_MAX_FRAMES or self._queued_bytes + size > QUEUE_MAX_BYTES
-                if forward else self._queue.qsize() - self._queued_frames >= QUEUE_MAX_SMALL):
+                if forward else self._queue.qsize() - self._queued_frames >= QUEUE_MAX_SMALL
+                or self._queued_bytes + size > QUEUE_MAX_BYTES):
             self.refused += 1
             log.warning("stage queue full (%d frames, %d bytes): %s from %s refused",
                         self._queue.qsize(), self._queued_bytes, type(msg).__name__, peer)
@@ -150,6 +157,8 @@ class StageHost:
                 match msg:
                     case wire.Forward():
                         await self._forward(msg)
+                    case wire.GrammarMask():
+                        await self._mask(msg)
                     case wire.Trim(session=session, pos=pos):
                         await self.worker.rollback(session, pos)
                     case wire.SessionEnd(session=session):
@@ -171,7 +180,26 @@ class StageHost:
                         ref=0, batch_id=msg.batch_id, session=WHOLE_BATCH,
                         code=wire.ErrorCode.ENGINE_ERROR, message=str(exc)))
 
-    def _compute(self, msg: wire.Forward):
+    async def _mask(self, msg: wire.GrammarMask) -> None:
+        """A constrained segment's masks: relayed downstream in order (before its Forward),
+        kept by the final stage until that Forward is computed."""
+        if not self.is_last:
+            await self._send(self.route.downstream, msg)
+            return
+        if len(self._masks) >= MASKS_KEPT:
+            self._masks.pop(next(iter(self._masks)))
+        self._masks[(msg.batch_id, msg.session)] = msg.unpack()
+
+    def _take_masks(self, msg: wire.Forward) -> dict[int, np.ndarray]:
+        """The masks of ``msg``'s segments; masks of older batches (refused, or their
+        Forward lost) are dropped."""
+        got = {s.session: m for s in msg.segments
+               if (m := self._masks.pop((msg.batch_id, s.session), None)) is not None}
+        for key in [k for k in self._masks if k[0] < msg.batch_id]:
+            del self._masks[key]
+        return got
+
+    def _compute(self, msg: wire.Forward, masks: dict[int, np.ndarray] | None = None):
         act = np.asarray(msg.act, dtype=np.float32)
         segs, row = [], 0
         for s in msg.segments:
@@ -186,8 +214,12 @@ class StageHost:
         for s, logits in zip(msg.segments, outs):
             verified = s.pos + s.n_rows
             if s.n_logits:
-                fin = self.sampler.finalize_isolated(s.session, logits, tuple(s.drafts),
-                                                     Sampling(s.temperature, s.top_k, s.top_p, s.seed))
+                mask = (masks or {}).get(s.session)
+                if s.flags & wire.SEG_MASKED and mask is None:
+                    fin = SamplingFailed("the grammar mask of a constrained step did not arrive")
+                else:
+                    fin = self.sampler.finalize_isolated(s.session, logits, tuple(s.drafts),
+                                                         Sampling(s.temperature, s.top_k, s.top_p, s.seed), mask)
                 if isinstance(fin, SamplingFailed):
                     # this session's failure: the others of the batch keep their tokens
                     results.append(wire.DataError(ref=0, batch_id=msg.batch_id, session=s.session,
@@ -250,7 +282,8 @@ class StageHost:
                 ref=0, batch_id=msg.batch_id, session=WHOLE_BATCH, code=code,
                 message=f"{why}: not computed"))
             return
-        out = await self.worker.step(len(msg.act), self._compute, msg)
+        masks = self._take_masks(msg) if self.is_last else None
+        out = await self.worker.step(len(msg.act), self._compute, msg, masks)
         self.batches += 1
         for s in msg.segments:
             self._newest[s.session] = msg.batch_id
@@ -283,5 +316,7 @@ class StageHost:
 
 
 def _act_bytes(msg: wire.Message) -> int:
+    if isinstance(msg, wire.GrammarMask):
+        return sum(len(r.data) for r in msg.rows)
     act = getattr(msg, "act", None)
     return int(getattr(act, "nbytes", 0) or 0)

@@ -54,7 +54,7 @@ __all__ = ["StageServerRuntime"]
 log = logging.getLogger(__name__)
 
 _REQUESTS = (wire.Claim, wire.Prepare, wire.Load, wire.Stop)
-_DATA = (wire.Forward, wire.Trim, wire.SessionEnd)
+_DATA = (wire.Forward, wire.Trim, wire.SessionEnd, wire.GrammarMask)
 PROGRESS_EVERY_S = 0.25
 
 

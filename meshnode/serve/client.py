@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 __all__ = [
     "Admitted",
@@ -46,10 +46,11 @@ __all__ = [
     "StopMatcher",
     "TextDelta",
     "Timings",
+    "ToolCall",
     "Usage",
 ]
 
-FinishReason: TypeAlias = Literal["stop", "length"]
+FinishReason: TypeAlias = Literal["stop", "length", "tool_calls"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +64,20 @@ class ModelCard:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call: in an assistant message fed back, or parsed from the output."""
+
+    id: str
+    name: str
+    arguments: str                  # a JSON object, as text (OpenAI's shape)
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str                       # system | user | assistant | tool
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()   # an assistant's earlier calls
+    tool_call_id: str | None = None         # a tool result: the call it answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +98,10 @@ class GenerationRequest:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Tools and structured output (meshnode.serve.tools): the tool definitions shown to
+    # the model, and what its output must be (None: free text).
+    tools: tuple[Any, ...] = ()             # tools.ToolSpec
+    structure: Any = None                   # tools.Structure
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):

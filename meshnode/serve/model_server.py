@@ -79,6 +79,8 @@ from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
 from meshnode.serve.request import ActiveRequest, new_session_id
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.serve.speculation import SpeculativeDecoder
+from meshnode.serve.structured import compile_constraint
+from meshnode.serve.tools import render_messages
 from meshnode.spec.ngram import MIN_NGRAM_MATCH
 from meshnode.spec.strategy import Proposer, SpecConfig
 from meshnode.state import RequestInfo, RequestStatus, RequestUpdated
@@ -160,6 +162,9 @@ class ModelServer:
 
     def _prompt_tokens(self, req: GenerationRequest) -> tuple[list[int], list[str]]:
         if req.messages is not None:
+            if req.tools or any(m.tool_calls or m.role == "tool" for m in req.messages):
+                msgs, tools = render_messages(req.messages, req.tools, native=self.tokenizer.supports_tools)
+                return self.tokenizer.apply_chat_template(msgs, tools)
             msgs = [{"role": m.role, "content": m.content} for m in req.messages]
             return self.tokenizer.apply_chat_template(msgs)
         return self.tokenizer.encode(req.prompt or "", add_bos=True), []
@@ -202,6 +207,13 @@ class ModelServer:
         self._admit()
         try:
             prompt, template_stops = await self._tokenize(req)
+            constraint = None
+            if req.structure is not None:
+                # compiling a schema can take a while (and the first one builds the
+                # grammar's view of the vocabulary): off the loop
+                param = "tools" if req.structure.kind == "tool_calls" else "response_format"
+                constraint = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_pool, compile_constraint, req.structure, self.tokenizer, param)
         except BaseException:
             self._release()
             raise
@@ -218,7 +230,7 @@ class ModelServer:
         info = RequestInfo(rid, self.settings.name, RequestStatus.QUEUED, len(prompt), 0, 0.0, None, time.time(),
                            strategy=self._decoder.telemetry.strategy)
         ar = ActiveRequest(rid, new_session_id(self._sessions), prompt, sampling, max_tokens,
-                           StopMatcher(tuple(req.stop) + tuple(template_stops)), info)
+                           StopMatcher(tuple(req.stop) + tuple(template_stops)), info, constraint=constraint)
         self._active[rid] = ar
         self._update(ar)
         events: asyncio.Queue = asyncio.Queue()
@@ -262,6 +274,8 @@ class ModelServer:
             # ---- prefill -----------------------------------------------------------------
             t_prefill = time.perf_counter()
             first = await self._prefill(ar)
+            if ar.constraint is not None:
+                ar.constraint.commit([first])
             prefill_s = time.perf_counter() - t_prefill
             decoder.telemetry.record_prompt(ar.id, len(ar.prompt), prefill_s)
             ar.first_token_t = time.perf_counter()
@@ -323,8 +337,9 @@ class ModelServer:
         for start in range(0, len(arr), nb):
             chunk = arr[start:start + nb]
             last = start + nb >= len(arr)
+            mask = ar.constraint.masks() if last and ar.constraint is not None else None
             result = await self.scheduler.submit(Step(ar.session, start, chunk, 1 if last else 0,
-                                                      (), ar.sampling))
+                                                      (), ar.sampling, mask))
         assert result is not None
         return result.tokens[-1]
 

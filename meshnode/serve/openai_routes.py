@@ -39,6 +39,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -72,11 +73,16 @@ from meshnode.serve.schemas import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    FunctionCallDelta,
+    FunctionCallOut,
     ModelList,
     ModelObject,
+    ToolCallDelta,
+    ToolCallOut,
     UsageInfo,
     parse_request,
 )
+from meshnode.serve.tools import CallDelta, ToolCallParser, split_tool_calls
 from meshnode.serve.sse import DONE, KEEP_ALIVE, EventPump, KeepAliveTick, sse_data
 
 log = logging.getLogger("meshnode.serve.openai")
@@ -200,7 +206,7 @@ def make_openai_router(
     @router.post("/chat/completions", response_model=None, **_post_docs(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         body = await _parse(ChatCompletionRequest, request)
-        return await _serve(request, body, _ChatChunks(body.model, body.include_usage), "messages")
+        return await _serve(request, body, _ChatChunks(body.model, body.include_usage, body.tool_names()), "messages")
 
     @router.post("/completions", response_model=None, **_post_docs(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
@@ -346,7 +352,8 @@ async def _stream(
                     pass
                 case TextDelta(text=text):
                     if text:
-                        yield sse_data(chunks.delta(text))
+                        for chunk in chunks.deltas(text):
+                            yield sse_data(chunk)
                 case Finished():
                     for tail in chunks.tail(event):
                         yield sse_data(tail)
@@ -393,6 +400,10 @@ class _Chunks:
     def delta(self, text: str) -> dict[str, Any]:
         raise NotImplementedError
 
+    def deltas(self, text: str) -> list[dict[str, Any]]:
+        """The chunks that carry ``text`` (none while a tool call's start is held back)."""
+        return [self.delta(text)]
+
     def finish(self, reason: str, timings: TimingsJSON | None) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -411,7 +422,38 @@ class _Chunks:
 
 
 class _ChatChunks(_Chunks):
+    """Chat chunks; with ``tool_names`` the answer is read for tool calls
+    (:class:`~meshnode.serve.tools.ToolCallParser`): they stream in OpenAI's delta shape
+    and the finish reason of an answer that made calls is ``tool_calls``."""
+
     prefix = "chatcmpl"
+
+    def __init__(self, model: str, include_usage: bool, tool_names: list[str] | None = None) -> None:
+        super().__init__(model, include_usage)
+        self.tool_names = tool_names
+        self.parser = ToolCallParser(tool_names) if tool_names else None
+
+    def deltas(self, text: str) -> list[dict[str, Any]]:
+        if self.parser is None:
+            return [self.delta(text)]
+        return self._parsed(*self.parser.feed(text))
+
+    def _parsed(self, content: str, calls: list[CallDelta]) -> list[dict[str, Any]]:
+        out = [self.delta(content)] if content else []
+        if calls:
+            out.append(self._chunk([ChatChunkChoice(delta=ChatDelta(tool_calls=[
+                ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
+                              function=FunctionCallDelta(name=c.name, arguments=c.arguments))
+                for c in calls]))]))
+        return out
+
+    def tail(self, finished: Finished) -> list[dict[str, Any]]:
+        if self.parser is None:
+            return super().tail(finished)
+        head = self._parsed(*self.parser.finish())
+        if self.parser.calls and finished.finish_reason == "stop":
+            finished = replace(finished, finish_reason="tool_calls")
+        return head + super().tail(finished)
 
     def _chunk(self, choices: list[ChatChunkChoice], **extra: Any) -> dict[str, Any]:
         chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
@@ -430,11 +472,19 @@ class _ChatChunks(_Chunks):
         return self._chunk([], usage=usage, timings=timings)
 
     def full_response(self, text: str, finished: Finished) -> ChatCompletionResponse:
+        message, reason = ChatMessageOut(content=text), finished.finish_reason
+        if self.tool_names:
+            content, calls = split_tool_calls(text, self.tool_names)
+            if calls:
+                message = ChatMessageOut(content=content or None, tool_calls=[
+                    ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                    for c in calls])
+                reason = "tool_calls" if reason == "stop" else reason
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finished.finish_reason)],
+            choices=[ChatChoice(message=message, finish_reason=reason)],
             usage=_usage(finished.usage),
             timings=finished.timings.to_json(),
         )

@@ -22,6 +22,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshnode.engine.tokenizer import Tokenizer
 from meshnode.serve.client import StopMatcher, TextDelta
@@ -97,6 +98,8 @@ class ActiveRequest:
     # speculation state, driven by meshnode.serve.speculation
     ngram: NGramProposer | None = None   # the whole context: prompt + every generated token
     ahead: SentStep | None = None        # a lookahead window in flight
+    # grammar-constrained sampling (meshnode.serve.structured.Constraint), or None
+    constraint: Any = None
     _utf8: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder, repr=False)
 
     @property

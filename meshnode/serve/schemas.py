@@ -7,8 +7,8 @@ request model then converts itself with ``to_generation_request(request_id)``, r
 :class:`~meshnode.serve.errors.UnsupportedValueError` for valid OpenAI features this
 server does not implement (``n`` > 1, logprobs, images, token-id prompts, ``suffix``).
 
-Unknown fields are accepted (editors send vendor extras such as ``tools``,
-``response_format``, ``min_p``, ``cache_prompt``) and logged at debug level: they are
+Unknown fields are accepted (editors send vendor extras such as ``min_p``,
+``cache_prompt``) and logged at debug level: they are
 ignored, never an error. Response models mirror OpenAI's objects field for field, plus
 the non-standard ``timings`` (llama.cpp server's) when the engine reports it.
 """
@@ -21,8 +21,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from meshnode.serve.client import ChatMessage, GenerationRequest, TimingsJSON
+from meshnode.serve.client import ChatMessage, GenerationRequest, TimingsJSON, ToolCall
 from meshnode.serve.errors import InvalidRequestError, MalformedRequestError, UnsupportedValueError
+from meshnode.serve.tools import MAX_TOOLS, json_structure, tool_specs, tool_structure
 
 log = logging.getLogger("meshnode.serve.openai")
 
@@ -73,9 +74,24 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class FunctionCallIn(_Lenient):
+    name: str = Field(max_length=256)
+    arguments: str = ""
+
+
+class ToolCallIn(_Lenient):
+    """A call in an assistant message fed back (OpenAI's shape)."""
+
+    id: str = Field(default="", max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Lenient):
     role: str
     content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
 
     @model_validator(mode="after")
     def _known_role(self) -> ChatMessageIn:
@@ -145,11 +161,55 @@ class _SamplingRequest(_Lenient):
         )
 
 
+class FunctionDef(_Lenient):
+    name: str = Field(max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # a JSON schema of type object
+    strict: bool | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: str = Field(max_length=256)
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str | None = Field(default=None, max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # tools and structured output (meshnode.serve.tools)
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    def tool_names(self) -> list[str] | None:
+        """The tools whose calls the answer is read back for (None: plain content)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.function.name for t in self.tools]
 
     def to_generation_request(self, request_id: str) -> GenerationRequest:
         """The engine request; raises UnsupportedValueError / InvalidRequestError."""
@@ -158,7 +218,12 @@ class ChatCompletionRequest(_SamplingRequest):
             raise UnsupportedValueError("logprobs", "logprobs are not supported.")
         messages = tuple(_flatten_message(i, m) for i, m in enumerate(self.messages))
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._generation_request(request_id, max_tokens, messages=messages)
+        tools = tool_specs(self.tools or [])
+        structure, _ = tool_structure(tools, self.tool_choice, self.parallel_tool_calls)
+        if structure is None:
+            structure = json_structure(self.response_format)
+        return self._generation_request(request_id, max_tokens, messages=messages, tools=tools,
+                                        structure=structure)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -192,10 +257,15 @@ class CompletionRequest(_SamplingRequest):
 def _flatten_message(index: int, m: ChatMessageIn) -> ChatMessage:
     """String content stays; a list of text parts is joined with newlines (as vLLM does)."""
     role = "system" if m.role == "developer" else m.role
+    extra: dict[str, Any] = {}
+    if m.tool_calls:
+        extra["tool_calls"] = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls)
+    if m.tool_call_id is not None:
+        extra["tool_call_id"] = m.tool_call_id
     if m.content is None:
-        return ChatMessage(role, "")
+        return ChatMessage(role, "", **extra)
     if isinstance(m.content, str):
-        return ChatMessage(role, m.content)
+        return ChatMessage(role, m.content, **extra)
     texts = []
     for j, part in enumerate(m.content):
         if part.type != "text" or part.text is None:
@@ -204,7 +274,7 @@ def _flatten_message(index: int, m: ChatMessageIn) -> ChatMessage:
                 f"Content part type {part.type!r} is not supported; only text parts are.",
             )
         texts.append(part.text)
-    return ChatMessage(role, "\n".join(texts))
+    return ChatMessage(role, "\n".join(texts), **extra)
 
 
 # --- parsing raw bodies ----------------------------------------------------------------
@@ -269,9 +339,21 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChoice(BaseModel):
@@ -291,9 +373,24 @@ class ChatCompletionResponse(BaseModel):
     timings: TimingsJSON | None = Field(default=None, exclude_if=_omit_none)
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_omit_none)
+    arguments: str = ""
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a call: id, type and name in its first chunk, then arguments."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_omit_none)
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: str | None = Field(default=None, exclude_if=_omit_none)
     content: str | None = Field(default=None, exclude_if=_omit_none)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChunkChoice(BaseModel):

@@ -132,6 +132,8 @@ class SpeculativeDecoder:
         dt = time.perf_counter() - t0  # drafting included: it is part of what a step costs
         assert res is not None
         tokens, drafts = list(res.tokens), step.drafts
+        if req.constraint is not None:
+            req.constraint.commit(tokens)
         if not step.lookahead:
             # a lookahead's wait overlapped the step before it: not what a window costs
             self.cost.observe(len(drafts), dt)
@@ -161,14 +163,17 @@ class SpeculativeDecoder:
 
     def _send(self, req: ActiveRequest, pos: int, last: int, drafts: list[int], *,
               lookahead: bool = False) -> SentStep:
+        mask = req.constraint.masks(drafts) if req.constraint is not None else None
         step = Step(req.session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
-                    tuple(drafts), req.sampling)
+                    tuple(drafts), req.sampling, mask)
         return SentStep(step, self.scheduler.enqueue(step), lookahead)
 
     def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: NGramProposer) -> SentStep | None:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is
         the proposer's next token (see :mod:`meshnode.spec.lookahead` for when)."""
+        # (a constrained request's masks follow its committed tokens: no guessing ahead)
         if (not step.drafts or self.scheduler.pipeline.n_stages < 2 or not req.sampling.greedy
+                or req.constraint is not None
                 or self.draft is not None or not self.policy.should_draft
                 or self.scheduler.decoding != 1 or not self.gate.allow()):
             return None

@@ -31,6 +31,7 @@ from meshnode.wire.errors import (
 )
 from meshnode.wire.messages import (
     SEG_LANE,
+    SEG_MASKED,
     PROTOCOL_VERSION,
     WIRE_DTYPES,
     AuthChallenge,
@@ -39,6 +40,7 @@ from meshnode.wire.messages import (
     CapsUpdate,
     Claim,
     DataError,
+    GrammarMask,
     Error,
     Forward,
     Heartbeat,
@@ -69,6 +71,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "SEG_LANE",
+    "SEG_MASKED",
     "MAX_FRAME",
     "PROTOCOL_VERSION",
     "WIRE_DTYPES",
@@ -79,6 +82,7 @@ __all__ = [
     "CapsUpdate",
     "Claim",
     "DataError",
+    "GrammarMask",
     "DecodeTemplate",
     "DecoderState",
     "Error",

@@ -54,6 +54,14 @@ PROTOCOL_VERSION = 2
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
 # (meshnode.net.lane); stage 0 resends it over the stream, without the bit, if it is lost.
 SEG_LANE = 0x01
+# SEG_MASKED: the final stage samples this segment under the GrammarMask that stage 0 sent
+# just before the Forward; without it the session fails (never samples unconstrained).
+SEG_MASKED = 0x02
+# GrammarMask bounds: a vocabulary of up to 2**20 tokens (a 128 KiB bitset a row) and
+# one row per logit of a verify window.
+MAX_MASK_VOCAB = 1 << 20
+MASK_BITSET = 0
+MASK_IDS = 1
 WIRE_DTYPES = ("f32", "f16")
 
 
@@ -84,6 +92,8 @@ class MessageKind(enum.IntEnum):
     CAPS_UPDATE = 0x0040
     SECRET_ROTATE = 0x0041
     SECRET_ACK = 0x0042
+    # grammar-constrained sampling: the allowed tokens of a step's logit rows
+    GRAMMAR_MASK = 0x0080
 
 
 class MessageType:
@@ -508,6 +518,78 @@ class SecretAck:
     mesh_id: str = wf(STR)
 
 
+@record
+@dataclass(frozen=True, slots=True)
+class MaskRow:
+    """One logit row's allowed tokens: ``MASK_BITSET`` (u32 words, bit ``t % 32`` of word
+    ``t // 32``) or ``MASK_IDS`` (the allowed ids, u32 each, when fewer are allowed)."""
+
+    form: int = wf(U8)
+    data: bytes = wf(BYTES)
+
+
+def _check_grammar_mask(m: GrammarMask) -> None:
+    if not 1 <= m.n_vocab <= MAX_MASK_VOCAB:
+        raise Invalid(ErrorCode.BAD_FIELD, f"n_vocab {m.n_vocab} out of 1..{MAX_MASK_VOCAB}")
+    if not 1 <= len(m.rows) <= MAX_VERIFY_WINDOW + 1:
+        raise Invalid(ErrorCode.BAD_FIELD, f"{len(m.rows)} mask rows, expected 1..{MAX_VERIFY_WINDOW + 1}")
+    words = (m.n_vocab + 31) // 32
+    for i, r in enumerate(m.rows):
+        if r.form == MASK_BITSET:
+            if len(r.data) != 4 * words:
+                raise Invalid(ErrorCode.BAD_SHAPE, f"rows[{i}]: {len(r.data)} bytes, a bitset of {m.n_vocab} is {4 * words}")
+        elif r.form == MASK_IDS:
+            if len(r.data) % 4 or len(r.data) > 4 * m.n_vocab:
+                raise Invalid(ErrorCode.BAD_SHAPE, f"rows[{i}]: {len(r.data)} bytes is no list of token ids")
+            ids = np.frombuffer(r.data, dtype="<u4")
+            if ids.size and int(ids.max()) >= m.n_vocab:
+                raise Invalid(ErrorCode.BAD_FIELD, f"rows[{i}]: token id {int(ids.max())} >= n_vocab {m.n_vocab}")
+        else:
+            raise Invalid(ErrorCode.BAD_FIELD, f"rows[{i}]: unknown form {r.form}")
+
+
+@message(MessageKind.GRAMMAR_MASK, _check_grammar_mask)
+@dataclass(frozen=True, slots=True)
+class GrammarMask:
+    """The allowed tokens of each logit row of one session's segment in batch
+    ``batch_id``. Stage 0 sends it on the data stream right before that Forward; every
+    stage relays it downstream in order; the final stage applies it before sampling the
+    segment (flagged ``SEG_MASKED``)."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    batch_id: int = wf(U64)
+    session: int = wf(U64)
+    n_vocab: int = wf(U32)
+    rows: tuple[MaskRow, ...] = wf(Records(MaskRow))
+
+    @staticmethod
+    def pack(batch_id: int, session: int, mask: np.ndarray, n_vocab: int) -> GrammarMask:
+        """From ``(rows, words)`` uint32 bitsets: each row as a bitset or, when shorter,
+        its allowed ids."""
+        rows = []
+        for row in np.ascontiguousarray(mask, dtype="<u4"):
+            bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:n_vocab]
+            n = int(bits.sum())
+            if n < row.shape[0]:
+                rows.append(MaskRow(MASK_IDS, np.flatnonzero(bits).astype("<u4").tobytes()))
+            else:
+                rows.append(MaskRow(MASK_BITSET, row.tobytes()))
+        return GrammarMask(ref=0, batch_id=batch_id, session=session, n_vocab=n_vocab, rows=tuple(rows))
+
+    def unpack(self) -> np.ndarray:
+        """``(rows, words)`` uint32 bitsets."""
+        words = (self.n_vocab + 31) // 32
+        out = np.zeros((len(self.rows), words), dtype=np.uint32)
+        for i, r in enumerate(self.rows):
+            if r.form == MASK_BITSET:
+                out[i] = np.frombuffer(r.data, dtype="<u4")
+            else:
+                ids = np.frombuffer(r.data, dtype="<u4").astype(np.int64)
+                np.bitwise_or.at(out[i], ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+        return out
+
+
 Message = (
     Hello
     | AuthChallenge
@@ -532,6 +614,7 @@ Message = (
     | CapsUpdate
     | SecretRotate
     | SecretAck
+    | GrammarMask
 )
 
 if set(MESSAGE_TYPES) != set(MessageKind):  # import-time sanity: every kind has exactly one class

@@ -1,0 +1,302 @@
+"""Tools and structured output, pure parts: reading tool calls back (whole and streamed),
+request validation, schema -> grammar -> masks (llguidance over a byte vocabulary), mask
+application at the final stage, and the GrammarMask frame."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+
+from meshnode import wire
+from meshnode.mesh.final import FinalSampler, Sampling, apply_mask
+from meshnode.serve.client import ChatMessage, ToolCall
+from meshnode.serve.errors import InvalidRequestError
+from meshnode.serve.schemas import ChatCompletionRequest, parse_request
+from meshnode.serve.structured import Constraint, compile_constraint
+from meshnode.serve.tools import (
+    FALLBACK_TOOLS_PROMPT,
+    Structure,
+    ToolCallParser,
+    ToolSpec,
+    render_messages,
+    split_tool_calls,
+)
+
+WEATHER = ToolSpec("get_weather", "weather", {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"], "additionalProperties": False})
+ANSWER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+EOS = 256
+
+
+class _Bytes:
+    """A byte-level vocabulary (token i = byte i, 256 = end of generation)."""
+
+    eos_token_id = EOS
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
+    special_token_ids = [EOS]
+
+    def __call__(self, s: bytes) -> list[int]:
+        return list(s)
+
+
+class _ByteTokenizer:
+    n_vocab = 257
+
+    def __init__(self) -> None:
+        self._lltok = LLTokenizer(TokenizerWrapper(_Bytes()))
+
+    def grammar_tokenizer(self) -> LLTokenizer:
+        return self._lltok
+
+
+@pytest.fixture(scope="module")
+def byte_tok() -> _ByteTokenizer:
+    return _ByteTokenizer()
+
+
+# --- reading calls back ------------------------------------------------------------------
+
+
+def test_whole_answer_is_split_into_content_and_calls():
+    content, calls = split_tool_calls("Let me check.\n" + ANSWER, ["get_weather"])
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3})]
+    assert calls[0].id.startswith("call_")
+
+
+def test_unknown_tool_or_malformed_block_stays_content():
+    text = '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+    assert split_tool_calls(text, ["get_weather"]) == (text, [])
+    bad = "<tool_call>\n{not json}\n</tool_call>"
+    assert split_tool_calls(bad, ["get_weather"]) == (bad, [])
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_streamed_calls_reassemble_whatever_the_chunking(step):
+    text = "ok " + ANSWER + "\n" + ANSWER.replace("Paris", "Rome").replace("3", "5")
+    p = ToolCallParser(["get_weather"])
+    content, deltas = "", []
+    for i in range(0, len(text), step):
+        c, d = p.feed(text[i:i + step])
+        content += c
+        deltas += d
+    c, d = p.finish()
+    content += c
+    deltas += d
+    assert content.strip() == "ok"
+    by_index: dict[int, dict] = {}
+    for d in deltas:
+        e = by_index.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+        if d.id is not None:
+            assert e["id"] is None, "id sent twice"
+            e["id"], e["name"] = d.id, d.name
+        e["arguments"] += d.arguments
+    assert sorted(by_index) == [0, 1]
+    assert [json.loads(by_index[i]["arguments"]) for i in (0, 1)] == [{"city": "Paris", "days": 3},
+                                                                     {"city": "Rome", "days": 5}]
+    assert [c.id for c in p.calls] == [by_index[0]["id"], by_index[1]["id"]]
+
+
+def test_a_call_cut_short_is_not_a_call():
+    p = ToolCallParser(["get_weather"])
+    p.feed(ANSWER[:50])
+    p.finish()
+    assert p.calls == []
+
+
+# --- the request -------------------------------------------------------------------------
+
+
+def _req(**kw) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+    return parse_request(ChatCompletionRequest, json.dumps(body).encode())
+
+
+def _tool(name="get_weather", params=None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": params or WEATHER.parameters}}
+
+
+def test_tool_choice_decides_the_constraint():
+    assert _req(tools=[_tool()]).to_generation_request("r").structure is None          # auto
+    s = _req(tools=[_tool(), _tool("b")], tool_choice="required").to_generation_request("r").structure
+    assert s.kind == "tool_calls" and {t.name for t in s.tools} == {"get_weather", "b"} and s.max_calls > 1
+    s = _req(tools=[_tool(), _tool("b")], tool_choice={"type": "function", "function": {"name": "b"}},
+             ).to_generation_request("r").structure
+    assert [t.name for t in s.tools] == ["b"] and s.max_calls == 1
+    s = _req(tools=[_tool()], tool_choice="required", parallel_tool_calls=False).to_generation_request("r").structure
+    assert s.max_calls == 1
+    assert _req(tools=[_tool()], tool_choice="none").tool_names() is None
+    s = _req(response_format={"type": "json_object"}).to_generation_request("r").structure
+    assert s == Structure("json", schema={"type": "object"})
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tools": [_tool("bad name!")]}, "tools[0].function.name"),
+    ({"tools": [_tool(), _tool()]}, "tools[1].function.name"),
+    ({"tools": [_tool(params={"type": "string"})]}, "tools[0].function.parameters"),
+    ({"tools": [_tool()], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+])
+def test_bad_tool_definitions_are_invalid_requests(kw, param):
+    with pytest.raises(InvalidRequestError) as e:
+        _req(**kw).to_generation_request("r")
+    assert e.value.param == param
+
+
+def test_bad_shapes_name_the_field():
+    with pytest.raises(InvalidRequestError) as e:
+        _req(tools=[{"type": "function"}])
+    assert e.value.param == "tools[0].function"
+    with pytest.raises(InvalidRequestError) as e:
+        _req(response_format={"type": "xml"})
+    assert e.value.param == "response_format.type"
+
+
+def test_fallback_prompt_carries_tools_calls_and_results():
+    msgs = [ChatMessage("user", "weather?"),
+            ChatMessage("assistant", "", tool_calls=(ToolCall("c1", "get_weather", '{"city": "Paris", "days": 1}'),)),
+            ChatMessage("tool", "sunny", tool_call_id="c1")]
+    out, tools = render_messages(msgs, [WEATHER], native=False)
+    assert tools is None
+    assert out[0]["role"] == "system" and '"name": "get_weather"' in out[0]["content"]
+    assert FALLBACK_TOOLS_PROMPT.split("{tools}")[0] in out[0]["content"]
+    assert split_tool_calls(out[2]["content"], ["get_weather"])[1][0].arguments == '{"city": "Paris", "days": 1}'
+    assert out[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+    native, tools = render_messages(msgs, [WEATHER], native=True)
+    assert tools == [WEATHER.openai()]
+    assert native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 1}
+    assert native[2]["tool_call_id"] == "c1"
+
+
+# --- schema -> grammar -> masks --------------------------------------------------------
+
+
+def _allowed(row: np.ndarray) -> set[int]:
+    bits = np.unpackbits(row.astype("<u4").view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_masks_follow_the_grammar_through_drafts(byte_tok):
+    c = compile_constraint(Structure("tool_calls", tools=(WEATHER,), max_calls=2), byte_tok, "tools")
+    good = list(ANSWER.encode())
+    # one row per logit row of [last, d1..dk]; row i allows d(i+1)
+    m = c.masks(good[:5])
+    assert m.shape == (6, (257 + 31) // 32)
+    for i in range(5):
+        assert _allowed(m[i]) == {good[i]}       # the tag is forced, byte by byte
+    # a forbidden draft: rows after it repeat the last valid row (never reached)
+    bad = good[:3] + [ord("x"), ord("y")]
+    m = c.masks(bad)
+    assert ord("x") not in _allowed(m[3]) and (m[4] == m[3]).all() and (m[5] == m[3]).all()
+    # the matcher ends where it began
+    assert _allowed(c.masks()[0]) == {good[0]}
+    c.commit(good)
+    assert _allowed(c.masks()[0]) == {EOS, ord("\n")}   # end, or a second call
+    assert c.done is False
+
+
+def test_json_schema_output_is_forced_to_validate(byte_tok):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    c = compile_constraint(Structure("json", schema=schema), byte_tok, "response_format")
+    # greedy over random logits under the masks always gives a valid document
+    rng = np.random.default_rng(0)
+    out: list[int] = []
+    for _ in range(60):
+        logits = rng.standard_normal((1, 257)).astype(np.float32)
+        tok = int(np.argmax(apply_mask(logits, c.masks())[0]))
+        if tok == EOS:
+            break
+        c.commit([tok])
+        out.append(tok)
+    doc = json.loads(bytes(out))
+    assert set(doc) == {"n"} and isinstance(doc["n"], int)
+
+
+def test_bad_schema_is_an_invalid_request(byte_tok):
+    with pytest.raises(InvalidRequestError) as e:
+        compile_constraint(Structure("json", schema={"type": "objectx"}), byte_tok, "response_format")
+    assert e.value.param == "response_format" and "objectx" in e.value.message
+
+
+# --- masks at the final stage ----------------------------------------------------------
+
+
+def _mask_of(allowed_rows: list[set[int]], vocab: int) -> np.ndarray:
+    m = np.zeros((len(allowed_rows), (vocab + 31) // 32), dtype=np.uint32)
+    for r, allowed in enumerate(allowed_rows):
+        for t in allowed:
+            m[r, t // 32] |= np.uint32(1 << (t % 32))
+    return m
+
+
+def test_apply_mask_keeps_only_allowed_tokens():
+    logits = np.arange(2 * 70, dtype=np.float32).reshape(2, 70)
+    out = apply_mask(logits, _mask_of([{1, 33}, {69}], 70))
+    assert np.isfinite(out[0]).nonzero()[0].tolist() == [1, 33] and out[0, 33] == logits[0, 33]
+    assert np.isfinite(out[1]).nonzero()[0].tolist() == [69]
+    with pytest.raises(ValueError):
+        apply_mask(logits, _mask_of([set(), {1}], 70))
+
+
+def test_a_draft_the_mask_forbids_is_rejected_and_the_bonus_is_allowed():
+    vocab = 40
+    logits = np.zeros((3, vocab), dtype=np.float32)
+    logits[:, 7] = 10.0          # the model wants 7 everywhere
+    drafts = (7, 7)
+    sampler = FinalSampler()
+    free = sampler.finalize(1, logits, drafts, Sampling())
+    assert free.tokens == (7, 7, 7)
+    masked = sampler.finalize(1, logits, drafts, Sampling(), _mask_of([{7}, {3, 5}, {7}], vocab))
+    # row 1 forbids 7: the second draft is rejected, the bonus is the best allowed token
+    assert masked.n_accepted == 1 and masked.tokens[0] == 7 and masked.tokens[1] in (3, 5)
+    with pytest.raises(ValueError):
+        sampler.finalize(1, logits, drafts, Sampling(), _mask_of([{7}], vocab))
+
+
+# --- the frame -------------------------------------------------------------------------
+
+
+def test_grammar_mask_frame_round_trips_both_forms():
+    mask = _mask_of([set(range(49152)), {5}, {100, 49151}], 49152)
+    msg = wire.GrammarMask.pack(3, 0xABC, mask, 49152)
+    assert [r.form for r in msg.rows] == [wire.messages.MASK_BITSET, wire.messages.MASK_IDS, wire.messages.MASK_IDS]
+    (back,) = wire.FrameDecoder().feed(wire.encode(msg))
+    assert isinstance(back, wire.GrammarMask) and (back.unpack() == mask).all()
+
+
+@pytest.mark.parametrize("rows, n_vocab", [
+    ((wire.messages.MaskRow(wire.messages.MASK_IDS, np.array([70], "<u4").tobytes()),), 64),   # id past vocab
+    ((wire.messages.MaskRow(wire.messages.MASK_BITSET, b"\0" * 4),), 64),                       # short bitset
+    ((wire.messages.MaskRow(9, b""),), 64),                                                     # unknown form
+    ((), 64),                                                                                   # no rows
+    ((wire.messages.MaskRow(wire.messages.MASK_IDS, b""),) * 34, 64),                           # too many rows
+    ((wire.messages.MaskRow(wire.messages.MASK_IDS, b""),), (1 << 20) + 1),                      # vocab too big
+])
+def test_grammar_mask_frame_bounds(rows, n_vocab):
+    with pytest.raises(wire.LocalProtocolError):
+        wire.encode(wire.GrammarMask(ref=0, batch_id=1, session=1, n_vocab=n_vocab, rows=rows))
+
+
+def test_constraint_class_is_what_compile_returns(byte_tok):
+    c = compile_constraint(Structure("json", schema={"type": "object"}), byte_tok, "response_format")
+    assert isinstance(c, Constraint) and LLMatcher is not None
+
+
+def test_drafts_that_end_the_grammar_leave_the_matcher_where_it_was(byte_tok):
+    # an end-of-generation draft after a complete answer must not be consumed: a rollback
+    # across the matcher's stop would not restore it
+    c = compile_constraint(Structure("json", schema={"type": "integer"}), byte_tok, "response_format")
+    c.commit([ord("4")])
+    before = c.masks()[0].copy()
+    m = c.masks([ord("2"), EOS, ord("x")])
+    assert EOS in _allowed(m[1]) and (c.masks()[0] == before).all()
+    c.commit([ord("2"), EOS])
+    assert c.done
