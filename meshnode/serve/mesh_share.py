@@ -98,7 +98,8 @@ class _Relay:
             self.dead = True
         elif self.buffered + size > RELAY_BUFFER:
             self.dead = True
-            item = _Lost("the coordinator sent more than this node holds for a client that is not reading")
+            item = _Lost("the coordinator sent more than this node holds for a client that is not reading",
+                         cancel=True)
         self.buffered += size
         self.queue.put_nowait(item)
 
@@ -106,6 +107,7 @@ class _Relay:
 @dataclass(frozen=True)
 class _Lost:
     reason: str
+    cancel: bool = False    # the coordinator still runs it: cancel it there
 
 
 @dataclass
@@ -302,7 +304,8 @@ class MeshShare:
                 else:
                     reason = item.reason if isinstance(item, _Lost) else "the coordinator answered out of order"
                     log.info("request %x to %s ended: %s", rid, node_id, reason)
-                    finished = True   # nothing to cancel: the coordinator is gone or broken
+                    # a coordinator that is gone has nothing left to cancel
+                    finished = isinstance(item, _Lost) and not item.cancel
                     await self._end_lost(reason, started, sse, receive, send)
                     return
         except OSError:   # the client's connection broke while we wrote to it
