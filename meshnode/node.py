@@ -238,8 +238,9 @@ class Node:
 
     async def _wait_stage_sessions(self, deadline: float) -> None:
         """Give the requests of peers' models that pass through the stage this node
-        serves until ``deadline`` to end (their coordinators end the sessions)."""
-        while self.stage_server.sessions() and time.monotonic() < deadline:
+        serves, and those carried to or from members, until ``deadline`` to end (their
+        coordinators end the sessions)."""
+        while (self.stage_server.sessions() or self.mesh_share.busy()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     # ---- NodeAPI ---------------------------------------------------------------
@@ -317,11 +318,11 @@ class Node:
         Synchronous: the fabric calls it inside the datagram's callback, so an
         activation or a returned token reaches its stage without a task and a loop
         iteration in between (both handlers only queue or resolve a future)."""
-        if self.mesh_share.handle(node_id, msg):
-            return
         if self.coordinator.handle(node_id, msg):
             return
         if self.stage_server.handle(node_id, msg):
+            return
+        if self.mesh_share.handle(node_id, msg):   # after the per-token paths
             return
         log.debug("unhandled %s from %s", type(msg).__name__, node_id)
 

@@ -138,6 +138,10 @@ class MeshShare:
     def start(self) -> None:
         self._resend = asyncio.get_running_loop().create_task(self._resend_loop(), name="mesh-share")
 
+    def busy(self) -> bool:
+        """Requests carried to members or served for them are in flight."""
+        return bool(self._relays or self._served)
+
     def stop(self) -> None:
         if self._resend is not None:
             self._resend.cancel()
@@ -459,7 +463,12 @@ class MeshClient:
         out = []
         for m in self.share.mesh_models():
             card = local.get(m.name.lower())
-            out.append(ModelCard(id=m.name, created=card.created if card is not None else 0,
+            if card is not None:
+                created = card.created
+            else:
+                hit = self.share.directory.route(m.name)
+                created = hit[1].created if hit is not None else 0
+            out.append(ModelCard(id=m.name, created=created,
                                  n_ctx=m.n_ctx or None, coordinator_id=m.coordinator_id,
                                  coordinator_name=m.coordinator_name, local=m.local))
         return out
@@ -480,7 +489,8 @@ class MeshForwardMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         share: MeshShare | None = getattr(self.node, "mesh_share", None)
         if (share is None or scope["type"] != "http" or scope["method"] != "POST"
-                or scope["path"] not in API_PATHS or FORWARDED_SCOPE_KEY in scope):
+                or scope["path"] not in API_PATHS or FORWARDED_SCOPE_KEY in scope
+                or getattr(self.node, "stopping", False)):   # stopping: the routes answer 503
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
