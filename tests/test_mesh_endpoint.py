@@ -148,6 +148,7 @@ def test_client_disconnect_cancels_the_request_on_the_coordinator(mesh, smollm2)
 
 def test_a_node_of_another_mesh_sees_and_reaches_nothing(mesh, smollm2, tmp_path):
     coord, _, model = mesh
+    served_before = coord.status()["mesh_requests"]["served_for_members"]
     stranger = start_node(tmp_path / "stranger", "stranger", "--no-model", "--peer",
                           f"127.0.0.1:{coord.quic_port}", *FLAGS)
     try:
@@ -159,6 +160,9 @@ def test_a_node_of_another_mesh_sees_and_reaches_nothing(mesh, smollm2, tmp_path
                        json={"model": model, "messages": PROMPT}, timeout=30)
         assert r.status_code == 503, r.text   # no model here, none it could reach
         assert httpx.get(f"http://127.0.0.1:{stranger.info['http_port']}/v1/models").json()["data"] == []
+        # and the coordinator neither linked with it nor served anything for it
+        assert "stranger" not in coord.peer_names()
+        assert coord.status()["mesh_requests"]["served_for_members"] == served_before
     finally:
         stranger.stop()
 
