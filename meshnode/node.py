@@ -94,6 +94,7 @@ class Node:
         from meshnode.mesh.fabric import MeshFabric
         from meshnode.mesh.stage_server import StageServerRuntime
         from meshnode.serve.http_guard import HttpSecurity, check_binding
+        from meshnode.serve.mesh_share import MeshShare
         from meshnode.serve.service import ModelService
 
         # Refused before anything starts: an endpoint reachable from the network needs a key.
@@ -129,6 +130,9 @@ class Node:
         self.coordinator = CoordinatorRuntime(self.fabric, self.paths, n_threads=threads,
                                               decode_threads=decode_threads, publish=self.publish)
         self.service = ModelService(self, service) if service is not None else None
+        # the mesh-wide endpoint: models served anywhere, requests carried to them
+        self.mesh_share = MeshShare(self.fabric, self)
+        self.app: Any = None     # the HTTP app (members' requests run through it too)
         self.fabric.on_message(self._dispatch)
 
     # ---- lifecycle -------------------------------------------------------------
@@ -146,8 +150,9 @@ class Node:
         # they must be known before the first link: peers reached by --peer see no mDNS.
         await self._advertise()
         await self.fabric.start()
+        self.app = create_app(self)
         config = uvicorn.Config(
-            create_app(self), host=self._http_host, port=self._http_port,
+            self.app, host=self._http_host, port=self._http_port,
             log_level="warning", lifespan="off", access_log=False,
             # connections and requests at once; past it uvicorn answers 503 without
             # reading (the guard's max_requests bounds generation requests well below)
@@ -177,6 +182,7 @@ class Node:
         self._caps_task = asyncio.get_running_loop().create_task(self._refresh_caps())
         self._telemetry_task = asyncio.get_running_loop().create_task(self._sample_telemetry())
         log.info("node %s up: HTTP %s, QUIC port %d", self.name, self.http_url, self.fabric.port)
+        self.mesh_share.start()
         if self.service is not None:
             self.service.start()
 
@@ -201,6 +207,7 @@ class Node:
             self._caps_task.cancel()
         if self._telemetry_task is not None:
             self._telemetry_task.cancel()
+        self.mesh_share.models_changed()    # members stop sending requests here
         server = self.service.server if self.service is not None else None
         if server is not None:
             with contextlib.suppress(Exception):
@@ -211,6 +218,7 @@ class Node:
         if self.service is not None:
             with contextlib.suppress(Exception):
                 await self.service.stop(stage_timeout=STAGE_STOP_S)
+        self.mesh_share.stop()
         with contextlib.suppress(Exception):
             await self.coordinator.close()
         with contextlib.suppress(Exception):
@@ -230,8 +238,9 @@ class Node:
 
     async def _wait_stage_sessions(self, deadline: float) -> None:
         """Give the requests of peers' models that pass through the stage this node
-        serves until ``deadline`` to end (their coordinators end the sessions)."""
-        while self.stage_server.sessions() and time.monotonic() < deadline:
+        serves, and those carried to or from members, until ``deadline`` to end (their
+        coordinators end the sessions)."""
+        while (self.stage_server.sessions() or self.mesh_share.busy()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     # ---- NodeAPI ---------------------------------------------------------------
@@ -269,11 +278,14 @@ class Node:
             transfers=svc.transfers() if svc is not None else (),
             status=svc.state if svc is not None else ModelStatus.NO_MODEL,
             status_detail=svc.detail if svc is not None else "",
+            mesh_models=self.mesh_share.mesh_models(),
         )
 
     @property
     def engine_client(self) -> Any:
-        """What the /v1 routes talk to (a 503-answering stand-in until a model is ready)."""
+        """What the /v1 routes talk to (a 503-answering stand-in until a model is ready);
+        its model list holds the mesh's models too (serve/mesh_share.py)."""
+        from meshnode.serve.mesh_share import MeshClient
         from meshnode.serve.service import UnavailableClient
 
         if self.stopping:
@@ -281,8 +293,10 @@ class Node:
 
             return UnavailableClient(lambda: SHUTTING_DOWN)
         if self.service is None:
-            return UnavailableClient(lambda: "this node coordinates no model (started with --no-model)")
-        return self.service.engine_client
+            local: Any = UnavailableClient(lambda: "this node coordinates no model (started with --no-model)")
+        else:
+            local = self.service.engine_client
+        return MeshClient(local, self.mesh_share)
 
     def advertise_models(self) -> None:
         """Refresh the capabilities peers see (free memory under --max-memory, held models)."""
@@ -307,6 +321,8 @@ class Node:
         if self.coordinator.handle(node_id, msg):
             return
         if self.stage_server.handle(node_id, msg):
+            return
+        if self.mesh_share.handle(node_id, msg):   # after the per-token paths
             return
         log.debug("unhandled %s from %s", type(msg).__name__, node_id)
 

@@ -125,6 +125,18 @@ class ModelInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class MeshModel:
+    """A model ready to serve somewhere in the mesh: any node's endpoint takes requests
+    for it and carries them to its coordinator."""
+
+    name: str
+    coordinator_id: str
+    coordinator_name: str
+    n_ctx: int               # context length per request (0: unknown)
+    local: bool = False      # coordinated by this node
+
+
+@dataclass(frozen=True, slots=True)
 class TransferInfo:
     name: str
     done_bytes: int
@@ -198,6 +210,7 @@ class NodeSnapshot:
     transfers: tuple[TransferInfo, ...]
     status: ModelStatus = ModelStatus.UNKNOWN   # the model service
     status_detail: str = ""           # why, for failed; what, while fetching
+    mesh_models: tuple[MeshModel, ...] = ()   # every model ready in the mesh, this node's first
 
 
 # ---- events (past tense) ------------------------------------------------------

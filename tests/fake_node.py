@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 from meshnode.state import (
+    MeshModel,
     Capabilities,
     DraftVerified,
     HeldModel,
@@ -106,7 +107,12 @@ def make_snapshot() -> NodeSnapshot:
         TransferInfo("gemma-3-270m-Q4_K_M.gguf", 151 * MB, 241 * MB, "download"),
         TransferInfo("smollm2 [20,30) -> charlie", 25 * MB, 41 * MB, "transfer"),
     )
-    return NodeSnapshot(me, peers, MODEL, 30, stages, requests, spec, _telemetry(), models, transfers)
+    mesh_models = (
+        MeshModel(MODEL, "n-alpha", "alpha", 2048, local=True),
+        MeshModel("gemma-3-270m-q4_k_m", "n-charlie", "charlie", 4096),
+    )
+    return NodeSnapshot(me, peers, MODEL, 30, stages, requests, spec, _telemetry(), models, transfers,
+                        mesh_models=mesh_models)
 
 
 def make_events() -> list[NodeEvent]:

@@ -297,6 +297,24 @@ async def test_chat_streams_the_answer(openai_server):
         assert [m["role"] for m in api.state.bodies[-1]["messages"]] == ["user", "assistant", "user"]
 
 
+async def test_chat_asks_any_model_of_the_mesh(openai_server):
+    url, api = openai_server
+    snap = FakeNode().snapshot()
+    app = new_app(FakeNode(http_url=url))
+    async with app.run_test(size=(100, 24)) as pilot:
+        await pilot.press("6")
+        line = str(app.screen.query_one("#chat-model").render())
+        assert snap.model in line and "Ctrl+O" in line
+        await pilot.press("ctrl+o")   # the peer's model: the request names it
+        line = str(app.screen.query_one("#chat-model").render())
+        assert "gemma-3-270m-q4_k_m on charlie" in line
+        await _ask(pilot, app, "hi there")
+        assert api.state.bodies[-1]["model"] == "gemma-3-270m-q4_k_m"
+        await pilot.press("ctrl+o")   # and round again to this node's
+        await _ask(pilot, app, "again")
+        assert api.state.bodies[-1]["model"] == snap.model
+
+
 async def test_chat_sends_the_apps_temperature(openai_server):
     url, api = openai_server
     app = new_app(FakeNode(http_url=url), chat_temperature=0.0)
@@ -368,7 +386,7 @@ async def test_every_screen_copes_with_an_empty_node():
     """A node just started: no model, peers, requests, telemetry or transfers."""
     full = FakeNode().snapshot()
     empty = replace(full, peers=(), model=None, model_layers=0, stages=(), requests=(), spec=(),
-                    telemetry=(), models=(), transfers=())
+                    telemetry=(), models=(), transfers=(), mesh_models=())
     app = new_app(FakeNode(snapshot=empty, events=[]))
     async with app.run_test(size=(80, 24)) as pilot:
         for i, (_, _, cls) in enumerate(SCREENS, start=1):
@@ -379,7 +397,7 @@ async def test_every_screen_copes_with_an_empty_node():
             assert type(app.screen) is cls
         await pilot.press("6")
         answer = await _ask(pilot, app, "hello")
-        assert answer.error == "no model is loaded yet (see the Mesh screen)"
+        assert answer.error == "no model is ready in the mesh yet (see the Mesh screen)"
 
 
 # -- the model service's start-up in the status bar and on Mesh ------------------------

@@ -11,6 +11,14 @@ from hypothesis.extra import numpy as hnp
 
 from meshnode.wire import (
     HEADER_SIZE,
+    API_PATHS,
+    ApiCancel,
+    ApiHeader,
+    ApiRequest,
+    ApiResponseBody,
+    ApiResponseStart,
+    ModelsServed,
+    ServedModel,
     AuthChallenge,
     AuthProof,
     AuthResult,
@@ -137,6 +145,15 @@ messages = st.one_of(
     st.builds(lambda b, sess, m: GrammarMask.pack(b, sess, np.asarray(m, dtype=np.uint32), 32 * len(m[0])),
               u64, u64, st.integers(1, 4).flatmap(lambda w: st.lists(
                   st.lists(st.integers(0, 2**32 - 1), min_size=w, max_size=w), min_size=1, max_size=33))),
+    st.builds(ModelsServed, u32, st.lists(st.builds(ServedModel, st.text(min_size=1, max_size=24), u32, u64),
+                                          max_size=16).map(tuple)),
+    st.builds(ApiRequest, u32, u64.filter(bool), st.sampled_from(API_PATHS), st.binary(max_size=64)),
+    st.builds(ApiResponseStart, u32, u64.filter(bool), st.integers(100, 599),
+              st.lists(st.builds(ApiHeader, st.sampled_from(["content-type", "retry-after", "x-a"]),
+                                 st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20)),
+                       max_size=4).map(tuple)),
+    st.builds(ApiResponseBody, u32, u64.filter(bool), st.binary(max_size=64), st.booleans()),
+    st.builds(ApiCancel, u32, u64.filter(bool)),
 )
 
 
@@ -158,6 +175,7 @@ def test_every_kind_has_a_strategy():
         Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, LaneKey, Profile, Claim, Prepare, Inventory, Load,
         Ready, Stop, Status, Error, Forward, TokenReturn, Trim, SessionEnd, DataError,
         CapsUpdate, SecretRotate, SecretAck, GrammarMask,
+        ModelsServed, ApiRequest, ApiResponseStart, ApiResponseBody, ApiCancel,
     }  # fmt: skip
     assert {k.KIND for k in kinds} == set(MessageKind)
 

@@ -97,6 +97,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             a, b = s["layers"]
             detail = f"  ({pr(s['detail'])})" if s.get("detail") else ""
             print(f"       stage {s['index']}: layers [{a},{b}) on {pr(s['node'])}: {pr(s['state'])}{detail}")
+    served = data.get("mesh_models") or []
+    if served:   # every model ready in the mesh: this node's endpoint takes requests for each
+        print("mesh models (any node's /v1 serves them)")
+        for m in served:
+            where = "this node" if m.get("local") else f"{pr(m['coordinator_name'], 64) or '?'} ({pr(m['coordinator_id'], 16)})"
+            ctx = f"context {m['n_ctx']}" if m.get("n_ctx") else "context ?"
+            print(f"       {pr(m['name'], 128)}  coordinated by {where}, {ctx}")
     peers = data["peers"]
     if not peers:
         print("peers  none")

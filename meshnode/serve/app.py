@@ -37,6 +37,9 @@ def create_app(node: Any, security: HttpSecurity | None = None) -> FastAPI:
     app.state.node = node
     app.include_router(router)
     app.include_router(make_openai_router(lambda: node.engine_client))
+    from meshnode.serve.mesh_share import MeshForwardMiddleware
+
+    app.add_middleware(MeshForwardMiddleware, node=node)   # inside the guard: requests passed it
     app.add_middleware(HttpGuard, security=security)
     if security.cors_origins:   # added last: outermost
         app.add_middleware(CORSMiddleware, allow_origins=list(security.cors_origins),

@@ -61,6 +61,10 @@ class ModelCard:
     created: int = 0                # unix seconds; 0 when unknown
     owned_by: str = "meshnode"
     n_ctx: int | None = None        # context window, when known (non-standard, informative)
+    # where it is served (the mesh-wide endpoint; "" when the client does not say)
+    coordinator_id: str = ""
+    coordinator_name: str = ""
+    local: bool = True              # coordinated by this node
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ def status_json(snapshot: Any) -> dict[str, Any]:
         ],
         "requests": to_jsonable(snapshot.requests[:20]),
         "spec": [dict(to_jsonable(s), acceptance=s.acceptance) for s in snapshot.spec],
+        "mesh_models": to_jsonable(getattr(snapshot, "mesh_models", ())),
     }
 
 
@@ -61,4 +62,7 @@ async def status(request: Request) -> dict[str, Any]:
     stage_server = getattr(node, "stage_server", None)
     if stage_server is not None:
         data["stage_sessions"] = stage_server.sessions()
+    share = getattr(node, "mesh_share", None)
+    if share is not None:   # requests carried to members, and members' served here
+        data["mesh_requests"] = dict(share.counters)
     return data

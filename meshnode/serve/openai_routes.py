@@ -258,7 +258,11 @@ def _json(model: Any) -> JSONResponse:
 
 def _model_object(card: Any) -> ModelObject:
     meta = {"n_ctx": card.n_ctx} if card.n_ctx is not None else None
-    return ModelObject(id=card.id, created=card.created, owned_by=card.owned_by, meta=meta)
+    where = None
+    if card.coordinator_id:
+        where = {"coordinator": {"id": card.coordinator_id, "name": card.coordinator_name},
+                 "context_length": card.n_ctx, "local": card.local}
+    return ModelObject(id=card.id, created=card.created, owned_by=card.owned_by, meta=meta, meshnode=where)
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -443,6 +443,8 @@ class ModelObject(BaseModel):
     created: int
     owned_by: str
     meta: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)  # e.g. {"n_ctx": 8192}
+    # where it is served: {"coordinator": {"id", "name"}, "context_length", "local"}
+    meshnode: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ModelList(BaseModel):

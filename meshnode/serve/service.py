@@ -161,6 +161,9 @@ class ModelService:
 
     def _set(self, state: ModelStatus, detail: str) -> None:
         self.state, self.detail = state, detail
+        share = getattr(self.node, "mesh_share", None)
+        if share is not None:   # members learn when the model becomes ready or goes
+            share.models_changed()
 
     def _spec_config(self, ref):
         from meshnode.spec.strategy import SpecConfigError, resolve_strategy

@@ -65,6 +65,16 @@ from meshnode.wire.messages import (
     Trim,
     check_peer_version,
 )
+from meshnode.wire.messages import (  # the mesh-wide endpoint
+    API_PATHS,
+    ApiCancel,
+    ApiHeader,
+    ApiRequest,
+    ApiResponseBody,
+    ApiResponseStart,
+    ModelsServed,
+    ServedModel,
+)
 from meshnode.wire.template import DecodeTemplate
 
 __all__ = [
@@ -113,6 +123,14 @@ __all__ = [
     "TokenReturn",
     "Trim",
     "WireError",
+    "API_PATHS",
+    "ApiCancel",
+    "ApiHeader",
+    "ApiRequest",
+    "ApiResponseBody",
+    "ApiResponseStart",
+    "ModelsServed",
+    "ServedModel",
     "check_peer_version",
     "decode",
     "decode_message",

@@ -94,6 +94,12 @@ class MessageKind(enum.IntEnum):
     SECRET_ACK = 0x0042
     # grammar-constrained sampling: the allowed tokens of a step's logit rows
     GRAMMAR_MASK = 0x0080
+    # the mesh-wide endpoint: models coordinators serve, /v1 requests carried to them
+    MODELS_SERVED = 0x0060
+    API_REQUEST = 0x0061
+    API_RESPONSE_START = 0x0062
+    API_RESPONSE_BODY = 0x0063
+    API_CANCEL = 0x0064
 
 
 class MessageType:
@@ -588,6 +594,136 @@ class GrammarMask:
                 ids = np.frombuffer(r.data, dtype="<u4").astype(np.int64)
                 np.bitwise_or.at(out[i], ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
         return out
+# ------------------------------------------------------------- the mesh-wide endpoint
+# A coordinator tells its members which models it serves (ModelsServed, replacing its last
+# list); any member may then carry an OpenAI request for one of them to it (ApiRequest on
+# a data stream of its own), which the coordinator answers on the same stream key with
+# ApiResponseStart and ApiResponseBody frames; ApiCancel ends it early (docs/protocol.md).
+
+MAX_SERVED_MODELS = 16          # models one coordinator may list
+MAX_MODEL_NAME_LEN = 128
+MAX_API_BODY = 16 << 20         # a forwarded request's body (the HTTP cap is --max-body)
+MAX_API_CHUNK = 64 << 10        # one ApiResponseBody's data
+MAX_API_HEADERS = 16
+MAX_HEADER_NAME_LEN = 64
+MAX_HEADER_VALUE_LEN = 256
+# The only routes a member can reach on a coordinator through the mesh: the ones that
+# take a model. Anything else (/status, /v1/models ...) is not even encodable.
+API_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model a coordinator serves now: its id, context length and creation time."""
+
+    name: str = wf(STR)
+    n_ctx: int = wf(U32)
+    created: int = wf(U64)
+
+
+def _check_models_served(m: "ModelsServed") -> None:
+    if len(m.models) > MAX_SERVED_MODELS:
+        raise Invalid(ErrorCode.BAD_FIELD, f"{len(m.models)} models (at most {MAX_SERVED_MODELS})")
+    for i, sm in enumerate(m.models):
+        if not 0 < len(sm.name) <= MAX_MODEL_NAME_LEN:
+            raise Invalid(ErrorCode.BAD_FIELD, f"models[{i}].name of {len(sm.name)} characters "
+                                               f"(1 to {MAX_MODEL_NAME_LEN})")
+
+
+@message(MessageKind.MODELS_SERVED, _check_models_served)
+@dataclass(frozen=True, slots=True)
+class ModelsServed:
+    """The models I coordinate and serve now (all of them: replaces my last list); no reply."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    models: tuple[ServedModel, ...] = wf(Records(ServedModel))
+
+
+def _check_request_id(m: Any) -> None:
+    if m.request_id == 0:
+        raise Invalid(ErrorCode.BAD_FIELD, "request_id 0")
+
+
+def _check_api_request(m: "ApiRequest") -> None:
+    _check_request_id(m)
+    if len(m.body) > MAX_API_BODY:
+        raise Invalid(ErrorCode.BAD_FIELD, f"body of {len(m.body)} bytes (at most {MAX_API_BODY})")
+
+
+@message(MessageKind.API_REQUEST, _check_api_request)
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """POST ``body`` (JSON) to ``path`` of your OpenAI endpoint for me; answer on the
+    data stream this came on with ApiResponseStart, then ApiResponseBody frames."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    request_id: int = wf(U64)
+    path: str = wf(StrField(API_PATHS))
+    body: bytes = wf(BYTES)
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class ApiHeader:
+    name: str = wf(STR)
+    value: str = wf(STR)
+
+
+def _check_api_start(m: "ApiResponseStart") -> None:
+    _check_request_id(m)
+    if not 100 <= m.status <= 599:
+        raise Invalid(ErrorCode.BAD_FIELD, f"HTTP status {m.status}")
+    if len(m.headers) > MAX_API_HEADERS:
+        raise Invalid(ErrorCode.BAD_FIELD, f"{len(m.headers)} headers (at most {MAX_API_HEADERS})")
+    for i, h in enumerate(m.headers):
+        if not (0 < len(h.name) <= MAX_HEADER_NAME_LEN and h.name.isascii()
+                and all(c.isalnum() or c == "-" for c in h.name)):
+            raise Invalid(ErrorCode.BAD_FIELD, f"headers[{i}]: bad name")
+        if len(h.value) > MAX_HEADER_VALUE_LEN or not h.value.isprintable():
+            raise Invalid(ErrorCode.BAD_FIELD, f"headers[{i}]: bad value")
+
+
+@message(MessageKind.API_RESPONSE_START, _check_api_start)
+@dataclass(frozen=True, slots=True)
+class ApiResponseStart:
+    """The HTTP status and headers of the answer to ApiRequest ``request_id``."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    request_id: int = wf(U64)
+    status: int = wf(U16)
+    headers: tuple[ApiHeader, ...] = wf(Records(ApiHeader))
+
+
+def _check_api_body(m: "ApiResponseBody") -> None:
+    _check_request_id(m)
+    if len(m.data) > MAX_API_CHUNK:
+        raise Invalid(ErrorCode.BAD_FIELD, f"data of {len(m.data)} bytes (at most {MAX_API_CHUNK})")
+
+
+@message(MessageKind.API_RESPONSE_BODY, _check_api_body)
+@dataclass(frozen=True, slots=True)
+class ApiResponseBody:
+    """Body bytes of the answer, in order; ``more=False`` ends the answer."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    request_id: int = wf(U64)
+    data: bytes = wf(BYTES)
+    more: bool = wf(BOOL)
+
+
+@message(MessageKind.API_CANCEL, _check_request_id)
+@dataclass(frozen=True, slots=True)
+class ApiCancel:
+    """My client went away: stop serving ApiRequest ``request_id`` and free what it holds."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    request_id: int = wf(U64)
 
 
 Message = (
@@ -615,6 +751,11 @@ Message = (
     | SecretRotate
     | SecretAck
     | GrammarMask
+    | ModelsServed
+    | ApiRequest
+    | ApiResponseStart
+    | ApiResponseBody
+    | ApiCancel
 )
 
 if set(MESSAGE_TYPES) != set(MessageKind):  # import-time sanity: every kind has exactly one class

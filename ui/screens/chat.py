@@ -1,5 +1,9 @@
 """Chat: a prompt box that talks to the node's own OpenAI endpoint and streams the answer.
 
+Any model ready in the mesh can answer (the node's endpoint carries a request for a
+member's model to its coordinator): the line above the prompt names the model asked and
+where it runs, and Ctrl+O moves to the next one.
+
 The HTTP work lives in :mod:`ui.chat_client`; this screen only runs it in a worker and
 draws what comes back. Errors (HTTP, in-band, connection) are shown in the transcript.
 """
@@ -17,7 +21,9 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Input, Static
 
+from meshnode.state import NodeSnapshot
 from ui.chat_client import ChatDelta, ChatFailed, ChatFinished, stream_chat
+from ui.format import peer_text
 from ui.screens.base import NodeScreen
 
 
@@ -51,6 +57,7 @@ class ChatScreen(NodeScreen):
     BINDINGS = [
         Binding("escape", "stop_or_leave", "Stop/leave", tooltip="Stop the answer, or leave the prompt"),
         Binding("ctrl+n", "new_chat", "New chat", show=False),
+        Binding("ctrl+o", "next_model", "Model", tooltip="Ask the next model of the mesh"),
     ]
     UPDATE_INTERVAL = 0.05  # s between redraws of a streaming answer
 
@@ -58,6 +65,7 @@ class ChatScreen(NodeScreen):
         super().__init__()
         self.history: list[dict[str, str]] = []
         self.streaming = False
+        self.chosen: str | None = None    # the model picked with Ctrl+O (None: the default)
 
     def compose_body(self) -> ComposeResult:
         yield VerticalScroll(
@@ -65,6 +73,7 @@ class ChatScreen(NodeScreen):
                    classes="chat-hint"),
             id="transcript",
         )
+        yield Static("", id="chat-model")
         prompt = Input(placeholder="Ask the model…  (Enter sends · Esc leaves · F1-F7 switch screens)", id="prompt")
         prompt.cursor_blink = self.mesh_app.cursor_blink
         yield prompt
@@ -76,6 +85,49 @@ class ChatScreen(NodeScreen):
     def on_screen_resume(self) -> None:
         super().on_screen_resume()
         self.query_one("#prompt", Input).focus()
+
+    def mesh_model_names(self, snap: NodeSnapshot | None) -> list[str]:
+        if snap is None:
+            return []
+        names = [m.name for m in snap.mesh_models]
+        if snap.model and snap.model not in names:
+            names.insert(0, snap.model)
+        return names
+
+    def current_model(self, snap: NodeSnapshot | None) -> str | None:
+        """The model asked: the one picked while the mesh serves it, else this node's,
+        else the first the mesh serves."""
+        names = self.mesh_model_names(snap)
+        if self.chosen in names:
+            return self.chosen
+        if snap is not None and snap.model and snap.model in names:
+            return snap.model
+        return names[0] if names else None
+
+    def show_snapshot(self, snap: NodeSnapshot) -> None:
+        model = self.current_model(snap)
+        line = Text("model › ", style="dim")
+        if model is None:
+            line.append("none ready in the mesh yet", style="dim")
+        else:
+            line.append_text(peer_text(model, 100))
+            where = next((m for m in snap.mesh_models if m.name == model), None)
+            if where is not None and not where.local:
+                line.append(" on ", style="dim")
+                line.append_text(peer_text(where.coordinator_name or where.coordinator_id, 64))
+            if len(self.mesh_model_names(snap)) > 1:
+                line.append("  (Ctrl+O: next model)", style="dim")
+        self.query_one("#chat-model", Static).update(line)
+
+    def action_next_model(self) -> None:
+        snap = self.mesh_app.latest_snapshot
+        names = self.mesh_model_names(snap)
+        if not names:
+            return
+        current = self.current_model(snap)
+        self.chosen = names[(names.index(current) + 1) % len(names)] if current in names else names[0]
+        if snap is not None:
+            self.show_snapshot(snap)
 
     def action_stop_or_leave(self) -> None:
         if self.streaming:
@@ -111,8 +163,9 @@ class ChatScreen(NodeScreen):
         snap = app.latest_snapshot
         finished = False
         try:
-            if snap is None or not snap.model:
-                answer.error = "no model is loaded yet (see the Mesh screen)"
+            model = self.current_model(snap)
+            if model is None:
+                answer.error = "no model is ready in the mesh yet (see the Mesh screen)"
                 return
             last_draw = 0.0
             # a node started with --api-key wants it from its own TUI too
@@ -121,7 +174,7 @@ class ChatScreen(NodeScreen):
             # The endpoint is this machine's: never through an HTTP proxy from the environment.
             async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), headers=headers,
                                          trust_env=False) as client:
-                async for chunk in stream_chat(client, app.node.http_url, snap.model, self.history,
+                async for chunk in stream_chat(client, app.node.http_url, model, self.history,
                                                temperature=app.chat_temperature):
                     match chunk:
                         case ChatDelta(text=text):

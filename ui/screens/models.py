@@ -1,4 +1,5 @@
-"""Models: local models and layer packages, the mesh's models, transfers."""
+"""Models: local models and layer packages, the models served in the mesh (any node's
+endpoint takes requests for them), the models peers hold, transfers."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ class ModelsScreen(NodeScreen):
         with VerticalScroll(id="models-body"):
             yield Label("On this node", classes="section")
             yield DataTable(id="local-models", cursor_type="row", zebra_stripes=True)
+            yield Label("Served in the mesh (this node's endpoint takes requests for each)", classes="section")
+            yield DataTable(id="served-models", cursor_type="row", zebra_stripes=True)
             yield Label("In the mesh", classes="section")
             yield DataTable(id="mesh-models", cursor_type="row", zebra_stripes=True)
             yield Label("Downloads and transfers", classes="section")
@@ -29,6 +32,7 @@ class ModelsScreen(NodeScreen):
         self.query_one("#local-models", DataTable).add_columns(
             "Name", "Kind", "Layers", "Size", "Source", "sha256"
         )
+        self.query_one("#served-models", DataTable).add_columns("Name", "Coordinated by", "Context")
         self.query_one("#mesh-models", DataTable).add_columns("Name", "Layers", "Size", "Held by")
         super().on_mount()
 
@@ -43,6 +47,14 @@ class ModelsScreen(NodeScreen):
             local.append((f"{m.sha256}:{m.path}", [name, m.kind, layers, fmt_size(m.size_bytes),
                                                    m.source, m.sha256[:8]]))
         fill_table(self.query_one("#local-models", DataTable), local)
+
+        served = [
+            (f"{m.coordinator_id}:{m.name}",
+             [peer_text(m.name, 100), "this node" if m.local else peer_text(m.coordinator_name or m.coordinator_id, 64),
+              str(m.n_ctx) if m.n_ctx else "?"])
+            for m in snap.mesh_models
+        ]
+        fill_table(self.query_one("#served-models", DataTable), served)
 
         held: dict[str, tuple[str, int, int, list[str]]] = {}
         for p in sorted(snap.peers, key=lambda p: p.name):
