@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshnode.mesh.logprobs import TokenLogprobs, token_logprobs
 from meshnode.spec.acceptance import verify_logits
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    # None: no logprobs; 0..20: the sampled tokens' logprobs and this many alternatives
+    top_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -47,6 +50,7 @@ class Finalized:
     tokens: tuple[int, ...]   # accepted drafts, then the bonus (or the one sampled token)
     n_accepted: int
     n_drafted: int
+    logprobs: TokenLogprobs | None = None   # when the step's sampling asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +74,14 @@ class FinalSampler:
             rng = self._rngs.get(session)
             if rng is None:
                 rng = self._rngs[session] = np.random.default_rng(sampling.seed)
-        res = verify_logits(logits[-(len(drafts) + 1):], drafts, temperature=sampling.temperature,
+        rows = logits[-(len(drafts) + 1):]
+        res = verify_logits(rows, drafts, temperature=sampling.temperature,
                             top_k=sampling.top_k, top_p=sampling.top_p, rng=rng)
-        return Finalized(res.tokens, res.n_accepted, len(drafts))
+        lp = None
+        if sampling.top_logprobs is not None:
+            # row i is what the i-th emitted token (accepted draft or bonus) came from
+            lp = token_logprobs(rows, res.tokens, sampling.top_logprobs)
+        return Finalized(res.tokens, res.n_accepted, len(drafts), lp)
 
     def finalize_isolated(self, session: int, logits: np.ndarray, drafts: tuple[int, ...],
                           sampling: Sampling) -> Finalized | SamplingFailed:

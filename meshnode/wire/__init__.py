@@ -31,6 +31,10 @@ from meshnode.wire.errors import (
 )
 from meshnode.wire.messages import (
     SEG_LANE,
+    SEG_LOGPROBS,
+    SessionCopy,
+    flags_top_logprobs,
+    logprob_flags,
     PROTOCOL_VERSION,
     WIRE_DTYPES,
     AuthChallenge,
@@ -69,6 +73,10 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "SEG_LANE",
+    "SEG_LOGPROBS",
+    "SessionCopy",
+    "flags_top_logprobs",
+    "logprob_flags",
     "MAX_FRAME",
     "PROTOCOL_VERSION",
     "WIRE_DTYPES",
