@@ -326,16 +326,20 @@ class ModelServer:
                 log.warning("request %s failed: %s: %s", ars[0].id, type(exc).__name__, exc)
             events.put_nowait(exc)
         finally:
-            try:
-                for ar in ars:
-                    ar.withdraw_lookahead()
-                    self.scheduler.leave(ar.session)
-                    decoder.telemetry.end_request(ar.id)
-                for ar in ars:
-                    await asyncio.shield(self._end_session(ar.session))
-            finally:
-                for _ in ars:
-                    self._slots.release()
+            for ar in ars:
+                ar.withdraw_lookahead()
+                self.scheduler.leave(ar.session)
+                decoder.telemetry.end_request(ar.id)
+            # The slots come back once every stage was told to free the sessions (even
+            # when this task is cancelled meanwhile): the next request's steps then
+            # reach each stage behind the SessionEnds, never beside KV still held.
+            ends = asyncio.ensure_future(asyncio.gather(*(self._end_session(ar.session) for ar in ars)))
+            ends.add_done_callback(lambda _f, n=len(ars): self._release_slots(n))
+            await asyncio.shield(ends)
+
+    def _release_slots(self, n: int) -> None:
+        for _ in range(n):
+            self._slots.release()
 
     async def _decode(self, events: asyncio.Queue, ar: ActiveRequest, first: Finalized, prefill_s: float) -> None:
         """Decode one choice from its first token to its end; its Finished event last."""
