@@ -8,3 +8,10 @@ step all agree with one node decoding alone.
 """
 
 MAX_VERIFY_WINDOW = 32
+
+# OpenAI's bound on top_logprobs: the API, the final stage and the wire (Segment.flags,
+# SegmentResult) all refuse more.
+MAX_TOP_LOGPROBS = 20
+
+# Choices of one request (``n``): each holds a sequence slot on every stage.
+MAX_CHOICES = 8

@@ -29,7 +29,8 @@ from meshnode.serve.client import (
     Timings,
     Usage,
 )
-from meshnode.serve.errors import EngineFailedError, EngineUnavailableError, PromptTooLongError, UnknownModelError
+from meshnode.serve.errors import (EngineFailedError, EngineUnavailableError, PromptTooLongError, UnknownModelError,
+                                   UnsupportedValueError)
 from meshnode.mesh.final import Finalized
 from meshnode.serve.model_server import ModelServer, ServeSettings
 from meshnode.serve.openai_routes import make_openai_router
@@ -71,6 +72,8 @@ class FakeEngine:
         self.requests.append(request)
         if request.model not in {card.id for card in self.models()}:
             raise UnknownModelError(request.model)
+        if request.infill is not None:   # like a model without FIM tokens
+            raise UnsupportedValueError("suffix", f"{MODEL} cannot fill in the middle.")
         prompt = _prompt_text(request)
         prompt_tokens = len(prompt.split())
         if "offline" in prompt:
@@ -314,8 +317,9 @@ def test_unknown_model_is_404(base_url: str) -> None:
         ({"top_p": 1.5}, "top_p", "invalid_value"),
         ({"max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"max_tokens": "many"}, "max_tokens", "invalid_value"),
-        ({"n": 2}, "n", "unsupported_value"),
-        ({"logprobs": True}, "logprobs", "unsupported_value"),
+        ({"n": 9}, "n", "invalid_value"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_value"),
+        ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
         ({"stop": ["ok", ""]}, "stop", "invalid_value"),
         ({"messages": []}, "messages", "invalid_value"),
         ({"messages": None}, "messages", "invalid_value"),

@@ -46,6 +46,7 @@ from meshnode.wire import (
     SecretRotate,
     Segment,
     SegmentResult,
+    SessionCopy,
     SessionEnd,
     StageStatus,
     Status,
@@ -105,7 +106,8 @@ def forwards(draw: st.DrawFn) -> Forward:
     segs = tuple(
         Segment(
             draw(u64), draw(u32), n, draw(st.integers(0, n)), tuple(draw(st.lists(u32, max_size=32))),
-            draw(f32), draw(i32), draw(f32), draw(u64), draw(u8),
+            # any flags the check admits: the logprob count only with SEG_LOGPROBS, <= 20
+            draw(f32), draw(i32), draw(f32), draw(u64), draw(u8.filter(lambda f: f >> 3 <= (20 if f & 2 else 0))),
         )  # fmt: skip
         for n in rows
     )
@@ -116,7 +118,19 @@ def forwards(draw: st.DrawFn) -> Forward:
     return Forward(draw(u32), draw(u64), draw(u32), segs, act)
 
 
-results = st.builds(SegmentResult, u64, st.lists(u32, max_size=40).map(tuple), u32, u32)
+@st.composite
+def results(draw: st.DrawFn) -> SegmentResult:
+    tokens = tuple(draw(st.lists(u32, max_size=33)))
+    if not tokens or draw(st.booleans()):
+        return SegmentResult(draw(u64), tokens, draw(u32), draw(u32))
+    k = draw(st.integers(0, 20))
+    logprob = st.floats(max_value=0.0, width=32)
+    lps = tuple(draw(st.lists(logprob, min_size=len(tokens), max_size=len(tokens))))
+    n = k * len(tokens)
+    return SegmentResult(draw(u64), tokens, draw(u32), draw(u32), lps,
+                         tuple(draw(st.lists(u32, min_size=n, max_size=n))),
+                         tuple(draw(st.lists(logprob, min_size=n, max_size=n))))
+
 
 messages = st.one_of(
     st.builds(Hello, u32, text, text, text, u16, st.dictionaries(text, json_value, max_size=4)),
@@ -135,9 +149,10 @@ messages = st.one_of(
     st.builds(Status, u32, u64, st.sampled_from(StageStatus), text, f64),
     st.builds(Error, u32, codes, text),
     forwards(),
-    st.builds(TokenReturn, u32, u64, st.lists(results, max_size=4).map(tuple)),
+    st.builds(TokenReturn, u32, u64, st.lists(results(), max_size=4).map(tuple)),
     st.builds(Trim, u32, u64, u32),
     st.builds(SessionEnd, u32, u64),
+    st.builds(SessionCopy, u32, u64.filter(bool), u64.filter(bool), u32).filter(lambda m: m.src != m.dst),
     st.builds(DataError, u32, u64, u64, codes, text),
     st.builds(CapsUpdate, u32, st.dictionaries(text, json_value, max_size=4)),
     st.builds(SecretRotate, u32, st.binary(min_size=32, max_size=32)),
@@ -173,7 +188,7 @@ def test_every_kind_has_a_strategy():
     # one_of keeps its branches; make sure none of the 24 kinds was forgotten
     kinds = {
         Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, LaneKey, Profile, Claim, Prepare, Inventory, Load,
-        Ready, Stop, Status, Error, Forward, TokenReturn, Trim, SessionEnd, DataError,
+        Ready, Stop, Status, Error, Forward, TokenReturn, Trim, SessionEnd, SessionCopy, DataError,
         CapsUpdate, SecretRotate, SecretAck, GrammarMask,
         ModelsServed, ApiRequest, ApiResponseStart, ApiResponseBody, ApiCancel,
     }  # fmt: skip

@@ -223,6 +223,25 @@ class StageEngine:
             raise DecodeError(f"llama.cpp refused to roll session {session} back to {pos}")
         self._next_pos[session] = pos
 
+    def copy(self, src: int, dst: int, n_pos: int) -> None:
+        """Give the new session ``dst`` the KV of ``src`` at positions [0, n_pos): the
+        cells are shared (llama_memory_seq_cp), not duplicated, and either session may
+        then roll back or grow on its own. Raises EngineInputError for an unknown
+        ``src``, a ``dst`` already in use or ``n_pos`` past what ``src`` holds;
+        EngineBusyError when no sequence slot is free."""
+        src_seq = self._seq_of.get(src)
+        if src_seq is None:
+            raise EngineInputError(f"session {src} holds no KV to copy")
+        if dst in self._seq_of:
+            raise EngineInputError(f"session {dst} is already in use")
+        if not 0 <= n_pos <= self._next_pos[src]:
+            raise EngineInputError(f"cannot copy {n_pos} positions of session {src} "
+                                   f"(it holds {self._next_pos[src]})")
+        seq = self._seq(dst)
+        if n_pos:
+            llama_cpp.llama_memory_seq_cp(self._mem, src_seq, seq, 0, n_pos)
+        self._next_pos[dst] = n_pos
+
     def drop(self, session: int) -> None:
         """Free a session's KV cells and its sequence slot."""
         seq = self._seq_of.pop(session, None)

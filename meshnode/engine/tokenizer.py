@@ -6,6 +6,7 @@ source GGUF with a vocab-only llama.cpp model (milliseconds, a few MB).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
@@ -20,6 +21,23 @@ FALLBACK_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class FimTokens:
+    """A model's fill-in-the-middle tokens as llama.cpp reads them (the GGUF's
+    ``tokenizer.ggml.fim_*_token_id`` keys, the older ``prefix/suffix/middle_token_id``,
+    or llama.cpp's recognition of well-known token texts); -1 where absent."""
+
+    pre: int
+    suf: int
+    mid: int
+    rep: int = -1
+    sep: int = -1
+
+    @property
+    def usable(self) -> bool:
+        return min(self.pre, self.suf, self.mid) >= 0
 
 
 class Tokenizer:
@@ -40,6 +58,11 @@ class Tokenizer:
             template=template, eos_token=eos, bos_token=bos, stop_token_ids=[self.eos_id])
         self._lltok = None          # grammar_tokenizer(), built on first use
         self._tools_native: bool | None = None
+        vocab = self._vocab()
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))
+        self.fim = FimTokens(*(int(f(vocab)) for f in (
+            llama_cpp.llama_vocab_fim_pre, llama_cpp.llama_vocab_fim_suf, llama_cpp.llama_vocab_fim_mid,
+            llama_cpp.llama_vocab_fim_rep, llama_cpp.llama_vocab_fim_sep)))
         self.eog_ids = {i for i in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab(), i)} \
             if self.n_vocab <= 300_000 else {self.eos_id}
 

@@ -90,6 +90,9 @@ class EngineWorker:
     async def rollback(self, session: int, pos: int) -> None:
         await self.call(self.engine.rollback, session, pos)
 
+    async def copy(self, src: int, dst: int, n_pos: int) -> None:
+        await self.call(self.engine.copy, src, dst, n_pos)
+
     async def drop(self, session: int) -> None:
         await self.call(self.engine.drop, session)
 

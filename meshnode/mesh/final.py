@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshnode.mesh.logprobs import TokenLogprobs, token_logprobs
 from meshnode.spec.acceptance import verify_logits
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    # None: no logprobs; 0..20: the sampled tokens' logprobs and this many alternatives
+    top_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +55,7 @@ class Finalized:
     tokens: tuple[int, ...]   # accepted drafts, then the bonus (or the one sampled token)
     n_accepted: int
     n_drafted: int
+    logprobs: TokenLogprobs | None = None   # when the step's sampling asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +80,19 @@ class FinalSampler:
             rng = self._rngs.get(session)
             if rng is None:
                 rng = self._rngs[session] = np.random.default_rng(sampling.seed)
-        rows = logits[-(len(drafts) + 1):]
+        rows = raw = logits[-(len(drafts) + 1):]
         if mask is not None:
             if mask.shape[0] != rows.shape[0]:
                 raise ValueError(f"{mask.shape[0]} mask rows for {rows.shape[0]} logit rows")
             rows = apply_mask(rows, mask)
         res = verify_logits(rows, drafts, temperature=sampling.temperature,
                             top_k=sampling.top_k, top_p=sampling.top_p, rng=rng)
-        return Finalized(res.tokens, res.n_accepted, len(drafts))
+        lp = None
+        if sampling.top_logprobs is not None:
+            # row i is what the i-th emitted token (accepted draft or bonus) came from; the
+            # raw rows, before a grammar mask (whose -inf would be no number in JSON)
+            lp = token_logprobs(raw, res.tokens, sampling.top_logprobs)
+        return Finalized(res.tokens, res.n_accepted, len(drafts), lp)
 
     def finalize_isolated(self, session: int, logits: np.ndarray, drafts: tuple[int, ...],
                           sampling: Sampling, mask: np.ndarray | None = None) -> Finalized | SamplingFailed:

@@ -46,6 +46,7 @@ from meshnode.engine.worker import EngineWorker
 from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.final import GREEDY, FinalSampler, Finalized, Sampling, SamplingFailed
+from meshnode.mesh.logprobs import TokenLogprobs
 from meshnode.wire.messages import WHOLE_BATCH
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,11 @@ class Pipeline(Protocol):
         """One result per step, in order. Raises when the whole batch failed."""
         ...
 
+    async def copy_session(self, src: int, dst: int, n_pos: int) -> None:
+        """Share ``src``'s KV at [0, n_pos) with the new session ``dst`` on every stage.
+        Call it after the steps that filled those positions were run (sent)."""
+        ...
+
     async def end_session(self, session: int) -> None: ...
 
     async def close(self) -> None: ...
@@ -139,6 +145,14 @@ class LocalPipeline:
         if self.closed is not None:
             raise PipelineUnavailableError(self.closed)
         return await self.worker.step(sum(int(s.tokens.shape[0]) for s in steps), self._run_sync, steps)
+
+    async def copy_session(self, src: int, dst: int, n_pos: int) -> None:
+        if self.closed is not None:
+            raise PipelineUnavailableError(self.closed)
+        try:
+            await self.worker.copy(src, dst, n_pos)
+        except EngineError as exc:
+            raise PipelineFailedError(f"copying session {src:x}: {exc}") from exc
 
     async def end_session(self, session: int) -> None:
         self.sampler.forget(session)
@@ -186,6 +200,7 @@ class MeshPipeline:
         self.lane_steps = 0                   # telemetry: steps sent with SEG_LANE
         self.lane_resends = 0                 # ... of which resent over the stream
         self.refused = 0                      # replies ignored: not from the right stage
+        self._fresh: set[int] = set()         # copied sessions without a reply yet (copy_session)
         self.closed: str | None = None   # why, once closed: later runs fail with it
 
     # Called by the node's message dispatcher for TokenReturn / DataError frames.
@@ -280,6 +295,7 @@ class MeshPipeline:
         if lane and self.lane_resends == resends:   # a resent step's wait is not a round trip
             rtt = loop.time() - t0
             self._lane_rtt = rtt if self._lane_rtt is None else self._lane_rtt + 0.2 * (rtt - self._lane_rtt)
+        self._fresh.difference_update(s.session for s in steps)
         by_session = {r.session: r for r in reply.results}
         out: list[StepResult] = []
         for s in steps:
@@ -291,7 +307,8 @@ class MeshPipeline:
             elif r is None or not r.tokens:
                 out.append(StepFailedError(s.session, f"the final stage returned no tokens for session {s.session:x}"))
             else:
-                out.append(Finalized(tuple(r.tokens), r.n_accepted, r.n_drafted))
+                lp = TokenLogprobs(r.logprobs, r.top_ids, r.top_logprobs) if r.logprobs else None
+                out.append(Finalized(tuple(r.tokens), r.n_accepted, r.n_drafted, lp))
         return out
 
     # ---- the fast lane ----------------------------------------------------------------
@@ -302,7 +319,8 @@ class MeshPipeline:
 
     def _lane_eligible(self, steps: Sequence[Step]) -> bool:
         return (self.fabric.lane_ready(self.route[0])
-                and all(s.plain_decode and s.session not in self._busy for s in steps))
+                and all(s.plain_decode and s.session not in self._busy and s.session not in self._fresh
+                        for s in steps))
 
     def _forward(self, steps: Sequence[Step], batch_id: int, act: np.ndarray, lane: bool) -> wire.Forward:
         flags = wire.SEG_LANE if lane else 0
@@ -311,7 +329,8 @@ class MeshPipeline:
                          n_logits=s.n_logits, drafts=tuple(s.drafts),
                          temperature=s.sampling.temperature, top_k=s.sampling.top_k,
                          top_p=s.sampling.top_p, seed=s.sampling.seed,
-                         flags=flags | (wire.SEG_MASKED if s.mask is not None and s.n_logits else 0))
+                         flags=flags | wire.logprob_flags(s.sampling.top_logprobs)
+                         | (wire.SEG_MASKED if s.mask is not None and s.n_logits else 0))
             for s in steps)
         return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
 
@@ -355,9 +374,24 @@ class MeshPipeline:
                 s.session, act.shape[1], "f16" if act.dtype == np.float16 else "f32", n_logits=1,
                 temperature=s.sampling.temperature, top_k=s.sampling.top_k,
                 top_p=s.sampling.top_p, seed=s.sampling.seed)
-        return t.encode(batch_id, 0, s.pos, act[0], flags=wire.SEG_LANE if lane else 0)
+        flags = wire.logprob_flags(s.sampling.top_logprobs) | (wire.SEG_LANE if lane else 0)
+        return t.encode(batch_id, 0, s.pos, act[0], flags=flags)
+
+    async def copy_session(self, src: int, dst: int, n_pos: int) -> None:
+        if self.closed is not None:
+            raise PipelineUnavailableError(self.closed)
+        try:
+            await self.worker.copy(src, dst, n_pos)
+        except EngineError as exc:
+            raise PipelineFailedError(f"stage 0: copying session {src:x}: {exc}") from exc
+        # Behind the prefill on the same stream, relayed stage to stage (StageHost), so
+        # every stage copies after it computed the prefill. The first step of ``dst``
+        # must not overtake it on the fast lane: it waits until ``dst`` saw a reply.
+        self._fresh.add(dst)
+        await self._send(wire.SessionCopy(ref=0, src=src, dst=dst, n_pos=n_pos), False)
 
     async def end_session(self, session: int) -> None:
+        self._fresh.discard(session)
         self._templates.pop(session, None)
         if self.closed is not None:
             return   # the engines were freed with their KV

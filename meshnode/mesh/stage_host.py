@@ -104,9 +104,14 @@ class StageHost:
 
         A message from a node that may not send it is dropped (True: it was ours to
         refuse); a Forward over the queue bound is answered with DataError(BUSY)."""
-        if not isinstance(msg, (wire.Forward, wire.Trim, wire.SessionEnd, wire.GrammarMask)):
+        if not isinstance(msg, (wire.Forward, wire.Trim, wire.SessionEnd, wire.GrammarMask, wire.SessionCopy)):
             return False
         source = self.route.source
+        if isinstance(msg, wire.SessionCopy) and peer != source:
+            # ordered behind the prefill it copies only on the upstream's stream
+            self.refused += 1
+            log.warning("stage: SessionCopy from %s dropped: only %s feeds this stage", peer, source)
+            return True
         allowed = peer == source or (not isinstance(msg, wire.Forward) and peer == self.route.coordinator)
         if not allowed:
             self.refused += 1
@@ -159,6 +164,8 @@ class StageHost:
                         await self._forward(msg)
                     case wire.GrammarMask():
                         await self._mask(msg)
+                    case wire.SessionCopy(src=src, dst=dst, n_pos=n_pos):
+                        await self._copy(msg, src, dst, n_pos)
                     case wire.Trim(session=session, pos=pos):
                         await self.worker.rollback(session, pos)
                     case wire.SessionEnd(session=session):
@@ -199,6 +206,19 @@ class StageHost:
             del self._masks[key]
         return got
 
+    async def _copy(self, msg: wire.SessionCopy, src: int, dst: int, n_pos: int) -> None:
+        """Copy here, then pass it on (the next stage gets it behind the same prefill).
+        A failed copy is logged; the copied session's first step then fails on this
+        stage (its positions are missing) and its request with it."""
+        if dst in self._ended or src in self._ended:
+            return
+        try:
+            await self.worker.copy(src, dst, n_pos)
+            self.sessions.add(dst)
+        finally:
+            if not self.is_last:
+                await self._send(self.route.downstream, msg)
+
     def _compute(self, msg: wire.Forward, masks: dict[int, np.ndarray] | None = None):
         act = np.asarray(msg.act, dtype=np.float32)
         segs, row = [], 0
@@ -219,15 +239,19 @@ class StageHost:
                     fin = SamplingFailed("the grammar mask of a constrained step did not arrive")
                 else:
                     fin = self.sampler.finalize_isolated(s.session, logits, tuple(s.drafts),
-                                                         Sampling(s.temperature, s.top_k, s.top_p, s.seed), mask)
+                                                         Sampling(s.temperature, s.top_k, s.top_p, s.seed,
+                                                                  wire.flags_top_logprobs(s.flags)), mask)
                 if isinstance(fin, SamplingFailed):
                     # this session's failure: the others of the batch keep their tokens
                     results.append(wire.DataError(ref=0, batch_id=msg.batch_id, session=s.session,
                                                   code=wire.ErrorCode.ENGINE_ERROR, message=fin.reason))
                     self._verified.pop(s.session, None)
                     continue
-                results.append(wire.SegmentResult(session=s.session, tokens=fin.tokens,
-                                                  n_accepted=fin.n_accepted, n_drafted=fin.n_drafted))
+                lp = fin.logprobs
+                results.append(wire.SegmentResult(
+                    session=s.session, tokens=fin.tokens, n_accepted=fin.n_accepted,
+                    n_drafted=fin.n_drafted, logprobs=lp.logprobs if lp else (),
+                    top_ids=lp.top_ids if lp else (), top_logprobs=lp.top_logprobs if lp else ()))
                 verified -= fin.n_drafted - fin.n_accepted   # rows holding rejected drafts
             self._verified[s.session] = verified
         return results

@@ -3,7 +3,7 @@
 Theory of operation. Every node runs one :class:`StageServerRuntime`. The node's message
 dispatcher hands it each message with :meth:`StageServerRuntime.handle`; it takes the
 stage-control requests (Claim, Prepare, Inventory from its coordinator, Load, Stop) and
-the data plane of the stage it serves (Forward, Trim, SessionEnd), and returns False for
+the data plane of the stage it serves (Forward, Trim, SessionEnd, SessionCopy), and returns False for
 anything else. After each feed it drains the machine: replies go to an :class:`Outbox`,
 events become host work:
 
@@ -54,7 +54,7 @@ __all__ = ["StageServerRuntime"]
 log = logging.getLogger(__name__)
 
 _REQUESTS = (wire.Claim, wire.Prepare, wire.Load, wire.Stop)
-_DATA = (wire.Forward, wire.Trim, wire.SessionEnd, wire.GrammarMask)
+_DATA = (wire.Forward, wire.Trim, wire.SessionEnd, wire.GrammarMask, wire.SessionCopy)
 PROGRESS_EVERY_S = 0.25
 
 

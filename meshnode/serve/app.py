@@ -21,9 +21,9 @@ from pydantic.json_schema import models_json_schema
 
 from meshnode import __version__
 from meshnode.serve.http_guard import HttpGuard, HttpSecurity
-from meshnode.serve.schemas import ChatCompletionRequest, CompletionRequest
+from meshnode.serve.schemas import ChatCompletionRequest, CompletionRequest, InfillRequest
 
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest)
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, InfillRequest)
 
 
 def create_app(node: Any, security: HttpSecurity | None = None) -> FastAPI:

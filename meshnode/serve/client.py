@@ -6,6 +6,9 @@ async iterator of :data:`GenerationEvent` s:
 
     [Admitted]  TextDelta*  Finished
 
+(for ``n`` > 1 choices: the choices' TextDelta and Finished events interleaved, each
+tagged with its ``index``; the stream ends after ``n`` Finished events)
+
 Contract for implementations (the real pipeline driver and test fakes alike):
 
 * ``generate`` is an async generator function (``async def ... yield``). Problems with the
@@ -42,11 +45,14 @@ __all__ = [
     "FinishReason",
     "GenerationEvent",
     "GenerationRequest",
+    "InfillPrompt",
     "ModelCard",
     "StopMatcher",
     "TextDelta",
     "Timings",
     "ToolCall",
+    "TokenLogprob",
+    "TopLogprob",
     "Usage",
 ]
 
@@ -74,6 +80,10 @@ class ToolCall:
     id: str
     name: str
     arguments: str                  # a JSON object, as text (OpenAI's shape)
+    # what the model supports, by name (``fim``, ``logprobs``, ``n``, ...), and for the
+    # ones it does not, why (e.g. {"fim": "the GGUF declares no FIM tokens"})
+    capabilities: tuple[str, ...] = ()
+    unsupported: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +95,30 @@ class ChatMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class InfillPrompt:
+    """A fill-in-the-middle prompt (llama.cpp server's ``/infill`` fields): the model
+    writes what goes between ``prefix`` and ``suffix``; ``prompt`` is text already typed
+    after the prefix; ``extra`` are ``(filename, text)`` chunks of other files."""
+
+    prefix: str
+    suffix: str
+    prompt: str = ""
+    extra: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def n_chars(self) -> int:
+        return len(self.prefix) + len(self.suffix) + len(self.prompt) + sum(len(f) + len(t) for f, t in self.extra)
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """What to generate. Exactly one of ``messages`` (chat) and ``prompt`` (raw text) is set.
+    """What to generate. Exactly one of ``messages`` (chat), ``prompt`` (raw text) and
+    ``infill`` (fill-in-the-middle) is set.
 
     ``max_tokens`` None means "until the context is full". ``top_k`` None or 0 disables
     top-k. ``stop`` strings are matched on the generated text (not on the prompt).
+    ``logprobs``: None for none, else how many alternatives per token (0..20) besides the
+    sampled token's own logprob. ``n``: choices generated from the one prompt.
     """
 
     request_id: str
@@ -106,10 +135,13 @@ class GenerationRequest:
     # the model, and what its output must be (None: free text).
     tools: tuple[Any, ...] = ()             # tools.ToolSpec
     structure: Any = None                   # tools.Structure
+    logprobs: int | None = None
+    n: int = 1
+    infill: InfillPrompt | None = None
 
     def __post_init__(self) -> None:
-        if (self.messages is None) == (self.prompt is None):
-            raise ValueError("GenerationRequest needs exactly one of messages and prompt")
+        if sum(x is not None for x in (self.messages, self.prompt, self.infill)) != 1:
+            raise ValueError("GenerationRequest needs exactly one of messages, prompt and infill")
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,20 +225,44 @@ class Admitted:
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's logprob and its most likely alternatives (OpenAI's shape)."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TextDelta:
-    """New generated text (may be empty while a possible stop string is held back)."""
+    """New generated text (may be empty while a possible stop string is held back).
+
+    ``index``: the choice it belongs to (requests with ``n`` > 1). ``logprobs``: when
+    asked for, one entry per token whose text this delta releases."""
 
     text: str
     token_ids: tuple[int, ...] = ()
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """Generation ended. Always the last event."""
+    """One choice ended (``index``); the request's last event is its last choice's.
+    ``usage.completion_tokens`` counts this choice's tokens."""
 
     finish_reason: FinishReason
     usage: Usage
     timings: Timings = field(default_factory=Timings)
+    index: int = 0
 
 
 GenerationEvent: TypeAlias = Admitted | TextDelta | Finished

@@ -58,12 +58,11 @@ from meshnode.serve.client import (
     GenerationRequest,
     ModelCard,
     StopMatcher,
-    TextDelta,
     Timings,
     Usage,
 )
-from meshnode.limits import MAX_VERIFY_WINDOW
-from meshnode.mesh.final import Sampling
+from meshnode.limits import MAX_CHOICES, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
+from meshnode.mesh.final import Finalized, Sampling
 from meshnode.mesh.pipeline import Pipeline, Step
 from meshnode.serve.errors import (
     EngineFailedError,
@@ -73,8 +72,10 @@ from meshnode.serve.errors import (
     ServeError,
     ServerBusyError,
     UnknownModelError,
+    UnsupportedValueError,
     error_spec,
 )
+from meshnode.serve.fim import fim_reason, infill_tokens
 from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
 from meshnode.serve.request import ActiveRequest, new_session_id
 from meshnode.serve.scheduler import BatchScheduler
@@ -133,6 +134,7 @@ class ModelServer:
         self._sessions: set[int] = set()   # session ids in use (random: new_session_id)
         # Every stage holds parallel sequence slots; requests beyond that queue here.
         self._slots = asyncio.Semaphore(settings.parallel)
+        self._multi_slots = asyncio.Lock()   # one request with n > 1 gathers its slots at a time
         self._admitted = 0      # requests past the admission check and not yet finished
         self._idle = asyncio.Event()    # set while _admitted == 0 (shutdown waits for it)
         self._idle.set()
@@ -153,7 +155,8 @@ class ModelServer:
     # ---- EngineClient -------------------------------------------------------------------
 
     def models(self) -> list[ModelCard]:
-        return [ModelCard(id=self.settings.name, created=self.created, n_ctx=self.settings.n_ctx)]
+        return [ModelCard(id=self.settings.name, created=self.created, n_ctx=self.settings.n_ctx,
+                          **model_capabilities(self.tokenizer))]
 
     def _check_model(self, name: str) -> None:
         s = self.settings
@@ -161,6 +164,9 @@ class ModelServer:
             raise UnknownModelError(name)
 
     def _prompt_tokens(self, req: GenerationRequest) -> tuple[list[int], list[str]]:
+        if req.infill is not None:
+            n_predict = -1 if req.max_tokens is None else req.max_tokens
+            return infill_tokens(self.tokenizer, req.infill, n_ctx=self.settings.n_ctx, n_predict=n_predict), []
         if req.messages is not None:
             if req.tools or any(m.tool_calls or m.role == "tool" for m in req.messages):
                 msgs, tools = render_messages(req.messages, req.tools, native=self.tokenizer.supports_tools)
@@ -171,7 +177,7 @@ class ModelServer:
 
     async def _tokenize(self, req: GenerationRequest) -> tuple[list[int], list[str]]:
         n_chars = (sum(len(m.content) for m in req.messages) if req.messages is not None
-                   else len(req.prompt or ""))
+                   else req.infill.n_chars if req.infill is not None else len(req.prompt or ""))
         n_ctx = self.settings.n_ctx
         if n_chars > n_ctx * MAX_CHARS_PER_TOKEN:
             raise PromptTooLongError(n_chars // MAX_CHARS_PER_TOKEN, n_ctx, at_least=True)
@@ -185,54 +191,74 @@ class ModelServer:
     def _sampling(self, req: GenerationRequest) -> Sampling:
         return sampling_for(req, getattr(self.tokenizer, "n_vocab", None))
 
-    def _admit(self) -> None:
-        self._admitted += 1
+    def _admit(self, n: int = 1) -> None:
+        self._admitted += n
         self._idle.clear()
 
-    def _release(self) -> None:
-        self._admitted -= 1
+    def _release(self, n: int = 1) -> None:
+        self._admitted -= n
         if self._admitted == 0:
             self._idle.set()
 
+    def _check_features(self, req: GenerationRequest) -> None:
+        """Refuse what this model or node cannot do (400s, before admission)."""
+        if req.infill is not None and (why := fim_reason(self.tokenizer)) is not None:
+            raise UnsupportedValueError("suffix", f"{self.settings.name} {why}.")
+        if not 1 <= req.n <= min(MAX_CHOICES, self.settings.parallel):
+            raise InvalidRequestError("n", f"Invalid value for 'n': {req.n} (this node generates at most "
+                                      f"{min(MAX_CHOICES, self.settings.parallel)} choices at once).")
+
     async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         self._check_model(req.model)
+        self._check_features(req)
         sampling = self._sampling(req)
         s = self.settings
+        n = req.n
         if self._closing:
             raise EngineUnavailableError(SHUTTING_DOWN)
-        if self._admitted >= s.parallel + s.max_queue:
+        if self._admitted + n > s.parallel + s.max_queue:
             raise ServerBusyError(
                 f"All {s.parallel} slots and {s.max_queue} queue places of {s.name} are taken; "
                 "retry shortly.", retry_after=1)
-        self._admit()
+        self._admit(n)   # each choice holds a sequence slot on every stage
         try:
             prompt, template_stops = await self._tokenize(req)
-            constraint = None
+            constraints: list = [None] * n
             if req.structure is not None:
                 # compiling a schema can take a while (and the first one builds the
-                # grammar's view of the vocabulary): off the loop
+                # grammar's view of the vocabulary): off the loop. One per choice: each
+                # choice walks the grammar on its own.
                 param = "tools" if req.structure.kind == "tool_calls" else "response_format"
-                constraint = await asyncio.get_running_loop().run_in_executor(
+                loop = asyncio.get_running_loop()
+                constraints = [await loop.run_in_executor(
                     self._tokenize_pool, compile_constraint, req.structure, self.tokenizer, param)
+                    for _ in range(n)]
         except BaseException:
-            self._release()
+            self._release(n)
             raise
         n_ctx = self.settings.n_ctx
         if len(prompt) >= n_ctx:
-            self._release()
+            self._release(n)
             raise PromptTooLongError(len(prompt), n_ctx)
         if self._closing:   # shutdown began while the prompt was tokenized
-            self._release()
+            self._release(n)
             raise EngineUnavailableError(SHUTTING_DOWN)
         budget = n_ctx - len(prompt)
         max_tokens = budget if req.max_tokens is None else min(req.max_tokens, budget)
+        ars: list[ActiveRequest] = []
+        for i in range(n):
+            # choice i samples with seed + i: different choices, each reproducible
+            rid = req.request_id if i == 0 else f"{req.request_id}.{i}"
+            info = RequestInfo(rid, self.settings.name, RequestStatus.QUEUED, len(prompt), 0, 0.0, None,
+                               time.time(), strategy=self._decoder.telemetry.strategy)
+            ar = ActiveRequest(rid, new_session_id(self._sessions), prompt,
+                               replace(sampling, seed=(sampling.seed + i) % SEED_SPACE), max_tokens,
+                               StopMatcher(tuple(req.stop) + tuple(template_stops)), info, index=i,
+                               constraint=constraints[i])
+            self._active[rid] = ar
+            self._update(ar)
+            ars.append(ar)
         rid = req.request_id
-        info = RequestInfo(rid, self.settings.name, RequestStatus.QUEUED, len(prompt), 0, 0.0, None, time.time(),
-                           strategy=self._decoder.telemetry.strategy)
-        ar = ActiveRequest(rid, new_session_id(self._sessions), prompt, sampling, max_tokens,
-                           StopMatcher(tuple(req.stop) + tuple(template_stops)), info, constraint=constraint)
-        self._active[rid] = ar
-        self._update(ar)
         events: asyncio.Queue = asyncio.Queue()
         self._channels[rid] = events
         task: asyncio.Task | None = None
@@ -241,96 +267,138 @@ class ModelServer:
             # The request runs in its own task and hands events over through a queue:
             # decoding never waits for the HTTP client to take the previous token, so every
             # session is ready for the next batch at once (continuous batching stays dense).
-            task = asyncio.get_running_loop().create_task(self._produce(events, ar), name=f"request-{rid}")
+            task = asyncio.get_running_loop().create_task(self._produce(events, ars), name=f"request-{rid}")
+            left = n
             while True:
                 item = await events.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
                 if isinstance(item, Finished):
-                    return
+                    left -= 1
+                    if not left:
+                        return
         finally:
             try:
                 if task is None:    # closed at Admitted: it never ran
-                    self._finish(ar, RequestStatus.CANCELLED)
+                    for ar in ars:
+                        self._finish(ar, RequestStatus.CANCELLED)
                 else:
                     if not task.done():
                         task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
             finally:
                 self._channels.pop(rid, None)
-                self._release()
+                self._release(n)
 
-    async def _produce(self, events: asyncio.Queue, ar: ActiveRequest) -> None:
-        """Prefill and decode one request, putting its events on ``events``."""
-        try:
+    async def _acquire(self, n: int) -> None:
+        """Take ``n`` sequence slots. One request at a time gathers several, so two
+        requests each holding part of what they need never wait on each other."""
+        if n == 1:
             await self._slots.acquire()
+            return
+        async with self._multi_slots:
+            taken = 0
+            try:
+                for _ in range(n):
+                    await self._slots.acquire()
+                    taken += 1
+            except BaseException:
+                for _ in range(taken):
+                    self._slots.release()
+                raise
+
+    async def _produce(self, events: asyncio.Queue, ars: list[ActiveRequest]) -> None:
+        """Prefill and decode one request's choices, putting their events on ``events``."""
+        try:
+            await self._acquire(len(ars))
         except BaseException:
-            self._finish(ar, RequestStatus.CANCELLED)
+            for ar in ars:
+                self._finish(ar, RequestStatus.CANCELLED)
             raise
-        ar.info = replace(ar.info, status=RequestStatus.PREFILL)
+        for ar in ars:
+            ar.info = replace(ar.info, status=RequestStatus.PREFILL)
         decoder = self._decoder
         try:
-            # ---- prefill -----------------------------------------------------------------
             t_prefill = time.perf_counter()
-            first = await self._prefill(ar)
-            if ar.constraint is not None:
-                ar.constraint.commit([first])
+            firsts = [await self._prefill(ars[0])] if len(ars) == 1 else await self._prefill_shared(ars)
+            for ar, first in zip(ars, firsts):
+                if ar.constraint is not None:
+                    ar.constraint.commit([first.tokens[-1]])
             prefill_s = time.perf_counter() - t_prefill
-            decoder.telemetry.record_prompt(ar.id, len(ar.prompt), prefill_s)
-            ar.first_token_t = time.perf_counter()
-            # ---- decode ------------------------------------------------------------------
-            await decoder.start(ar, first)
-            ar.pos = len(ar.prompt)
-            pending = [first]
-            t_decode = time.perf_counter()
-            self.scheduler.enter(ar.session)
-            while True:
-                # emit what the last step produced
-                for delta in ar.take(pending, self.tokenizer):
-                    events.put_nowait(delta)
-                self._progress(ar)
-                if ar.done:
-                    break
-                pending = await decoder.step(ar, pending[-1])
-                ar.pos += len(pending)  # last + accepted drafts entered the KV
-            if tail := ar.tail():
-                events.put_nowait(TextDelta(tail, ()))
-            decode_s = time.perf_counter() - t_decode
-            counters, now = decoder.telemetry.counters(ar.id), decoder.telemetry.snapshot()
-            self._finish(ar, RequestStatus.DONE)
-            n_prompt, n_gen = len(ar.prompt), len(ar.generated)
-            events.put_nowait(Finished(ar.finish, Usage(n_prompt, n_gen), Timings(
-                prompt_n=n_prompt, prompt_ms=1e3 * prefill_s, predicted_n=n_gen,
-                predicted_ms=1e3 * decode_s, draft_n=counters.proposed,
-                draft_n_accepted=counters.accepted, draft_windows=counters.windows,
-                draft_verify_ms=1e3 * counters.verify_s, plain_steps=counters.plain_steps,
-                draft_lookahead=counters.lookahead, draft_lookahead_used=counters.lookahead_used,
-                spec_strategy=now.strategy, spec_state=now.state.value,
-                spec_window=now.current_window)))
+            if len(ars) == 1:
+                await self._decode(events, ars[0], firsts[0], prefill_s)
+            else:
+                await _all_or_none([self._decode(events, ar, first, prefill_s)
+                                    for ar, first in zip(ars, firsts)])
         except asyncio.CancelledError:
-            self._finish(ar, RequestStatus.CANCELLED)
+            for ar in ars:
+                self._finish(ar, RequestStatus.CANCELLED)
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, typed
-            self._finish(ar, RequestStatus.ERROR)
+            for ar in ars:
+                self._finish(ar, RequestStatus.ERROR)
             if error_spec(exc) is None:
-                log.exception("request %s failed", ar.id)
+                log.exception("request %s failed", ars[0].id)
                 exc = EngineFailedError(f"generation failed: {exc}")
             elif not isinstance(exc, ServeError):
-                log.warning("request %s failed: %s: %s", ar.id, type(exc).__name__, exc)
+                log.warning("request %s failed: %s: %s", ars[0].id, type(exc).__name__, exc)
             events.put_nowait(exc)
         finally:
-            ar.withdraw_lookahead()
-            self.scheduler.leave(ar.session)
-            decoder.telemetry.end_request(ar.id)
-            try:
-                await asyncio.shield(self._end_session(ar.session))
-            finally:
-                self._slots.release()
+            for ar in ars:
+                ar.withdraw_lookahead()
+                self.scheduler.leave(ar.session)
+                decoder.telemetry.end_request(ar.id)
+            # The slots come back once every stage was told to free the sessions (even
+            # when this task is cancelled meanwhile): the next request's steps then
+            # reach each stage behind the SessionEnds, never beside KV still held.
+            ends = asyncio.ensure_future(asyncio.gather(*(self._end_session(ar.session) for ar in ars)))
+            ends.add_done_callback(lambda _f, n=len(ars): self._release_slots(n))
+            await asyncio.shield(ends)
+
+    def _release_slots(self, n: int) -> None:
+        for _ in range(n):
+            self._slots.release()
+
+    async def _decode(self, events: asyncio.Queue, ar: ActiveRequest, first: Finalized, prefill_s: float) -> None:
+        """Decode one choice from its first token to its end; its Finished event last."""
+        decoder = self._decoder
+        decoder.telemetry.record_prompt(ar.id, len(ar.prompt), prefill_s)
+        ar.first_token_t = time.perf_counter()
+        first_token = first.tokens[-1]
+        await decoder.start(ar, first_token)
+        ar.pos = len(ar.prompt)
+        pending, lps = [first_token], first.logprobs
+        t_decode = time.perf_counter()
+        self.scheduler.enter(ar.session)
+        while True:
+            # emit what the last step produced
+            for delta in ar.take(pending, self.tokenizer, lps):
+                events.put_nowait(delta)
+            self._progress(ar)
+            if ar.done:
+                break
+            pending = await decoder.step(ar, pending[-1])
+            lps = ar.last_logprobs
+            ar.pos += len(pending)  # last + accepted drafts entered the KV
+        if (tail := ar.tail_delta()) is not None:
+            events.put_nowait(tail)
+        decode_s = time.perf_counter() - t_decode
+        counters, now = decoder.telemetry.counters(ar.id), decoder.telemetry.snapshot()
+        self._finish(ar, RequestStatus.DONE)
+        n_prompt, n_gen = len(ar.prompt), len(ar.generated)
+        events.put_nowait(Finished(ar.finish, Usage(n_prompt, n_gen), Timings(
+            prompt_n=n_prompt, prompt_ms=1e3 * prefill_s, predicted_n=n_gen,
+            predicted_ms=1e3 * decode_s, draft_n=counters.proposed,
+            draft_n_accepted=counters.accepted, draft_windows=counters.windows,
+            draft_verify_ms=1e3 * counters.verify_s, plain_steps=counters.plain_steps,
+            draft_lookahead=counters.lookahead, draft_lookahead_used=counters.lookahead_used,
+            spec_strategy=now.strategy, spec_state=now.state.value,
+            spec_window=now.current_window), index=ar.index))
 
     # ---- steps --------------------------------------------------------------------------
 
-    async def _prefill(self, ar: ActiveRequest) -> int:
+    async def _prefill(self, ar: ActiveRequest) -> Finalized:
         nb = self.settings.n_batch
         arr = np.asarray(ar.prompt, dtype=np.int32)
         result = None
@@ -341,7 +409,27 @@ class ModelServer:
             result = await self.scheduler.submit(Step(ar.session, start, chunk, 1 if last else 0,
                                                       (), ar.sampling, mask))
         assert result is not None
-        return result.tokens[-1]
+        return result
+
+    async def _prefill_shared(self, ars: list[ActiveRequest]) -> list[Finalized]:
+        """Several choices of one prompt: the prompt but its last token is prefilled once
+        (the first choice's session) and its KV shared with the other choices' sessions
+        on every stage; then each choice feeds the last token itself and samples its
+        first token with its own generator."""
+        nb = self.settings.n_batch
+        head = np.asarray(ars[0].prompt[:-1], dtype=np.int32)
+        for start in range(0, len(head), nb):
+            await self.scheduler.submit(Step(ars[0].session, start, head[start:start + nb], 0, (),
+                                             ars[0].sampling))
+        if len(head):
+            for ar in ars[1:]:
+                await self.pipeline.copy_session(ars[0].session, ar.session, len(head))
+        last = np.asarray(ars[0].prompt[-1:], dtype=np.int32)
+        results = await asyncio.gather(*(
+            self.scheduler.submit(Step(ar.session, len(head), last, 1, (), ar.sampling,
+                                       ar.constraint.masks() if ar.constraint is not None else None))
+            for ar in ars))
+        return [r for r in results if r is not None]
 
     async def _end_session(self, session: int) -> None:
         try:
@@ -410,6 +498,31 @@ class ModelServer:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
 
+async def _all_or_none(work: list) -> None:
+    """Run ``work`` concurrently; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def model_capabilities(tokenizer: object) -> dict:
+    """``ModelCard`` fields naming what a model served here supports, and why not."""
+    caps = ["completions", "chat", "logprobs", "n", "stream"]
+    unsupported: list[tuple[str, str]] = []
+    if (why := fim_reason(tokenizer)) is None:
+        caps.append("fim")
+    else:
+        unsupported.append(("fim", why))
+    return {"capabilities": tuple(caps), "unsupported": tuple(unsupported)}
+
+
 def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling:
     """The final stage's :class:`Sampling` for ``req``; raises InvalidRequestError.
 
@@ -433,6 +546,10 @@ def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling
         seed = secrets.randbits(32)
     elif not -SEED_SPACE // 2 <= seed < SEED_SPACE:
         raise InvalidRequestError("seed", f"Invalid value for 'seed': {seed} (expected a 64-bit integer).")
+    lp = req.logprobs
+    if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError("top_logprobs", f"Invalid value for 'top_logprobs': {lp} "
+                                  f"(expected 0..{MAX_TOP_LOGPROBS}).")
     if t < MIN_TEMPERATURE or p <= 0:
-        return Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=seed % SEED_SPACE)
-    return Sampling(temperature=float(t), top_k=top_k, top_p=float(p), seed=seed % SEED_SPACE)
+        return Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=seed % SEED_SPACE, top_logprobs=lp)
+    return Sampling(temperature=float(t), top_k=top_k, top_p=float(p), seed=seed % SEED_SPACE, top_logprobs=lp)

@@ -50,7 +50,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
-from meshnode.serve.client import Admitted, EngineClient, Finished, GenerationEvent, TextDelta, TimingsJSON, Usage
+from meshnode.serve.client import (
+    Admitted,
+    EngineClient,
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    TextDelta,
+    TimingsJSON,
+    TokenLogprob,
+    Usage,
+)
 from meshnode.serve.errors import (
     EngineFailedError,
     InvalidRequestError,
@@ -67,14 +77,18 @@ from meshnode.serve.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     ChatMessageOut,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     FunctionCallDelta,
     FunctionCallOut,
+    InfillRequest,
+    InfillResponse,
     ModelList,
     ModelObject,
     ToolCallDelta,
@@ -189,6 +203,8 @@ def make_openai_router(
     """Build the ``/v1`` router. ``get_client`` is called once per request; it may raise
     ``EngineUnavailableError`` (-> 503). Include it with ``app.include_router(router)``."""
     router = APIRouter(prefix="/v1", route_class=OpenAIRoute, tags=["openai"])
+    # llama.cpp server's fill-in-the-middle endpoint, at its own path
+    infill_router = APIRouter(route_class=OpenAIRoute, tags=["llama.cpp"])
 
     @router.get("/models", response_model=None, responses={200: {"model": ModelList}, **error_responses(GET_ERRORS)})
     async def list_models() -> JSONResponse:
@@ -206,17 +222,31 @@ def make_openai_router(
     @router.post("/chat/completions", response_model=None, **_post_docs(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         body = await _parse(ChatCompletionRequest, request)
-        return await _serve(request, body, _ChatChunks(body.model, body.include_usage, body.tool_names()), "messages")
+        chunks = _ChatChunks(body.model, body.include_usage, body.tool_names())
+        return await _serve(request, body, body.to_generation_request(chunks.id), chunks, "messages")
 
     @router.post("/completions", response_model=None, **_post_docs(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         body = await _parse(CompletionRequest, request)
-        return await _serve(request, body, _TextChunks(body.model, body.include_usage), "prompt")
+        chunks = _TextChunks(body.model, body.include_usage)
+        return await _serve(request, body, body.to_generation_request(chunks.id), chunks, "prompt")
+
+    @infill_router.post("/infill", response_model=None, **_post_docs(InfillRequest, InfillResponse))
+    async def infill(request: Request) -> Response:
+        body = await _parse(InfillRequest, request)
+        cards = get_client().models()
+        if body.model is None and not cards:
+            raise UnknownModelError("(none)")
+        chunks = _InfillChunks(body.model or cards[0].id)
+        return await _serve(request, body, body.to_generation_request(chunks.id, chunks.model), chunks,
+                            "input_prefix")
 
     async def _serve(
-        request: Request, body: ChatCompletionRequest | CompletionRequest, chunks: _Chunks, prompt_param: str
+        request: Request, body: ChatCompletionRequest | CompletionRequest | InfillRequest,
+        gen_request: GenerationRequest, chunks: _Chunks, prompt_param: str
     ) -> Response:
-        gen_request = body.to_generation_request(chunks.id)
+        chunks.n = gen_request.n
+        chunks.logprobs = gen_request.logprobs is not None
         client = get_client()
         # The engine client decides which names it serves (ids, aliases, file names) and
         # raises UnknownModelError before its first event.
@@ -225,8 +255,8 @@ def make_openai_router(
         handed_over = False
         try:
             if not body.stream:
-                text, finished = await _unless_disconnected(request, _collect(pump))
-                return _json(chunks.full_response(text, finished))
+                choices = await _unless_disconnected(request, _collect(pump, gen_request.n))
+                return _json(chunks.full_response(choices))
             first = await _unless_disconnected(request, _first_event(pump))
             handed_over = True
             return _SSEResponse(_stream(request, pump, first, chunks), pump.aclose)
@@ -242,7 +272,10 @@ def make_openai_router(
                 with anyio.CancelScope(shield=True):
                     await pump.aclose()
 
-    return router
+    outer = APIRouter()
+    outer.include_router(router)
+    outer.include_router(infill_router)
+    return outer
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -256,13 +289,27 @@ def _json(model: Any) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"))
 
 
+# Every feature a model object reports, supported or not (serve.model_server.model_capabilities)
+FEATURES = ("chat", "completions", "stream", "logprobs", "n", "fim", "tools", "structured_output")
+
+
 def _model_object(card: Any) -> ModelObject:
     meta = {"n_ctx": card.n_ctx} if card.n_ctx is not None else None
     where = None
     if card.coordinator_id:
         where = {"coordinator": {"id": card.coordinator_id, "name": card.coordinator_name},
                  "context_length": card.n_ctx, "local": card.local}
-    return ModelObject(id=card.id, created=card.created, owned_by=card.owned_by, meta=meta, meshnode=where)
+    caps = set(getattr(card, "capabilities", ()))
+    if not caps:   # an engine that does not say
+        return ModelObject(id=card.id, created=card.created, owned_by=card.owned_by, meta=meta,
+                           context_length=card.n_ctx, meshnode=where)
+    unsupported = dict(getattr(card, "unsupported", ()))
+    for name in FEATURES:
+        if name not in caps:
+            unsupported.setdefault(name, "not implemented by this node")
+    return ModelObject(id=card.id, created=card.created, owned_by=card.owned_by, meta=meta,
+                       context_length=card.n_ctx, capabilities={f: f in caps for f in FEATURES},
+                       unsupported=unsupported or None, meshnode=where)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -297,17 +344,36 @@ async def _first_event(pump: EventPump[GenerationEvent]) -> GenerationEvent:
             return event
 
 
-async def _collect(pump: EventPump[GenerationEvent]) -> tuple[str, Finished]:
-    parts: list[str] = []
+class _Choice:
+    """One choice collected for a non-streaming answer."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finished: Finished | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+async def _collect(pump: EventPump[GenerationEvent], n: int) -> list[_Choice]:
+    choices = [_Choice() for _ in range(n)]
+    left = n
     while True:
         event = await _first_event(pump)
         match event:
             case Admitted():
                 pass
-            case TextDelta(text=text):
-                parts.append(text)
+            case TextDelta():
+                c = choices[event.index]
+                c.parts.append(event.text)
+                c.logprobs.extend(event.logprobs)
             case Finished():
-                return "".join(parts), event
+                choices[event.index].finished = event
+                left -= 1
+                if not left:
+                    return choices
 
 
 class _SSEResponse(StreamingResponse):
@@ -342,9 +408,10 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     """The SSE body. Owns ``pump`` and closes it on every exit path."""
     try:
-        if (head := chunks.head()) is not None:
+        for head in chunks.head():
             yield sse_data(head)
         event: GenerationEvent | KeepAliveTick = first
+        finished: list[Finished] = []
         while True:
             match event:
                 case KeepAliveTick():
@@ -354,15 +421,18 @@ async def _stream(
                     yield KEEP_ALIVE
                 case Admitted():
                     pass
-                case TextDelta(text=text):
-                    if text:
-                        for chunk in chunks.deltas(text):
+                case TextDelta():
+                    if event.text or event.logprobs:
+                        for chunk in chunks.deltas(event):
                             yield sse_data(chunk)
                 case Finished():
-                    for tail in chunks.tail(event):
+                    finished.append(event)
+                    for tail in chunks.tail(event, finished):
                         yield sse_data(tail)
-                    yield DONE
-                    return
+                    if len(finished) == chunks.n:
+                        if chunks.done_marker:
+                            yield DONE
+                        return
             event = await pump.next()
     except StopAsyncIteration:
         yield sse_data(error_body(EngineFailedError("The engine ended the request without a result.")))
@@ -387,42 +457,59 @@ def _usage(u: Usage) -> UsageInfo:
     return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
 
 
+def _total_usage(finished: list[Finished]) -> UsageInfo:
+    """The prompt once (it was prefilled once), every choice's completion tokens."""
+    prompt = finished[0].usage.prompt_tokens if finished else 0
+    completion = sum(f.usage.completion_tokens for f in finished)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
 class _Chunks:
-    """Builds one endpoint's response objects; ``id`` doubles as the engine request id."""
+    """Builds one endpoint's response objects; ``id`` doubles as the engine request id.
+    ``n`` choices; ``logprobs``: whether they were asked for."""
 
     prefix = ""
+    done_marker = True    # the stream ends with ``data: [DONE]``
 
-    def __init__(self, model: str, include_usage: bool) -> None:
+    def __init__(self, model: str, include_usage: bool = False) -> None:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.n = 1
+        self.logprobs = False
 
-    def head(self) -> dict[str, Any] | None:
-        return None
+    def head(self) -> list[dict[str, Any]]:
+        return []
 
-    def delta(self, text: str) -> dict[str, Any]:
+    def delta(self, event: TextDelta) -> dict[str, Any]:
         raise NotImplementedError
 
-    def deltas(self, text: str) -> list[dict[str, Any]]:
-        """The chunks that carry ``text`` (none while a tool call's start is held back)."""
-        return [self.delta(text)]
+    def deltas(self, event: TextDelta) -> list[dict[str, Any]]:
+        """The chunks that carry ``event`` (none while a tool call's start is held back)."""
+        return [self.delta(event)]
 
-    def finish(self, reason: str, timings: TimingsJSON | None) -> dict[str, Any]:
+    def finish(self, event: Finished, timings: TimingsJSON | None) -> dict[str, Any]:
         raise NotImplementedError
 
     def usage_chunk(self, usage: UsageInfo, timings: TimingsJSON) -> dict[str, Any]:
         raise NotImplementedError
 
-    def full_response(self, text: str, finished: Finished) -> Any:
+    def full_response(self, choices: list[_Choice]) -> Any:
         raise NotImplementedError
 
-    def tail(self, finished: Finished) -> list[dict[str, Any]]:
-        """Finish chunk, then the usage chunk if asked for; timings ride on the last one."""
-        timings = finished.timings.to_json()
-        if not self.include_usage:
-            return [self.finish(finished.finish_reason, timings)]
-        return [self.finish(finished.finish_reason, None), self.usage_chunk(_usage(finished.usage), timings)]
+    def tail(self, event: Finished, finished: list[Finished]) -> list[dict[str, Any]]:
+        """The choice's finish chunk; after the last choice, the usage chunk if asked
+        for. Timings ride on the request's last chunk."""
+        last = len(finished) == self.n
+        timings = event.timings.to_json() if last else None
+        if not self.include_usage or not last:
+            return [self.finish(event, timings)]
+        return [self.finish(event, None), self.usage_chunk(_total_usage(finished), event.timings.to_json())]
+
+    def _parts(self, choices: list[_Choice]) -> tuple[list[Finished], UsageInfo, TimingsJSON]:
+        finished = [c.finished for c in choices if c.finished is not None]
+        return finished, _total_usage(finished), finished[-1].timings.to_json()
 
 
 class _ChatChunks(_Chunks):
@@ -435,87 +522,153 @@ class _ChatChunks(_Chunks):
     def __init__(self, model: str, include_usage: bool, tool_names: list[str] | None = None) -> None:
         super().__init__(model, include_usage)
         self.tool_names = tool_names
-        self.parser = ToolCallParser(tool_names) if tool_names else None
+        self._parsers: dict[int, ToolCallParser] = {}   # per choice, when tools are read back
 
-    def deltas(self, text: str) -> list[dict[str, Any]]:
-        if self.parser is None:
-            return [self.delta(text)]
-        return self._parsed(*self.parser.feed(text))
+    def _parser(self, index: int) -> ToolCallParser | None:
+        if not self.tool_names:
+            return None
+        if index not in self._parsers:
+            self._parsers[index] = ToolCallParser(self.tool_names)
+        return self._parsers[index]
 
-    def _parsed(self, content: str, calls: list[CallDelta]) -> list[dict[str, Any]]:
-        out = [self.delta(content)] if content else []
+    def deltas(self, event: TextDelta) -> list[dict[str, Any]]:
+        parser = self._parser(event.index)
+        if parser is None:
+            return [self.delta(event)]
+        return self._parsed(event, *parser.feed(event.text))
+
+    def _parsed(self, event: TextDelta, content: str, calls: list[CallDelta]) -> list[dict[str, Any]]:
+        # logprobs ride on the first chunk this event produces (none when all is held back)
+        lp = ChatLogprobs.of(event.logprobs) if self.logprobs and event.logprobs else None
+        out = []
+        if content:
+            out.append(self.delta(replace(event, text=content)))
+            lp = None
         if calls:
-            out.append(self._chunk([ChatChunkChoice(delta=ChatDelta(tool_calls=[
+            out.append(self._chunk([ChatChunkChoice(index=event.index, logprobs=lp, delta=ChatDelta(tool_calls=[
                 ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
                               function=FunctionCallDelta(name=c.name, arguments=c.arguments))
                 for c in calls]))]))
         return out
 
-    def tail(self, finished: Finished) -> list[dict[str, Any]]:
-        if self.parser is None:
-            return super().tail(finished)
-        head = self._parsed(*self.parser.finish())
-        if self.parser.calls and finished.finish_reason == "stop":
-            finished = replace(finished, finish_reason="tool_calls")
-        return head + super().tail(finished)
+    def tail(self, event: Finished, finished: list[Finished]) -> list[dict[str, Any]]:
+        parser = self._parser(event.index)
+        if parser is None:
+            return super().tail(event, finished)
+        head = self._parsed(TextDelta("", (), index=event.index), *parser.finish())
+        if parser.calls and event.finish_reason == "stop":
+            event = replace(event, finish_reason="tool_calls")
+        return head + super().tail(event, finished)
+
+    def _message(self, c: _Choice) -> tuple[ChatMessageOut, str]:
+        message, reason = ChatMessageOut(content=c.text), c.finished.finish_reason if c.finished else "stop"
+        if self.tool_names:
+            content, calls = split_tool_calls(c.text, self.tool_names)
+            if calls:
+                message = ChatMessageOut(content=content or None, tool_calls=[
+                    ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
+                    for t in calls])
+                reason = "tool_calls" if reason == "stop" else reason
+        return message, reason
 
     def _chunk(self, choices: list[ChatChunkChoice], **extra: Any) -> dict[str, Any]:
         chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
         return chunk.model_dump(mode="json")
 
-    def head(self) -> dict[str, Any]:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+    def head(self) -> list[dict[str, Any]]:
+        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                for i in range(self.n)]
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+    def delta(self, event: TextDelta) -> dict[str, Any]:
+        lp = ChatLogprobs.of(event.logprobs) if self.logprobs else None
+        return self._chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text), logprobs=lp)])
 
-    def finish(self, reason: str, timings: TimingsJSON | None) -> dict[str, Any]:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)], timings=timings)
+    def finish(self, event: Finished, timings: TimingsJSON | None) -> dict[str, Any]:
+        return self._chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(),
+                                            finish_reason=event.finish_reason)], timings=timings)
 
     def usage_chunk(self, usage: UsageInfo, timings: TimingsJSON) -> dict[str, Any]:
         return self._chunk([], usage=usage, timings=timings)
 
-    def full_response(self, text: str, finished: Finished) -> ChatCompletionResponse:
-        message, reason = ChatMessageOut(content=text), finished.finish_reason
-        if self.tool_names:
-            content, calls = split_tool_calls(text, self.tool_names)
-            if calls:
-                message = ChatMessageOut(content=content or None, tool_calls=[
-                    ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-                    for c in calls])
-                reason = "tool_calls" if reason == "stop" else reason
+    def full_response(self, choices: list[_Choice]) -> ChatCompletionResponse:
+        _, usage, timings = self._parts(choices)
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[ChatChoice(message=message, finish_reason=reason)],
-            usage=_usage(finished.usage),
-            timings=finished.timings.to_json(),
+            choices=[ChatChoice(index=i, message=message,
+                                logprobs=ChatLogprobs.of(c.logprobs) if self.logprobs else None,
+                                finish_reason=reason)
+                     for i, c in enumerate(choices) for message, reason in [self._message(c)]],
+            usage=usage,
+            timings=timings,
         )
 
 
 class _TextChunks(_Chunks):
     prefix = "cmpl"
 
+    def __init__(self, model: str, include_usage: bool = False) -> None:
+        super().__init__(model, include_usage)
+        self._offsets: dict[int, int] = {}   # per choice: characters streamed so far
+
     def _chunk(self, choices: list[CompletionChoice], **extra: Any) -> dict[str, Any]:
         chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)
         return chunk.model_dump(mode="json")
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk([CompletionChoice(text=text)])
+    def delta(self, event: TextDelta) -> dict[str, Any]:
+        lp = None
+        if self.logprobs:
+            lp = CompletionLogprobs.of(event.logprobs, self._offsets.get(event.index, 0))
+        self._offsets[event.index] = self._offsets.get(event.index, 0) + len(event.text)
+        return self._chunk([CompletionChoice(index=event.index, text=event.text, logprobs=lp)])
 
-    def finish(self, reason: str, timings: TimingsJSON | None) -> dict[str, Any]:
-        return self._chunk([CompletionChoice(text="", finish_reason=reason)], timings=timings)
+    def finish(self, event: Finished, timings: TimingsJSON | None) -> dict[str, Any]:
+        return self._chunk([CompletionChoice(index=event.index, text="", finish_reason=event.finish_reason)],
+                           timings=timings)
 
     def usage_chunk(self, usage: UsageInfo, timings: TimingsJSON) -> dict[str, Any]:
         return self._chunk([], usage=usage, timings=timings)
 
-    def full_response(self, text: str, finished: Finished) -> CompletionResponse:
+    def full_response(self, choices: list[_Choice]) -> CompletionResponse:
+        _, usage, timings = self._parts(choices)
         return CompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[CompletionChoice(text=text, finish_reason=finished.finish_reason)],
-            usage=_usage(finished.usage),
-            timings=finished.timings.to_json(),
+            choices=[CompletionChoice(index=i, text=c.text,
+                                      logprobs=CompletionLogprobs.of(c.logprobs) if self.logprobs else None,
+                                      finish_reason=c.finished.finish_reason if c.finished else "stop")
+                     for i, c in enumerate(choices)],
+            usage=usage,
+            timings=timings,
         )
+
+
+class _InfillChunks(_Chunks):
+    """llama.cpp server's ``/infill`` shape: ``{"content", "stop"}`` objects; its
+    stream has no ``[DONE]``."""
+
+    prefix = "infill"
+    done_marker = False
+
+    def _obj(self, content: str, stop: bool, **extra: Any) -> InfillResponse:
+        return InfillResponse(content=content, stop=stop, model=self.model, **extra)
+
+    def delta(self, event: TextDelta) -> dict[str, Any]:
+        return self._obj(event.text, False).model_dump(mode="json")
+
+    def finish(self, event: Finished, timings: TimingsJSON | None) -> dict[str, Any]:
+        return self._obj("", True, tokens_predicted=event.usage.completion_tokens,
+                         tokens_evaluated=event.usage.prompt_tokens,
+                         stop_type="limit" if event.finish_reason == "length" else "eos",
+                         timings=timings or event.timings.to_json()).model_dump(mode="json")
+
+    def full_response(self, choices: list[_Choice]) -> InfillResponse:
+        c = choices[0]
+        f = c.finished
+        assert f is not None
+        return self._obj(c.text, True, tokens_predicted=f.usage.completion_tokens,
+                         tokens_evaluated=f.usage.prompt_tokens,
+                         stop_type="limit" if f.finish_reason == "length" else "eos",
+                         timings=f.timings.to_json())

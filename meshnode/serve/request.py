@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshnode.engine.tokenizer import Tokenizer
-from meshnode.serve.client import StopMatcher, TextDelta
+from meshnode.serve.client import StopMatcher, TextDelta, TokenLogprob, TopLogprob
 from meshnode.mesh.final import Sampling
+from meshnode.mesh.logprobs import TokenLogprobs
 from meshnode.mesh.pipeline import Step
 from meshnode.spec.ngram import NGramProposer
 from meshnode.state import RequestInfo
@@ -100,6 +101,9 @@ class ActiveRequest:
     ahead: SentStep | None = None        # a lookahead window in flight
     # grammar-constrained sampling (meshnode.serve.structured.Constraint), or None
     constraint: Any = None
+    index: int = 0                       # the choice this is (requests with n > 1)
+    last_logprobs: TokenLogprobs | None = None   # the last step's, when asked for
+    _lp_pending: list[TokenLogprob] = field(default_factory=list, repr=False)  # text held back
     _utf8: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder, repr=False)
 
     @property
@@ -107,19 +111,24 @@ class ActiveRequest:
         """Tokens the request may still generate."""
         return self.max_tokens - len(self.generated)
 
-    def take(self, tokens: Sequence[int], tokenizer: Tokenizer) -> list[TextDelta]:
+    def take(self, tokens: Sequence[int], tokenizer: Tokenizer,
+             logprobs: TokenLogprobs | None = None) -> list[TextDelta]:
         """Add the tokens a step produced; return the text they release. Sets ``done``
         (and ``finish``) at an end-of-generation token, a completed stop string or
-        ``max_tokens``; the tokens after that one are not taken."""
+        ``max_tokens``; the tokens after that one are not taken. ``logprobs`` (the
+        step's, one per token) ride on the delta that releases each token's text."""
         deltas: list[TextDelta] = []
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             self.generated.append(tok)
             if tok in tokenizer.eog_ids:
                 self.finish, self.done = "stop", True
                 break
-            text = self.stops.feed(self._utf8.decode(tokenizer.decode_bytes([tok])))
+            raw = tokenizer.decode_bytes([tok])
+            if logprobs is not None:
+                self._lp_pending.append(_entry(tokenizer, raw, logprobs, i))
+            text = self.stops.feed(self._utf8.decode(raw))
             if text:
-                deltas.append(TextDelta(text, (tok,)))
+                deltas.append(TextDelta(text, (tok,), self.index, self._take_logprobs()))
             if self.stops.stopped:
                 self.finish, self.done = "stop", True
                 break
@@ -133,7 +142,33 @@ class ActiveRequest:
         tail = self.stops.flush() + self._utf8.decode(b"", final=True)
         return "" if self.stops.stopped else tail
 
+    def tail_delta(self) -> TextDelta | None:
+        """:meth:`tail` as the choice's last delta, with the logprobs of its tokens."""
+        text = self.tail()
+        lps = () if self.stops.stopped else self._take_logprobs()
+        return TextDelta(text, (), self.index, lps) if text or lps else None
+
+    def _take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        out = tuple(self._lp_pending)
+        self._lp_pending.clear()
+        return out
+
     def withdraw_lookahead(self) -> None:
         """The request ends: a lookahead window still in flight is given up."""
         if self.ahead is not None:
             self.ahead.withdraw()
+
+
+# OpenAI's value for a token the model rules out (JSON has no -Infinity)
+MIN_LOGPROB = -9999.0
+
+
+def _piece(tokenizer: Tokenizer, raw: bytes) -> tuple[str, tuple[int, ...]]:
+    return raw.decode("utf-8", "replace"), tuple(raw)
+
+
+def _entry(tokenizer: Tokenizer, raw: bytes, lp: TokenLogprobs, i: int) -> TokenLogprob:
+    text, b = _piece(tokenizer, raw)
+    top = tuple(TopLogprob(*_piece(tokenizer, tokenizer.decode_bytes([t])), max(v, MIN_LOGPROB))
+                for t, v in lp.top(i))
+    return TokenLogprob(text, b, max(lp.logprobs[i], MIN_LOGPROB), top)

@@ -5,7 +5,7 @@ malformed JSON and validation failures into :class:`~meshnode.serve.errors.
 InvalidRequestError` (param = the offending field, e.g. ``messages[0].content``). The
 request model then converts itself with ``to_generation_request(request_id)``, raising
 :class:`~meshnode.serve.errors.UnsupportedValueError` for valid OpenAI features this
-server does not implement (``n`` > 1, logprobs, images, token-id prompts, ``suffix``).
+server does not implement (images, token-id prompts, ``echo``, ``best_of``).
 
 Unknown fields are accepted (editors send vendor extras such as ``min_p``,
 ``cache_prompt``) and logged at debug level: they are
@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from meshnode.serve.client import ChatMessage, GenerationRequest, TimingsJSON, ToolCall
+from meshnode.limits import MAX_CHOICES, MAX_TOP_LOGPROBS
+from meshnode.serve.client import ChatMessage, GenerationRequest, InfillPrompt, TimingsJSON, TokenLogprob, ToolCall
 from meshnode.serve.errors import InvalidRequestError, MalformedRequestError, UnsupportedValueError
 from meshnode.serve.tools import MAX_TOOLS, json_structure, tool_specs, tool_structure
 
@@ -36,6 +38,7 @@ __all__ = [
     "CompletionResponse",
     "ErrorObject",
     "ErrorResponse",
+    "InfillRequest",
     "ModelList",
     "ModelObject",
     "UsageInfo",
@@ -116,7 +119,7 @@ class _SamplingRequest(_Lenient):
     # -1 is llama.cpp's and many clients' "random"; any other int64/uint64 is a seed
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: _StopStr | Annotated[list[_StopStr], Field(max_length=MAX_STOPS)] | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -134,8 +137,6 @@ class _SamplingRequest(_Lenient):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _common_checks(self) -> None:
-        if self.n not in (None, 1):
-            raise UnsupportedValueError("n", "Only n=1 is supported.")
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise InvalidRequestError("stop", "Stop strings must be non-empty.")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -157,6 +158,7 @@ class _SamplingRequest(_Lenient):
             top_k=self.top_k if self.top_k and self.top_k > 0 else None,
             seed=self.seed,
             stop=self._stops(),
+            n=self.n or 1,
             **prompt,
         )
 
@@ -198,7 +200,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer name of max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # tools and structured output (meshnode.serve.tools)
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -214,8 +216,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def to_generation_request(self, request_id: str) -> GenerationRequest:
         """The engine request; raises UnsupportedValueError / InvalidRequestError."""
         self._common_checks()
-        if self.logprobs:
-            raise UnsupportedValueError("logprobs", "logprobs are not supported.")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs", "top_logprobs needs 'logprobs': true.")
         messages = tuple(_flatten_message(i, m) for i, m in enumerate(self.messages))
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         tools = tool_specs(self.tools or [])
@@ -223,7 +225,8 @@ class ChatCompletionRequest(_SamplingRequest):
         if structure is None:
             structure = json_structure(self.response_format)
         return self._generation_request(request_id, max_tokens, messages=messages, tools=tools,
-                                        structure=structure)
+                                        structure=structure,
+                                        logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -231,19 +234,16 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     echo: bool | None = False
     best_of: int | None = None
-    logprobs: int | None = None
+    # the sampled tokens' logprobs and this many alternatives each (OpenAI allows 5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def to_generation_request(self, request_id: str) -> GenerationRequest:
         """The engine request; raises UnsupportedValueError / InvalidRequestError."""
         self._common_checks()
-        if self.suffix:
-            raise UnsupportedValueError("suffix", "suffix (fill-in-the-middle) is not supported.")
         if self.echo:
             raise UnsupportedValueError("echo", "echo is not supported.")
-        if self.best_of not in (None, 1):
-            raise UnsupportedValueError("best_of", "Only best_of=1 is supported.")
-        if self.logprobs:
-            raise UnsupportedValueError("logprobs", "logprobs are not supported.")
+        if self.best_of not in (None, 1, self.n):
+            raise UnsupportedValueError("best_of", "best_of other than n is not supported.")
         prompt = self.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -251,7 +251,56 @@ class CompletionRequest(_SamplingRequest):
                     "prompt", "Only a single text prompt is supported (no batches, no token ids)."
                 )
             prompt = prompt[0]
-        return self._generation_request(request_id, self.max_tokens, prompt=prompt)
+        if self.suffix:   # fill in the middle: the prompt is what comes before the cursor
+            return self._generation_request(request_id, self.max_tokens, logprobs=self.logprobs,
+                                            infill=InfillPrompt(prefix=prompt, suffix=self.suffix))
+        return self._generation_request(request_id, self.max_tokens, prompt=prompt, logprobs=self.logprobs)
+
+
+MAX_EXTRA_CHUNKS = 1_000
+
+
+class InfillChunk(_Lenient):
+    filename: str | None = None
+    text: str = ""
+
+
+class InfillRequest(_Lenient):
+    """llama.cpp server's ``/infill`` body (what llama.vim and llama.vscode send).
+
+    ``model`` is optional (llama.cpp serves one model): without it, the node's first
+    model. ``n_predict`` -1 (or absent) generates until the context is full."""
+
+    model: str | None = Field(default=None, min_length=1)
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: Annotated[list[InfillChunk], Field(max_length=MAX_EXTRA_CHUNKS)] = []
+    prompt: str = ""
+    n_predict: int | None = Field(default=None, ge=-1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: _StopStr | Annotated[list[_StopStr], Field(max_length=MAX_STOPS)] | None = None
+    stream: bool | None = False
+
+    def to_generation_request(self, request_id: str, model: str) -> GenerationRequest:
+        stops = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not s for s in stops):
+            raise InvalidRequestError("stop", "Stop strings must be non-empty.")
+        max_tokens = self.max_tokens
+        if max_tokens is None and self.n_predict is not None and self.n_predict > 0:
+            max_tokens = self.n_predict
+        infill = InfillPrompt(prefix=self.input_prefix, suffix=self.input_suffix, prompt=self.prompt,
+                              extra=tuple((c.filename or "", c.text) for c in self.input_extra))
+        return GenerationRequest(
+            request_id=request_id, model=self.model or model, max_tokens=max_tokens,
+            # llama.cpp's defaults: temperature 0.8, top_k 40, top_p 0.95
+            temperature=0.8 if self.temperature is None else self.temperature,
+            top_p=0.95 if self.top_p is None else self.top_p,
+            top_k=40 if self.top_k is None else (self.top_k if self.top_k > 0 else None),
+            seed=self.seed, stop=stops, infill=infill)
 
 
 def _flatten_message(index: int, m: ChatMessageIn) -> ChatMessage:
@@ -356,10 +405,52 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=_omit_none)
 
 
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one entry per generated token of its content."""
+
+    content: list[TokenLogprobOut] | None
+
+    @classmethod
+    def of(cls, entries: Sequence[TokenLogprob]) -> ChatLogprobs:
+        return cls(content=[TokenLogprobOut(
+            token=e.token, logprob=e.logprob, bytes=list(e.bytes),
+            top_logprobs=[TopLogprobOut(token=t.token, logprob=t.logprob, bytes=list(t.bytes)) for t in e.top])
+            for e in entries])
+
+
+class CompletionLogprobs(BaseModel):
+    """A text completion choice's ``logprobs`` (the legacy shape); ``text_offset`` counts
+    characters from the start of the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+    @classmethod
+    def of(cls, entries: Sequence[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.token)
+        return cls(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
+                   top_logprobs=[{t.token: t.logprob for t in e.top} for e in entries], text_offset=offsets)
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -396,7 +487,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -413,7 +504,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -438,6 +529,10 @@ class CompletionChunk(BaseModel):
 
 
 class ModelObject(BaseModel):
+    """OpenAI's model object, plus what editors otherwise guess: the context length,
+    which features the model supports (``capabilities``) and why not where it does not
+    (``unsupported``)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -445,11 +540,28 @@ class ModelObject(BaseModel):
     meta: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)  # e.g. {"n_ctx": 8192}
     # where it is served: {"coordinator": {"id", "name"}, "context_length", "local"}
     meshnode: dict[str, Any] | None = Field(default=None, exclude_if=_omit_none)
+    context_length: int | None = Field(default=None, exclude_if=_omit_none)
+    capabilities: dict[str, bool] | None = Field(default=None, exclude_if=_omit_none)
+    unsupported: dict[str, str] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelObject]
+
+
+class InfillResponse(BaseModel):
+    """llama.cpp server's ``/infill`` answer (also each streamed chunk, ``stop`` false
+    until the last)."""
+
+    index: int = 0
+    content: str
+    stop: bool
+    model: str
+    tokens_predicted: int | None = Field(default=None, exclude_if=_omit_none)
+    tokens_evaluated: int | None = Field(default=None, exclude_if=_omit_none)
+    stop_type: str | None = Field(default=None, exclude_if=_omit_none)
+    timings: TimingsJSON | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ErrorObject(BaseModel):

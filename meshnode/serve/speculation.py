@@ -159,6 +159,7 @@ class SpeculativeDecoder:
             await self._draft_call(self.draft.accept, tokens)
         self.policy.on_generated(len(tokens))
         req.ahead = nxt
+        req.last_logprobs = res.logprobs
         return tokens
 
     def _send(self, req: ActiveRequest, pos: int, last: int, drafts: list[int], *,

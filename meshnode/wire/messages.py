@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from meshnode.limits import MAX_VERIFY_WINDOW
+from meshnode.limits import MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
 from meshnode.wire.errors import ErrorCode
 from meshnode.wire.schema import (
     ARRAY,
@@ -54,9 +54,29 @@ PROTOCOL_VERSION = 2
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
 # (meshnode.net.lane); stage 0 resends it over the stream, without the bit, if it is lost.
 SEG_LANE = 0x01
+# SEG_LOGPROBS: the final stage returns the sampled tokens' logprobs (SegmentResult) and
+# (flags >> SEG_TOP_SHIFT) alternatives per token, at most MAX_TOP_LOGPROBS.
+SEG_LOGPROBS = 0x02
+SEG_TOP_SHIFT = 3
+
+
+def logprob_flags(top_logprobs: int | None) -> int:
+    """Segment.flags bits asking for logprobs with ``top_logprobs`` alternatives (None: none)."""
+    if top_logprobs is None:
+        return 0
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs {top_logprobs} outside 0..{MAX_TOP_LOGPROBS}")
+    return SEG_LOGPROBS | (top_logprobs << SEG_TOP_SHIFT)
+
+
+def flags_top_logprobs(flags: int) -> int | None:
+    """The inverse of :func:`logprob_flags` (checked on decode by Forward's check)."""
+    return flags >> SEG_TOP_SHIFT if flags & SEG_LOGPROBS else None
+
+
 # SEG_MASKED: the final stage samples this segment under the GrammarMask that stage 0 sent
 # just before the Forward; without it the session fails (never samples unconstrained).
-SEG_MASKED = 0x02
+SEG_MASKED = 0x04
 # GrammarMask bounds: a vocabulary of up to 2**20 tokens (a 128 KiB bitset a row) and
 # one row per logit of a verify window.
 MAX_MASK_VOCAB = 1 << 20
@@ -89,6 +109,7 @@ class MessageKind(enum.IntEnum):
     SESSION_END = 0x0103
     DATA_ERROR = 0x0104
     # membership and trust: capability updates, secret rotation
+    SESSION_COPY = 0x0090
     CAPS_UPDATE = 0x0040
     SECRET_ROTATE = 0x0041
     SECRET_ACK = 0x0042
@@ -389,6 +410,8 @@ def _check_forward(m: Forward) -> None:
         if s.n_logits > s.n_rows:
             raise Invalid(ErrorCode.BAD_SHAPE, f"segments[{i}]: n_logits {s.n_logits} > n_rows {s.n_rows}")
         rows += s.n_rows
+        if s.flags >> SEG_TOP_SHIFT > (MAX_TOP_LOGPROBS if s.flags & SEG_LOGPROBS else 0):
+            raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: flags {s.flags:#x} ask for too many logprobs")
     if rows != m.act.shape[0]:
         raise Invalid(ErrorCode.BAD_SHAPE, f"segments hold {rows} rows, activation has {m.act.shape[0]}")
 
@@ -427,15 +450,38 @@ class Forward:
 @record
 @dataclass(frozen=True, slots=True)
 class SegmentResult:
-    """Tokens sampled for one session: the accepted drafts plus the bonus token."""
+    """Tokens sampled for one session: the accepted drafts plus the bonus token.
+
+    With SEG_LOGPROBS: ``logprobs`` has one value per token, and ``top_ids`` /
+    ``top_logprobs`` the same number of alternatives per token, flattened (else all empty).
+    """
 
     session: int = wf(U64)
     tokens: tuple[int, ...] = wf(IntList("H", U32, 0xFFFF))
     n_accepted: int = wf(U32)
     n_drafted: int = wf(U32)
+    logprobs: tuple[float, ...] = wf(IntList("B", F32, MAX_VERIFY_WINDOW + 1), default=())
+    top_ids: tuple[int, ...] = wf(IntList("H", U32, (MAX_VERIFY_WINDOW + 1) * MAX_TOP_LOGPROBS), default=())
+    top_logprobs: tuple[float, ...] = wf(IntList("H", F32, (MAX_VERIFY_WINDOW + 1) * MAX_TOP_LOGPROBS),
+                                         default=())
 
 
-@message(MessageKind.TOKEN_RETURN)
+def _check_token_return(m: TokenReturn) -> None:
+    for i, r in enumerate(m.results):
+        n = len(r.logprobs)
+        if n == 0:
+            if r.top_ids or r.top_logprobs:
+                raise Invalid(ErrorCode.BAD_SHAPE, f"results[{i}]: alternatives without logprobs")
+            continue
+        if n != len(r.tokens) or len(r.top_ids) != len(r.top_logprobs) or len(r.top_ids) % n \
+                or len(r.top_ids) // n > MAX_TOP_LOGPROBS:
+            raise Invalid(ErrorCode.BAD_SHAPE, f"results[{i}]: logprobs do not match its {len(r.tokens)} tokens")
+        # a log-probability is <= 0 (-inf allowed: a token the model rules out)
+        if not all(v <= 0.0 for v in r.logprobs) or not all(v <= 0.0 for v in r.top_logprobs):
+            raise Invalid(ErrorCode.BAD_FIELD, f"results[{i}]: a logprob is NaN or positive")
+
+
+@message(MessageKind.TOKEN_RETURN, _check_token_return)
 @dataclass(frozen=True, slots=True)
 class TokenReturn:
     KIND: ClassVar[MessageKind]
@@ -461,6 +507,26 @@ class SessionEnd:
     KIND: ClassVar[MessageKind]
     ref: int = wf(U32)
     session: int = wf(U64)
+
+
+def _check_session_copy(m: SessionCopy) -> None:
+    if m.src == m.dst or not m.src or not m.dst:
+        raise Invalid(ErrorCode.BAD_FIELD, f"session copy {m.src:x} -> {m.dst:x}")
+
+
+@message(MessageKind.SESSION_COPY, _check_session_copy)
+@dataclass(frozen=True, slots=True)
+class SessionCopy:
+    """Share the KV of ``src`` at positions [0, n_pos) with the new session ``dst`` (a
+    request with several choices prefills its prompt once). Travels stage to stage on
+    the data stream behind the prefill it copies, so every stage holds that prefill
+    first; a stage applies it, then passes it downstream."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    src: int = wf(U64)
+    dst: int = wf(U64)
+    n_pos: int = wf(U32)
 
 
 # DataError.session of a failure of the whole batch (session ids are never 0). A DataError
@@ -746,6 +812,7 @@ Message = (
     | TokenReturn
     | Trim
     | SessionEnd
+    | SessionCopy
     | DataError
     | CapsUpdate
     | SecretRotate

@@ -1,0 +1,69 @@
+"""Log-probabilities of sampled tokens, computed where sampling happens.
+
+The final stage (a single node's whole model, or the last stage of a split) has the
+logits rows the sampler used: row ``i`` of a verify window ``[last, d1..dk]`` is the
+distribution of the token emitted ``i``-th, whether it is an accepted draft or the bonus,
+so a speculative step reports exactly what plain decoding would.
+
+Values are the log-softmax of the raw logits (before temperature, top-k and top-p, as
+OpenAI and vLLM report them), computed in float64 and rounded to float32: that is what the
+wire carries, so a single node and a split report bit-identical numbers. Each token's
+``n_top`` alternatives are the most likely tokens of its row, most likely first (ties by
+lower id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshnode.limits import MAX_TOP_LOGPROBS
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Per emitted token: its logprob, and ``n_top`` alternatives (flattened row-major)."""
+
+    logprobs: tuple[float, ...]
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    @property
+    def n_top(self) -> int:
+        return len(self.top_ids) // len(self.logprobs) if self.logprobs else 0
+
+    def top(self, i: int) -> list[tuple[int, float]]:
+        """The alternatives of the ``i``-th token: ``[(token id, logprob), ...]``."""
+        k = self.n_top
+        return list(zip(self.top_ids[i * k:(i + 1) * k], self.top_logprobs[i * k:(i + 1) * k]))
+
+
+def _f32(x: np.ndarray) -> tuple[float, ...]:
+    return tuple(float(v) for v in np.asarray(x, dtype=np.float32))
+
+
+def token_logprobs(rows: np.ndarray, tokens: Sequence[int], n_top: int) -> TokenLogprobs:
+    """``rows[i]`` are the logits ``tokens[i]`` was sampled from (``len(tokens)`` rows at
+    least). Raises ValueError for ``n_top`` outside 0..MAX_TOP_LOGPROBS or a bad shape."""
+    if not 0 <= n_top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs {n_top} outside 0..{MAX_TOP_LOGPROBS}")
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or rows.shape[0] < len(tokens):
+        raise ValueError(f"need {len(tokens)} logits rows, got shape {rows.shape}")
+    lps: list[float] = []
+    ids: list[int] = []
+    tops: list[float] = []
+    for i, tok in enumerate(tokens):
+        row = rows[i].astype(np.float64)
+        m = row.max()
+        lp = row - (m + np.log(np.exp(row - m).sum()))
+        lps.append(float(lp[int(tok)]))
+        if n_top:
+            n = min(n_top, lp.size)
+            cand = np.sort(np.argpartition(-lp, n - 1)[:n])     # ids ascending: ties stay by id
+            order = cand[np.argsort(-lp[cand], kind="stable")]
+            ids.extend(int(t) for t in order)
+            tops.extend(lp[order].tolist())
+    return TokenLogprobs(_f32(np.array(lps)), tuple(ids), _f32(np.array(tops)) if tops else ())

@@ -1,0 +1,192 @@
+"""logprobs, n > 1, /v1/models capabilities and editors' request bodies against real
+nodes (SmolLM2 on llama.cpp, real HTTP): one node, and a 2-stage split of real node
+processes whose logprobs and choices must equal the single node's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.nodeproc import start_node
+from tests.test_split_serving import NODE_FLAGS, _home_with_model, _same_mesh, _wait_ready
+
+pytestmark = pytest.mark.slow
+
+COMPAT = Path(__file__).parent / "compat"
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def _post(port: int, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=120)
+
+
+def _model(port: int) -> str:
+    return httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+
+
+def _sse(r: httpx.Response) -> tuple[list[dict], bool]:
+    chunks, done = [], False
+    for line in r.text.splitlines():
+        if line.startswith("data: "):
+            if line == "data: [DONE]":
+                done = True
+            else:
+                chunks.append(json.loads(line[6:]))
+    return chunks, done
+
+
+def _observations(port: int) -> dict:
+    """What the tests compare between one node and a split."""
+    model = _model(port)
+    out: dict = {}
+    r = _post(port, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 6,
+                                             "temperature": 0, "logprobs": True, "top_logprobs": 3})
+    assert r.status_code == 200, r.text
+    out["chat_logprobs"] = r.json()["choices"][0]["logprobs"]["content"]
+    out["chat_text"] = r.json()["choices"][0]["message"]["content"]
+    r = _post(port, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 6,
+                                             "temperature": 0, "logprobs": True, "top_logprobs": 3,
+                                             "stream": True})
+    chunks, done = _sse(r)
+    assert done
+    out["chat_stream_logprobs"] = [e for c in chunks for ch in c["choices"]
+                                   for e in ((ch.get("logprobs") or {}).get("content") or [])]
+    r = _post(port, "/v1/completions", {"model": model, "prompt": "The capital of France is",
+                                        "max_tokens": 5, "temperature": 0, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    out["text_logprobs"] = r.json()["choices"][0]["logprobs"]
+    r = _post(port, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 8,
+                                             "temperature": 0, "n": 2})
+    assert r.status_code == 200, r.text
+    out["greedy_n2"] = [c["message"]["content"] for c in r.json()["choices"]]
+    out["greedy_n2_usage"] = r.json()["usage"]
+    sampled = {"model": model, "messages": CHAT, "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 2}
+    out["sampled_n2"] = []
+    for _ in range(2):
+        r = _post(port, "/v1/chat/completions", sampled)
+        assert r.status_code == 200, r.text
+        out["sampled_n2"].append([c["message"]["content"] for c in r.json()["choices"]])
+    r = _post(port, "/v1/chat/completions", {**sampled, "stream": True, "stream_options": {"include_usage": True}})
+    chunks, done = _sse(r)
+    assert done
+    texts = ["", ""]
+    for c in chunks:
+        for ch in c["choices"]:
+            texts[ch["index"]] += ch["delta"].get("content") or ""
+    out["sampled_n2_stream"] = texts
+    out["sampled_n2_finishes"] = sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(smollm2, tmp_path_factory):
+    root = tmp_path_factory.mktemp("api-single")
+    node = start_node(_home_with_model(root, "solo", smollm2.path), "solo", "--model", str(smollm2.path),
+                      *NODE_FLAGS)
+    try:
+        node.wait_up(30)
+        _wait_ready(node)
+        yield node, _observations(node.info["http_port"])
+    finally:
+        node.stop()
+
+
+def test_logprobs_are_log_softmax_shaped_and_streamed_the_same(single):
+    _, obs = single
+    content = obs["chat_logprobs"]
+    assert 1 <= len(content) <= 6
+    assert "".join(e["token"] for e in content) == obs["chat_text"]
+    for e in content:
+        tops = e["top_logprobs"]
+        assert len(tops) == 3 and all(t["logprob"] <= 0 for t in tops)
+        assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        # greedy: the sampled token is the most likely one
+        assert tops[0]["token"] == e["token"] and tops[0]["logprob"] == e["logprob"]
+        assert bytes(e["bytes"]).decode("utf-8", "replace") == e["token"]
+    assert obs["chat_stream_logprobs"] == content
+    text = obs["text_logprobs"]
+    assert len(text["tokens"]) == len(text["token_logprobs"]) == len(text["top_logprobs"]) == 5
+    assert all(len(t) == 2 for t in text["top_logprobs"])
+    assert text["text_offset"][0] == 0 and text["text_offset"] == sorted(text["text_offset"])
+
+
+def test_n_choices(single):
+    _, obs = single
+    a, b = obs["greedy_n2"]
+    assert a == b and a
+    assert obs["greedy_n2_usage"]["completion_tokens"] >= 2
+    first, again = obs["sampled_n2"]
+    assert first == again                   # seeded: reproducible
+    assert len(set(first)) > 1              # each choice samples on its own
+    assert obs["sampled_n2_stream"] == first
+    assert obs["sampled_n2_finishes"] == [0, 1]
+
+
+def test_models_report_context_and_capabilities(single):
+    node, _ = single
+    port = node.info["http_port"]
+    m = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]
+    assert m["context_length"] == 512
+    caps = m["capabilities"]
+    assert caps["logprobs"] and caps["n"] and caps["chat"] and not caps["fim"]
+    assert "FIM" in m["unsupported"]["fim"]
+    r = _post(port, "/v1/completions", {"model": m["id"], "prompt": "def f(", "suffix": ")\n", "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+    assert "FIM" in r.json()["error"]["message"]
+    r = _post(port, "/v1/chat/completions", {"model": m["id"], "messages": CHAT, "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"   # --parallel 2
+
+
+@pytest.mark.parametrize("fixture", sorted(p.name for p in COMPAT.glob("*.json")))
+def test_editor_request_bodies(single, fixture):
+    """Each body as the editor sends it (model name filled in; a request without a token
+    limit gets max_tokens 8, so that it ends in seconds on 2 cores)."""
+    node, _ = single
+    port = node.info["http_port"]
+    case = json.loads((COMPAT / fixture).read_text())
+    body = json.loads(json.dumps(case["body"]).replace('"MODEL"', json.dumps(_model(port))))
+    if not {"max_tokens", "max_completion_tokens", "n_predict"} & body.keys():
+        body["max_tokens"] = 8
+    r = _post(port, case["path"], body)
+    expect = case.get("expect_without_fim")
+    if expect is not None:   # SmolLM2 declares no FIM tokens
+        assert r.status_code == expect["status"], r.text
+        assert r.json()["error"]["param"] == expect["param"]
+        return
+    assert r.status_code == 200, r.text
+    if body.get("stream"):
+        chunks, done = _sse(r)
+        assert done and chunks
+        assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+        assert any(ch["finish_reason"] in ("stop", "length") for c in chunks for ch in c["choices"])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            assert chunks[-1]["usage"]["completion_tokens"] >= 1
+    else:
+        answer = r.json()
+        assert answer["object"] == "chat.completion"
+        assert isinstance(answer["choices"][0]["message"]["content"], str)
+
+
+def test_split_equals_single_node(smollm2, single, tmp_path):
+    """Logprobs are computed on the final stage and travel back in TokenReturn; the n
+    choices' shared prefill is copied on every stage (SessionCopy): same numbers."""
+    _, reference = single
+    names = ["s0", "s1"]
+    homes = [_home_with_model(tmp_path, n, smollm2.path) for n in names]
+    _same_mesh(homes)
+    helper = start_node(homes[1], "s1", "--no-model", *NODE_FLAGS)
+    coord = None
+    try:
+        helper.wait_up(30)
+        coord = start_node(homes[0], "s0", "--model", str(smollm2.path), "--split", "2", *NODE_FLAGS).wait_up(30)
+        _wait_ready(coord)
+        assert [s["state"] for s in coord.status()["stages"]] == ["ready", "ready"]
+        split = _observations(coord.info["http_port"])
+        assert split == reference
+    finally:
+        for n in (coord, helper):
+            if n is not None:
+                n.stop()
