@@ -132,6 +132,7 @@ def test_models_report_context_and_capabilities(single):
     assert m["context_length"] == 512
     caps = m["capabilities"]
     assert caps["logprobs"] and caps["n"] and caps["chat"] and not caps["fim"]
+    assert caps["tools"] and caps["structured_output"] and "tools" not in m["unsupported"]
     assert "FIM" in m["unsupported"]["fim"]
     r = _post(port, "/v1/completions", {"model": m["id"], "prompt": "def f(", "suffix": ")\n", "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"

@@ -71,6 +71,10 @@ class ModelCard:
     coordinator_id: str = ""
     coordinator_name: str = ""
     local: bool = True              # coordinated by this node
+    # what the model supports, by name (``fim``, ``logprobs``, ``n``, ...), and for the
+    # ones it does not, why (e.g. {"fim": "the GGUF declares no FIM tokens"})
+    capabilities: tuple[str, ...] = ()
+    unsupported: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +84,6 @@ class ToolCall:
     id: str
     name: str
     arguments: str                  # a JSON object, as text (OpenAI's shape)
-    # what the model supports, by name (``fim``, ``logprobs``, ``n``, ...), and for the
-    # ones it does not, why (e.g. {"fim": "the GGUF declares no FIM tokens"})
-    capabilities: tuple[str, ...] = ()
-    unsupported: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

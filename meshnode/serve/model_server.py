@@ -514,7 +514,9 @@ async def _all_or_none(work: list) -> None:
 
 def model_capabilities(tokenizer: object) -> dict:
     """``ModelCard`` fields naming what a model served here supports, and why not."""
-    caps = ["completions", "chat", "logprobs", "n", "stream"]
+    # tools and structured output work on every model: a template without tools gets the
+    # documented fallback prompt, and the grammar is built from the GGUF vocabulary
+    caps = ["completions", "chat", "logprobs", "n", "stream", "tools", "structured_output"]
     unsupported: list[tuple[str, str]] = []
     if (why := fim_reason(tokenizer)) is None:
         caps.append("fim")
