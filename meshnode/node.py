@@ -269,6 +269,7 @@ class Node:
             transfers=svc.transfers() if svc is not None else (),
             status=svc.state if svc is not None else ModelStatus.NO_MODEL,
             status_detail=svc.detail if svc is not None else "",
+            failovers=svc.failovers() if svc is not None else (),
         )
 
     @property

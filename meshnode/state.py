@@ -47,6 +47,7 @@ class ModelStatus(enum.StrEnum):
     PLANNING = "planning"    # the stages are being placed and loaded
     WAITING_FOR_PEERS = "waiting for peers"  # the plan needs more nodes than the mesh has
     READY = "ready"
+    RECOVERING = "recovering"  # a stage was lost: re-planning; requests in flight wait
     FAILED = "failed"
 
 
@@ -185,6 +186,20 @@ class NodeInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class FailoverInfo:
+    """One re-plan of the model this node coordinates: after a stage was lost
+    (``cause`` "lost"), or to use a member that came back (``cause`` "rejoined")."""
+
+    t: float                # unix time of the detection (or of the re-plan's start)
+    cause: str              # "lost" | "rejoined"
+    reason: str             # what was lost, e.g. "stage 1 on b: link lost: ..."
+    stages_before: int
+    stages_after: int       # 0: no route was found (requests in flight got an error)
+    resume_ms: float        # detection -> the model serving again (or giving up)
+    requests: int = 0       # requests in flight that waited for the new route
+
+
+@dataclass(frozen=True, slots=True)
 class NodeSnapshot:
     node: NodeInfo
     peers: tuple[PeerInfo, ...]
@@ -198,6 +213,7 @@ class NodeSnapshot:
     transfers: tuple[TransferInfo, ...]
     status: ModelStatus = ModelStatus.UNKNOWN   # the model service
     status_detail: str = ""           # why, for failed; what, while fetching
+    failovers: tuple[FailoverInfo, ...] = ()   # recent re-plans, newest first
 
 
 # ---- events (past tense) ------------------------------------------------------
@@ -244,7 +260,15 @@ class LogEmitted:
     t: float
 
 
-NodeEvent = PeerDiscovered | PeerLost | StageChanged | RequestUpdated | DraftVerified | LogEmitted
+@dataclass(frozen=True, slots=True)
+class ModelReplanned:
+    """The model was re-planned (a failover, or a return to a member that came back)."""
+
+    info: FailoverInfo
+
+
+NodeEvent = (PeerDiscovered | PeerLost | StageChanged | RequestUpdated | DraftVerified | LogEmitted
+             | ModelReplanned)
 
 
 class NodeAPI(Protocol):

@@ -163,7 +163,7 @@ class SpeculativeDecoder:
               lookahead: bool = False) -> SentStep:
         step = Step(req.session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
                     tuple(drafts), req.sampling)
-        return SentStep(step, self.scheduler.enqueue(step), lookahead)
+        return SentStep(step, self.scheduler.enqueue(step, req.epoch), lookahead)
 
     def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: NGramProposer) -> SentStep | None:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is
