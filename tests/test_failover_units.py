@@ -18,8 +18,8 @@ import pytest
 
 from meshnode.limits import MAX_VERIFY_WINDOW
 from meshnode.mesh.pipeline import PipelineUnavailableError, Step
-from meshnode.mesh.planner import Plan, PlannedStage
-from meshnode.mesh.replan import fallback_options, upgrade_wanted
+from meshnode.mesh.planner import Candidate, Plan, PlannedStage
+from meshnode.mesh.replan import fallback_options, substitute, upgrade_wanted
 from meshnode.mesh.runtime import ServeOptions
 from meshnode.serve.client import ChatMessage, GenerationRequest, TextDelta
 from meshnode.serve.errors import EngineUnavailableError
@@ -54,6 +54,25 @@ def test_upgrade_only_when_the_route_changes():
     assert upgrade_wanted(two, _plan(("a", 0, 10), ("b", 10, 20), ("c", 20, 30)))
     assert upgrade_wanted(two, _plan(("a", 0, 15), ("c", 15, 30)))
     assert upgrade_wanted(None, two)
+
+
+def test_substitute_keeps_the_ranges_and_moves_lost_stages_to_a_spare_that_fits():
+    plan = Plan((PlannedStage("a", "a", 0, 10, 100), PlannedStage("b", "b", 10, 20, 100),
+                 PlannedStage("c", "c", 20, 30, 100)), "test")
+    coord = Candidate("a", "a", 10**9, is_coordinator=True)
+    small, big = Candidate("d", "d", 105), Candidate("e", "e", 500)
+    fits, other_fits = Candidate("f", "f", 200), Candidate("g", "g", 200)
+    # b is gone: the spare with room takes [10, 20); the others keep their stage
+    got = substitute(plan, [coord, Candidate("c", "c", 0), small, big])
+    assert [(s.node_id, s.start, s.end) for s in got.stages] == [("a", 0, 10), ("e", 10, 20), ("c", 20, 30)]
+    # two lost stages, two spares: deterministic (most room, then node id), never the same spare twice
+    got = substitute(plan, [coord, other_fits, fits])
+    assert [s.node_id for s in got.stages] == ["a", "f", "g"]
+    assert substitute(plan, [coord, small]) is None          # 100 + 10% headroom > 105
+    assert substitute(plan, [coord, big]) is None            # one spare for two stages
+    assert substitute(plan, [Candidate("x", "x", 10**9, is_coordinator=True), big, fits]) is None
+    intact = [coord, Candidate("b", "b", 0), Candidate("c", "c", 0)]
+    assert substitute(plan, intact) is plan
 
 
 # ---- the replay schedule -----------------------------------------------------------------

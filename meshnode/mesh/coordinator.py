@@ -287,6 +287,7 @@ class CoordinatorRuntime:
         self.publish = publish
         self.terms = TermStore(paths)
         self._serving: ServingModel | None = None
+        self._shapes: dict[tuple, tuple[int | None, Any]] = {}   # (path, n_ctx, overhead) -> GGUF facts
         # Hooks of the model service: a READY plan lost a stage (serving model, reason,
         # the lost stage's node or None); a peer authenticated (its node id).
         self.on_lost: Callable[[ServingModel, str, str | None], None] | None = None
@@ -306,7 +307,7 @@ class CoordinatorRuntime:
     # ---- commands ------------------------------------------------------------------
 
     async def start_model(self, model_ref: Any, options: ServeOptions | None = None, *,
-                          exclude: frozenset[str] = frozenset()) -> ServingModel:
+                          exclude: frozenset[str] = frozenset(), keep: Plan | None = None) -> ServingModel:
         """Plan, negotiate and load ``model_ref`` (a ModelRef, or a name / path for
         :func:`resolve_model`); returns the READY :class:`ServingModel`.
 
@@ -314,7 +315,8 @@ class CoordinatorRuntime:
         :class:`NegotiationError` (a stage failed: which and why; every stage was told to
         stop), model-store errors, or :class:`MeshnodeError` when a model is already being
         served (stop it first). A model that failed earlier is stopped and replaced.
-        ``exclude``: nodes not to plan on (a stage that just failed there).
+        ``exclude``: nodes not to plan on (a stage that just failed there); ``keep``: a
+        plan whose layer ranges to keep where it can (:func:`meshnode.mesh.replan.substitute`).
         """
         options = options or ServeOptions()
         if self._serving is not None:
@@ -326,7 +328,7 @@ class CoordinatorRuntime:
             from meshnode.models.store import resolve_model
 
             model = await asyncio.to_thread(resolve_model, model_ref, self.paths)
-        the_plan, options = await self.plan_for(model, options, exclude=exclude)
+        the_plan, options = await self.plan_for(model, options, exclude=exclude, keep=keep)
         log.info("plan for %s (%s):\n%s", model.name, the_plan.reason, the_plan.describe())
         term = self.terms.next_term()
         sm = ServingModel(self, model, the_plan, term, options)
@@ -340,24 +342,50 @@ class CoordinatorRuntime:
             await sm.stop("cancelled")
             raise
 
-    async def plan_for(self, model: Any, options: ServeOptions, *,
-                       exclude: frozenset[str] = frozenset()) -> tuple[Plan, ServeOptions]:
+    async def plan_for(self, model: Any, options: ServeOptions, *, exclude: frozenset[str] = frozenset(),
+                       keep: Plan | None = None) -> tuple[Plan, ServeOptions]:
         """The plan for ``model`` (a ModelRef) over the current peers, and ``options``
-        with ``n_ctx`` capped at the model's trained context (raises :class:`PlanError`)."""
-        n_ctx_train = await asyncio.to_thread(trained_context, model.path)
+        with ``n_ctx`` capped at the model's trained context (raises :class:`PlanError`).
+        With ``keep`` (and no explicit layout), ``keep`` with its lost stages moved to
+        other nodes, when they fit."""
+        key = (str(model.path), options.n_ctx, options.stage_overhead)
+        if key not in self._shapes:
+            # Reading the GGUF takes seconds on a busy machine: a re-plan reuses it.
+            n_ctx_train = await asyncio.to_thread(trained_context, model.path)
+            n_ctx = min(options.n_ctx, n_ctx_train) if n_ctx_train else options.n_ctx
+            shape = await asyncio.to_thread(model_shape, model.path, n_ctx, overhead_bytes=options.stage_overhead)
+            self._shapes[key] = (n_ctx_train, shape)
+        n_ctx_train, shape = self._shapes[key]
         if n_ctx_train and options.n_ctx > n_ctx_train:
             # Stage servers refuse a Load above the trained context: ask for what they take.
             log.warning("n_ctx %d is above %s's trained context of %d tokens: using %d",
                         options.n_ctx, model.name, n_ctx_train, n_ctx_train)
             options = dataclasses.replace(options, n_ctx=n_ctx_train)
-        shape = await asyncio.to_thread(model_shape, model.path, options.n_ctx,
-                                        overhead_bytes=options.stage_overhead)
+        if keep is not None and options.explicit is None:
+            from meshnode.mesh.replan import substitute
+
+            kept = substitute(keep, self._candidates(model, options, exclude)[0])
+            if kept is not None:
+                return kept, options
         return self.make_plan(model, shape, options, exclude=exclude), options
 
     def make_plan(self, model: Any, shape: Any, options: ServeOptions, *,
                   exclude: frozenset[str] = frozenset()) -> Plan:
         """The plan for ``model`` over the current peers but ``exclude`` (raises
         :class:`PlanError`)."""
+        cands, skipped = self._candidates(model, options, exclude)
+        try:
+            return make_plan(shape, cands, split=options.split, explicit=options.explicit)
+        except PlanError as exc:
+            if not skipped:
+                raise
+            raise PlanError(f"{exc} ({len(skipped)} peer(s) left out because they do not hold "
+                            f"{model.name}: {', '.join(sorted(skipped))})") from None
+
+    def _candidates(self, model: Any, options: ServeOptions,
+                    exclude: frozenset[str]) -> tuple[list[Candidate], list[str]]:
+        """This node and the peers that hold ``model`` (every peer for an explicit plan)
+        but ``exclude``; and the names of the peers left out for lacking the model."""
         me = local_capabilities()
         cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes,
                            budget=options.max_memory, speed=me.speed or None, is_coordinator=True)]
@@ -372,13 +400,7 @@ class CoordinatorRuntime:
                 continue
             cands.append(Candidate(p.node_id, p.name or p.node_id, caps.free_ram_bytes if caps else 0,
                                    speed=(caps.speed or None) if caps else None, rtt_ms=p.rtt_ms))
-        try:
-            return make_plan(shape, cands, split=options.split, explicit=options.explicit)
-        except PlanError as exc:
-            if not skipped:
-                raise
-            raise PlanError(f"{exc} ({len(skipped)} peer(s) left out because they do not hold "
-                            f"{model.name}: {', '.join(sorted(skipped))})") from None
+        return cands, skipped
 
     async def stop(self, reason: str = "stopped") -> None:
         """Stop the model this node coordinates, if any."""

@@ -229,9 +229,12 @@ class ModelService:
         try:
             if old is not None:
                 await old.stop(f"re-planning: {reason}", timeout=REPLAN_STOP_TIMEOUT_S)
-            for options in fallback_options(self._base):
+            for i, options in enumerate(fallback_options(self._base)):
                 try:
-                    serving = await self.node.coordinator.start_model(self.model_ref, options, exclude=exclude)
+                    # First the lost plan with its lost stages moved (a loss, not a rejoin).
+                    keep = old.plan if old is not None and i == 0 and cause == "lost" else None
+                    serving = await self.node.coordinator.start_model(self.model_ref, options,
+                                                                      exclude=exclude, keep=keep)
                 except (PlanError, NegotiationError) as exc:
                     why = str(exc)
                     log.info("re-plan with %s: %s", _describe(options), exc)
