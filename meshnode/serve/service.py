@@ -98,6 +98,7 @@ class ModelService:
         self._transfers: dict[str, TransferInfo] = {}
         self._task: asyncio.Task | None = None
         self._base = None           # the runtime ServeOptions the model was started with
+        self._first_plan = None     # the plan the model started on (a rejoin returns to it)
         self._degraded = False      # serving on a fallback plan (or on none)
         self._replan: asyncio.Task | None = None    # a re-plan under way
         self._upgrade: asyncio.Task | None = None   # looking for a better plan after a join
@@ -157,6 +158,7 @@ class ModelService:
                 n_batch=o.n_batch, n_seq_max=o.parallel, wire_dtype=o.wire_dtype)
             serving = await self._plan_and_load(ref, self._base)
             self.serving = serving
+            self._first_plan = serving.plan
             self.server = ModelServer(
                 ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch, parallel=o.parallel, max_queue=o.max_queue,
                               aliases=tuple(o.aliases) + (ref.path.name, ref.path.stem), spec=spec),
@@ -231,8 +233,9 @@ class ModelService:
                 await old.stop(f"re-planning: {reason}", timeout=REPLAN_STOP_TIMEOUT_S)
             for i, options in enumerate(fallback_options(self._base)):
                 try:
-                    # First the lost plan with its lost stages moved (a loss, not a rejoin).
-                    keep = old.plan if old is not None and i == 0 and cause == "lost" else None
+                    # First the same layer ranges (cached slices): the lost plan with its lost
+                    # stages moved, or for a rejoin the plan the model started on.
+                    keep = None if i else (old.plan if old is not None and cause == "lost" else self._first_plan)
                     serving = await self.node.coordinator.start_model(self.model_ref, options,
                                                                       exclude=exclude, keep=keep)
                 except (PlanError, NegotiationError) as exc:
@@ -273,7 +276,8 @@ class ModelService:
             if self._replanning() or self.server is None:
                 return
             try:
-                desired, _ = await self.node.coordinator.plan_for(self.model_ref, self._base)
+                desired, _ = await self.node.coordinator.plan_for(self.model_ref, self._base,
+                                                                  keep=self._first_plan)
             except PlanError:
                 continue
             current = self.serving.plan if self.serving is not None else None
