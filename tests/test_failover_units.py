@@ -236,3 +236,28 @@ def test_no_route_ends_the_stream_with_the_reason():
     assert isinstance(error, EngineUnavailableError) and "no plan fits" in str(error)
     assert ANSWER.startswith(text) and len(text) >= 5   # what was produced before stays
     assert not new.steps
+
+
+# ---- what status and the TUI show ----------------------------------------------------------
+
+
+def test_status_json_and_the_status_bar_show_the_failover():
+    import dataclasses
+
+    from meshnode.serve.node_routes import status_json
+    from meshnode.state import FailoverInfo, ModelStatus
+    from tests.fake_node import make_snapshot
+    from ui.widgets.status_bar import service_status
+
+    info = FailoverInfo(1.7e9, "lost", "stage 1 (b): link lost", 2, 2, 8699.0, 1)
+    snap = dataclasses.replace(make_snapshot(), status=ModelStatus.READY, status_detail="2 stage(s)",
+                               failovers=(info,))
+    data = status_json(snap)
+    assert data["status"] == "ready" and data["status_detail"] == "2 stage(s)"
+    assert data["failovers"] == [dict(t=1.7e9, cause="lost", reason="stage 1 (b): link lost", stages_before=2,
+                                      stages_after=2, resume_ms=8699.0, requests=1)]
+    glyph, text, style = service_status(snap)
+    assert "re-planned 1×" in text and "8.7 s" in text and style == "green"
+    recovering = dataclasses.replace(snap, status=ModelStatus.RECOVERING, status_detail="stage 1 (b): link lost")
+    glyph, text, style = service_status(recovering)
+    assert text == "recovering · stage 1 (b): link lost" and style == "yellow"

@@ -245,6 +245,7 @@ class ModelService:
                 self._degraded = options is not self._base
                 break
         except asyncio.CancelledError:
+            self.server.route.failed("the node is stopping")   # nobody waits for a route that never comes
             raise
         except Exception as exc:  # noqa: BLE001 - a re-plan bug must not leave requests hanging
             log.exception("re-planning %s failed", self.model_ref.name)
