@@ -279,6 +279,7 @@ class Node:
             status=svc.state if svc is not None else ModelStatus.NO_MODEL,
             status_detail=svc.detail if svc is not None else "",
             mesh_models=self.mesh_share.mesh_models(),
+            failovers=svc.failovers() if svc is not None else (),
         )
 
     @property

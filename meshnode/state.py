@@ -47,6 +47,7 @@ class ModelStatus(enum.StrEnum):
     PLANNING = "planning"    # the stages are being placed and loaded
     WAITING_FOR_PEERS = "waiting for peers"  # the plan needs more nodes than the mesh has
     READY = "ready"
+    RECOVERING = "recovering"  # a stage was lost: re-planning; requests in flight wait
     FAILED = "failed"
 
 
@@ -197,6 +198,20 @@ class NodeInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class FailoverInfo:
+    """One re-plan of the model this node coordinates: after a stage was lost
+    (``cause`` "lost"), or to use a member that came back (``cause`` "rejoined")."""
+
+    t: float                # unix time of the detection (or of the re-plan's start)
+    cause: str              # "lost" | "rejoined"
+    reason: str             # what was lost, e.g. "stage 1 on b: link lost: ..."
+    stages_before: int
+    stages_after: int       # 0: no route was found (requests in flight got an error)
+    resume_ms: float        # detection -> the model serving again (or giving up)
+    requests: int = 0       # requests in flight that waited for the new route
+
+
+@dataclass(frozen=True, slots=True)
 class NodeSnapshot:
     node: NodeInfo
     peers: tuple[PeerInfo, ...]
@@ -211,6 +226,7 @@ class NodeSnapshot:
     status: ModelStatus = ModelStatus.UNKNOWN   # the model service
     status_detail: str = ""           # why, for failed; what, while fetching
     mesh_models: tuple[MeshModel, ...] = ()   # every model ready in the mesh, this node's first
+    failovers: tuple[FailoverInfo, ...] = ()   # recent re-plans, newest first
 
 
 # ---- events (past tense) ------------------------------------------------------
@@ -257,7 +273,15 @@ class LogEmitted:
     t: float
 
 
-NodeEvent = PeerDiscovered | PeerLost | StageChanged | RequestUpdated | DraftVerified | LogEmitted
+@dataclass(frozen=True, slots=True)
+class ModelReplanned:
+    """The model was re-planned (a failover, or a return to a member that came back)."""
+
+    info: FailoverInfo
+
+
+NodeEvent = (PeerDiscovered | PeerLost | StageChanged | RequestUpdated | DraftVerified | LogEmitted
+             | ModelReplanned)
 
 
 class NodeAPI(Protocol):

@@ -18,8 +18,10 @@ Theory of operation. The node that coordinates a model (stage 0) runs one
    ``PlanFailed`` frees stage 0 and raises :class:`NegotiationError` with the reason.
 
 After PlanReady, a stage failure (a failure report, or the loss of a stage node's link)
-fails the plan: waiting pipeline steps fail at once (``pipeline.fail_all``) and the
-stages show FAILED / STOPPED. :meth:`ServingModel.stop` sends Stop to every stage,
+fails the plan: the runtime's ``on_lost`` hook hears of it first (the model service
+re-plans, :mod:`meshnode.mesh.replan`, and requests in flight wait for the new route),
+then waiting pipeline steps fail at once (``pipeline.fail_all``) and the stages show
+FAILED / STOPPED. ``on_joined`` hears of every peer that authenticates. :meth:`ServingModel.stop` sends Stop to every stage,
 waits briefly for their answers and frees stage 0.
 """
 
@@ -30,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from meshnode import wire
@@ -202,6 +205,10 @@ class ServingModel:
     def _on_failed(self, reason: str, index: int | None) -> None:
         self.failure = reason
         log.warning("model %s: %s", self.model.name, reason)
+        if self.pipeline is not None and self.runtime.on_lost is not None:
+            # Before the waiting steps fail: their requests must find the model recovering.
+            node = self.plan.stages[index].node_id if index is not None and 0 < index < self.plan.n_stages else None
+            self.runtime.on_lost(self, reason, node)
         if self.pipeline is not None and hasattr(self.pipeline, "fail_all"):
             self.pipeline.fail_all(reason)
         if not self._ready.done():
@@ -280,6 +287,11 @@ class CoordinatorRuntime:
         self.publish = publish
         self.terms = TermStore(paths)
         self._serving: ServingModel | None = None
+        self._shapes: dict[tuple, tuple[int | None, Any]] = {}   # (path, n_ctx, overhead) -> GGUF facts
+        # Hooks of the model service: a READY plan lost a stage (serving model, reason,
+        # the lost stage's node or None); a peer authenticated (its node id).
+        self.on_lost: Callable[[ServingModel, str, str | None], None] | None = None
+        self.on_joined: Callable[[str], None] | None = None
         fabric.on_peer_change(self._on_peer_change)
 
     # ---- reading -----------------------------------------------------------------
@@ -294,7 +306,8 @@ class CoordinatorRuntime:
 
     # ---- commands ------------------------------------------------------------------
 
-    async def start_model(self, model_ref: Any, options: ServeOptions | None = None) -> ServingModel:
+    async def start_model(self, model_ref: Any, options: ServeOptions | None = None, *,
+                          exclude: frozenset[str] = frozenset(), keep: Plan | None = None) -> ServingModel:
         """Plan, negotiate and load ``model_ref`` (a ModelRef, or a name / path for
         :func:`resolve_model`); returns the READY :class:`ServingModel`.
 
@@ -302,6 +315,8 @@ class CoordinatorRuntime:
         :class:`NegotiationError` (a stage failed: which and why; every stage was told to
         stop), model-store errors, or :class:`MeshnodeError` when a model is already being
         served (stop it first). A model that failed earlier is stopped and replaced.
+        ``exclude``: nodes not to plan on (a stage that just failed there); ``keep``: a
+        plan whose layer ranges to keep where it can (:func:`meshnode.mesh.replan.substitute`).
         """
         options = options or ServeOptions()
         if self._serving is not None:
@@ -313,15 +328,7 @@ class CoordinatorRuntime:
             from meshnode.models.store import resolve_model
 
             model = await asyncio.to_thread(resolve_model, model_ref, self.paths)
-        n_ctx_train = await asyncio.to_thread(trained_context, model.path)
-        if n_ctx_train and options.n_ctx > n_ctx_train:
-            # Stage servers refuse a Load above the trained context: ask for what they take.
-            log.warning("n_ctx %d is above %s's trained context of %d tokens: using %d",
-                        options.n_ctx, model.name, n_ctx_train, n_ctx_train)
-            options = dataclasses.replace(options, n_ctx=n_ctx_train)
-        shape = await asyncio.to_thread(model_shape, model.path, options.n_ctx,
-                                        overhead_bytes=options.stage_overhead)
-        the_plan = self.make_plan(model, shape, options)
+        the_plan, options = await self.plan_for(model, options, exclude=exclude, keep=keep)
         log.info("plan for %s (%s):\n%s", model.name, the_plan.reason, the_plan.describe())
         term = self.terms.next_term()
         sm = ServingModel(self, model, the_plan, term, options)
@@ -335,20 +342,38 @@ class CoordinatorRuntime:
             await sm.stop("cancelled")
             raise
 
-    def make_plan(self, model: Any, shape: Any, options: ServeOptions) -> Plan:
-        """The plan for ``model`` over the current peers (raises :class:`PlanError`)."""
-        me = local_capabilities()
-        cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes,
-                           budget=options.max_memory, speed=me.speed or None, is_coordinator=True)]
-        skipped = []
-        for p in self.fabric.peers():
-            caps = p.capabilities
-            holds = caps is not None and any(m.sha256 == model.sha256 for m in caps.models)
-            if not holds and options.explicit is None:
-                skipped.append(p.name or p.node_id)
-                continue
-            cands.append(Candidate(p.node_id, p.name or p.node_id, caps.free_ram_bytes if caps else 0,
-                                   speed=(caps.speed or None) if caps else None, rtt_ms=p.rtt_ms))
+    async def plan_for(self, model: Any, options: ServeOptions, *, exclude: frozenset[str] = frozenset(),
+                       keep: Plan | None = None) -> tuple[Plan, ServeOptions]:
+        """The plan for ``model`` (a ModelRef) over the current peers, and ``options``
+        with ``n_ctx`` capped at the model's trained context (raises :class:`PlanError`).
+        With ``keep`` (and no explicit layout), ``keep`` with its lost stages moved to
+        other nodes, when they fit."""
+        key = (str(model.path), options.n_ctx, options.stage_overhead)
+        if key not in self._shapes:
+            # Reading the GGUF takes seconds on a busy machine: a re-plan reuses it.
+            n_ctx_train = await asyncio.to_thread(trained_context, model.path)
+            n_ctx = min(options.n_ctx, n_ctx_train) if n_ctx_train else options.n_ctx
+            shape = await asyncio.to_thread(model_shape, model.path, n_ctx, overhead_bytes=options.stage_overhead)
+            self._shapes[key] = (n_ctx_train, shape)
+        n_ctx_train, shape = self._shapes[key]
+        if n_ctx_train and options.n_ctx > n_ctx_train:
+            # Stage servers refuse a Load above the trained context: ask for what they take.
+            log.warning("n_ctx %d is above %s's trained context of %d tokens: using %d",
+                        options.n_ctx, model.name, n_ctx_train, n_ctx_train)
+            options = dataclasses.replace(options, n_ctx=n_ctx_train)
+        if keep is not None and options.explicit is None:
+            from meshnode.mesh.replan import substitute
+
+            kept = substitute(keep, self._candidates(model, options, exclude)[0])
+            if kept is not None:
+                return kept, options
+        return self.make_plan(model, shape, options, exclude=exclude), options
+
+    def make_plan(self, model: Any, shape: Any, options: ServeOptions, *,
+                  exclude: frozenset[str] = frozenset()) -> Plan:
+        """The plan for ``model`` over the current peers but ``exclude`` (raises
+        :class:`PlanError`)."""
+        cands, skipped = self._candidates(model, options, exclude)
         try:
             return make_plan(shape, cands, split=options.split, explicit=options.explicit)
         except PlanError as exc:
@@ -356,6 +381,26 @@ class CoordinatorRuntime:
                 raise
             raise PlanError(f"{exc} ({len(skipped)} peer(s) left out because they do not hold "
                             f"{model.name}: {', '.join(sorted(skipped))})") from None
+
+    def _candidates(self, model: Any, options: ServeOptions,
+                    exclude: frozenset[str]) -> tuple[list[Candidate], list[str]]:
+        """This node and the peers that hold ``model`` (every peer for an explicit plan)
+        but ``exclude``; and the names of the peers left out for lacking the model."""
+        me = local_capabilities()
+        cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes,
+                           budget=options.max_memory, speed=me.speed or None, is_coordinator=True)]
+        skipped = []
+        for p in self.fabric.peers():
+            if p.node_id in exclude:
+                continue
+            caps = p.capabilities
+            holds = caps is not None and any(m.sha256 == model.sha256 for m in caps.models)
+            if not holds and options.explicit is None:
+                skipped.append(p.name or p.node_id)
+                continue
+            cands.append(Candidate(p.node_id, p.name or p.node_id, caps.free_ram_bytes if caps else 0,
+                                   speed=(caps.speed or None) if caps else None, rtt_ms=p.rtt_ms))
+        return cands, skipped
 
     async def stop(self, reason: str = "stopped") -> None:
         """Stop the model this node coordinates, if any."""
@@ -386,6 +431,8 @@ class CoordinatorRuntime:
 
     def _on_peer_change(self, node_id: str, info: Any, reason: str) -> None:
         if info is not None:
+            if self.on_joined is not None:
+                self.on_joined(node_id)
             return
         sm = self._serving
         if sm is not None and sm.has_stage_node(node_id):

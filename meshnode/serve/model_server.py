@@ -22,7 +22,13 @@ heartbeats stays free), refuses a prompt that does not fit the context, admits i
 4. streams text incrementally (UTF-8 safe), honours stop strings
    (:class:`~meshnode.serve.client.StopMatcher`), end-of-generation tokens and
    ``max_tokens``, and ends with :class:`~meshnode.serve.client.Finished` (usage, timings);
-5. frees the session on every stage in ``finally``, which also runs when the HTTP
+5. **fails over**: when the model's route is lost (``route``, a
+   :class:`~meshnode.serve.failover.RouteGate` the model service drives), a step that
+   failed as unavailable waits for the new route, replays the session's token history
+   through it (:func:`~meshnode.serve.failover.replay_steps`) and sends the failed step
+   again, so the stream goes on with no token lost or repeated; with no route the request
+   ends with the re-plan's reason (a 503);
+6. frees the session on every stage in ``finally``, which also runs when the HTTP
    client goes away. A failure is handed to the consumer as it is when
    :data:`~meshnode.serve.errors.ERROR_TABLE` has a row for its type (a session that
    outgrows its context is a 400, a lost stage a 503); anything else is logged and
@@ -63,7 +69,9 @@ from meshnode.serve.client import (
 )
 from meshnode.limits import MAX_CHOICES, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
 from meshnode.mesh.final import Finalized, Sampling
-from meshnode.mesh.pipeline import Pipeline, Step
+from meshnode.mesh.pipeline import (
+    Pipeline, PipelineFailedError, PipelineUnavailableError, Step, StepFailedError,
+)
 from meshnode.serve.errors import (
     EngineFailedError,
     EngineUnavailableError,
@@ -76,6 +84,7 @@ from meshnode.serve.errors import (
     error_spec,
 )
 from meshnode.serve.fim import fim_reason, infill_tokens
+from meshnode.serve.failover import RouteGate, replay_steps
 from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
 from meshnode.serve.request import ActiveRequest, new_session_id
 from meshnode.serve.scheduler import BatchScheduler
@@ -104,6 +113,13 @@ SEED_SPACE = 2**64             # the wire's u64 (Segment.seed)
 # At shutdown, how long requests ended after the grace get to hand their error over
 # (their consumers take it at once; this only bounds a stuck one).
 END_WAIT_S = 0.5
+# A step that failed as unreachable before the route's loss was declared waits this long
+# for the declaration (the link's dead-peer watch), then fails as it is.
+LOSS_WAIT_S = 3.0
+# How long a request in flight waits for a re-plan to give the model a new route (the
+# new stage may have to slice and load its range).
+RECOVERY_WAIT_S = 120.0
+MAX_FAILOVERS = 4              # per request: a route that keeps dying ends it
 SHUTTING_DOWN = "This node is shutting down; the request was not served. Retry on another node."
 ENDED_AT_SHUTDOWN = "This node is shutting down; the request was ended before it finished."
 
@@ -130,6 +146,9 @@ class ModelServer:
         self.tokenizer = tokenizer
         self.pipeline = pipeline
         self.scheduler = BatchScheduler(pipeline, max_rows=settings.max_batch_rows)
+        self.route = RouteGate()   # driven by the model service (failover)
+        self.resumed: deque[tuple[str, float, int]] = deque(maxlen=RECENT_REQUESTS)  # (id, ms, replayed)
+        self.replay_mismatches = 0   # greedy replays whose KV predicted another token (a bug)
         self._publish = publish or (lambda ev: None)
         self._sessions: set[int] = set()   # session ids in use (random: new_session_id)
         # Every stage holds parallel sequence slots; requests beyond that queue here.
@@ -321,7 +340,7 @@ class ModelServer:
         decoder = self._decoder
         try:
             t_prefill = time.perf_counter()
-            firsts = [await self._prefill(ars[0])] if len(ars) == 1 else await self._prefill_shared(ars)
+            firsts = [await self._prefill_failover(ars[0])] if len(ars) == 1 else await self._prefill_shared(ars)
             for ar, first in zip(ars, firsts):
                 if ar.constraint is not None:
                     ar.constraint.commit([first.tokens[-1]])
@@ -378,7 +397,7 @@ class ModelServer:
             self._progress(ar)
             if ar.done:
                 break
-            pending = await decoder.step(ar, pending[-1])
+            pending = await self._decode_step(ar, pending[-1])
             lps = ar.last_logprobs
             ar.pos += len(pending)  # last + accepted drafts entered the KV
         if (tail := ar.tail_delta()) is not None:
@@ -402,12 +421,13 @@ class ModelServer:
         nb = self.settings.n_batch
         arr = np.asarray(ar.prompt, dtype=np.int32)
         result = None
+        ar.epoch = self.route.epoch
         for start in range(0, len(arr), nb):
             chunk = arr[start:start + nb]
             last = start + nb >= len(arr)
             mask = ar.constraint.masks() if last and ar.constraint is not None else None
             result = await self.scheduler.submit(Step(ar.session, start, chunk, 1 if last else 0,
-                                                      (), ar.sampling, mask))
+                                                      (), ar.sampling, mask), ar.epoch)
         assert result is not None
         return result
 
@@ -420,16 +440,105 @@ class ModelServer:
         head = np.asarray(ars[0].prompt[:-1], dtype=np.int32)
         for start in range(0, len(head), nb):
             await self.scheduler.submit(Step(ars[0].session, start, head[start:start + nb], 0, (),
-                                             ars[0].sampling))
+                                             ars[0].sampling), ars[0].epoch)
         if len(head):
             for ar in ars[1:]:
                 await self.pipeline.copy_session(ars[0].session, ar.session, len(head))
         last = np.asarray(ars[0].prompt[-1:], dtype=np.int32)
         results = await asyncio.gather(*(
             self.scheduler.submit(Step(ar.session, len(head), last, 1, (), ar.sampling,
-                                       ar.constraint.masks() if ar.constraint is not None else None))
+                                       ar.constraint.masks() if ar.constraint is not None else None), ar.epoch)
             for ar in ars))
         return [r for r in results if r is not None]
+
+    # ---- failover -------------------------------------------------------------------------
+
+    async def _prefill_failover(self, ar: ActiveRequest) -> Finalized:
+        """The prefill; when the route is lost under it, again on the new route."""
+        for attempt in range(MAX_FAILOVERS + 1):
+            try:
+                return await self._prefill(ar)
+            except (PipelineUnavailableError, PipelineFailedError) as exc:
+                if attempt == MAX_FAILOVERS or not await self._route_lost(ar, exc):
+                    raise
+                t0 = time.perf_counter()
+                await self._new_route(ar)
+                log.info("request %s: prefill restarts on the new route (waited %.0f ms)",
+                         ar.id, 1e3 * (time.perf_counter() - t0))
+        raise AssertionError("unreachable")
+
+    async def _decode_step(self, ar: ActiveRequest, last: int) -> list[int]:
+        """One decode step; when the route is lost under it, the session is replayed on
+        the new route and the step sent again."""
+        for attempt in range(MAX_FAILOVERS + 1):
+            try:
+                return await self._decoder.step(ar, last)
+            except (PipelineUnavailableError, PipelineFailedError) as exc:
+                if attempt == MAX_FAILOVERS or not await self._route_lost(ar, exc):
+                    raise
+                await self._resume(ar, last)
+        raise AssertionError("unreachable")
+
+    async def _route_lost(self, ar: ActiveRequest, exc: Exception) -> bool:
+        """Whether ``exc`` came from the loss of the route ``ar`` runs on (then it resumes)."""
+        if isinstance(exc, StepFailedError) or self._closing:
+            return False   # this session's own failure, or the node is stopping
+        if self.route.changed_since(ar.epoch):
+            return True
+        # A send that found the link gone may come before the link's loss is declared.
+        return isinstance(exc, PipelineUnavailableError) and await self.route.wait_lost(ar.epoch, LOSS_WAIT_S)
+
+    async def _new_route(self, ar: ActiveRequest) -> None:
+        """Wait for the re-plan; ``ar`` then runs on the new route (its KV is empty there)."""
+        try:
+            ar.epoch = await self.route.wait_up(RECOVERY_WAIT_S)
+        except PipelineUnavailableError as exc:
+            # Not a pipeline error any more: the request ends with it, it does not retry.
+            raise EngineUnavailableError(str(exc)) from None
+
+    async def _resume(self, ar: ActiveRequest, last: int) -> None:
+        """Rebuild ``ar``'s KV on the new route: its token history up to ``ar.pos``
+        (``last``, the newest token, is fed by the step sent again afterwards)."""
+        t0 = time.perf_counter()
+        ar.withdraw_lookahead()
+        ar.ahead = None
+        await self._new_route(ar)
+        history = [*ar.prompt, *ar.generated][:ar.pos]
+        if len(history) != ar.pos or ar.generated[-1] != last:
+            raise EngineFailedError(f"generation failed: cannot replay request {ar.id} (history of "
+                                    f"{len(history)} tokens, position {ar.pos})")
+        # (a constrained request's token came from masked logits: the unmasked replay
+        # cannot be checked against it)
+        greedy = ar.sampling.greedy and ar.constraint is None
+        result = None
+        for step in replay_steps(ar.session, history, len(ar.prompt), self.settings.n_batch,
+                                 sampling=ar.sampling, check_last=greedy):
+            result = await self.scheduler.submit(step, ar.epoch)
+        if greedy and (result is None or result.tokens[-1] != last):
+            # The replayed KV predicts another token than the lost route did: the new
+            # route is not bit-identical (engine settings differ between the stages?).
+            self.replay_mismatches += 1
+            log.warning("request %s: the replay on the new route predicts token %s, the lost route gave %s",
+                        ar.id, None if result is None else result.tokens[-1], last)
+        ms = 1e3 * (time.perf_counter() - t0)
+        self.resumed.appendleft((ar.id, ms, len(history)))
+        log.info("request %s resumed on the new route after %.0f ms (%d tokens replayed)", ar.id, ms, len(history))
+
+    def switch_pipeline(self, pipeline: Pipeline) -> None:
+        """The model service re-planned: later steps run on ``pipeline``; requests that
+        waited for it resume (their steps for the old route fail and replay)."""
+        self.pipeline = pipeline
+        self.scheduler.set_pipeline(pipeline)
+        self.route.restored()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished (running or waiting for a slot)."""
+        return self._admitted
+
+    async def wait_idle(self) -> None:
+        """Return once no request is admitted."""
+        await self._idle.wait()
 
     async def _end_session(self, session: int) -> None:
         try:

@@ -35,6 +35,9 @@ def status_json(snapshot: Any) -> dict[str, Any]:
         "node": to_jsonable(snapshot.node),
         "peers": to_jsonable(snapshot.peers),
         "model": snapshot.model,
+        "status": str(snapshot.status),
+        "status_detail": snapshot.status_detail,
+        "failovers": to_jsonable(snapshot.failovers),
         "stages": [
             {"index": s.index, "node_id": s.node_id, "node": s.node_name,
              "layers": [s.layer_start, s.layer_end], "state": s.state.value, "detail": s.detail}

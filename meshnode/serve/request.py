@@ -93,6 +93,7 @@ class ActiveRequest:
     t0: float = field(default_factory=time.perf_counter)
     first_token_t: float | None = None
     pos: int = 0                 # the session's KV holds positions [0, pos)
+    epoch: int = 0               # ... on this route (RouteGate.epoch; failover replays it)
     generated: list[int] = field(default_factory=list)
     finish: str = "length"       # OpenAI's finish_reason once done
     done: bool = False

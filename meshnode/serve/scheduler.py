@@ -22,6 +22,11 @@ waiters as they are (serve/errors.py's table gives them their HTTP status). A fa
 handed only to the waiters it concerns: a batch that failed as a whole (``run`` raised)
 fails every waiter of it; a step that failed alone (a ``StepFailedError`` in its place,
 e.g. its sampling raised) fails its own waiter, and the others get their tokens.
+
+After a failover the model server hands the scheduler the new route's pipeline
+(:meth:`BatchScheduler.set_pipeline`): steps still waiting, and steps queued later for
+the old route (``enqueue(step, epoch)``), fail as unavailable, since their sessions have
+no KV on the new route until they replay (:mod:`meshnode.serve.failover`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from collections.abc import Sequence
 
 from meshnode.limits import MAX_VERIFY_WINDOW
 from meshnode.mesh.final import Finalized
-from meshnode.mesh.pipeline import Pipeline, PipelineFailedError, Step
+from meshnode.mesh.pipeline import Pipeline, PipelineFailedError, PipelineUnavailableError, Step
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,7 @@ class BatchScheduler:
         self.max_rows = max_rows
         self._pending: list[tuple[Step, asyncio.Future]] = []
         self._wake = asyncio.Event()
+        self._max_inflight = max_inflight
         self._inflight = asyncio.Semaphore(max_inflight or max(1, pipeline.n_stages))
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="batch-scheduler")
         self._running: set[asyncio.Task] = set()
@@ -52,6 +58,18 @@ class BatchScheduler:
         self.rows = 0
         self._decoding: set[int] = set()    # sessions in their decode loop
         self._in_flight: set[int] = set()   # sessions whose step is being computed
+        self.epoch = 0                      # the route: counts set_pipeline calls
+
+    def set_pipeline(self, pipeline: Pipeline) -> None:
+        """Run later batches on ``pipeline`` (a new route): the steps still waiting were
+        meant for the old one and fail as unavailable."""
+        self.pipeline = pipeline
+        self.epoch += 1
+        self._inflight = asyncio.Semaphore(self._max_inflight or max(1, pipeline.n_stages))
+        stale, self._pending = self._pending, []
+        for _, fut in stale:
+            if not fut.done():
+                fut.set_exception(PipelineUnavailableError("the route changed"))
 
     # Sessions in their decode loop announce themselves, so a batch can wait (briefly)
     # until every one of them has submitted its next step instead of leaving half behind.
@@ -71,16 +89,20 @@ class BatchScheduler:
         waiting = {step.session for step, _ in self._pending}
         return self._decoding - self._in_flight <= waiting
 
-    def enqueue(self, step: Step) -> asyncio.Future:
+    def enqueue(self, step: Step, epoch: int | None = None) -> asyncio.Future:
         """Queue ``step``; the future gets its result. Cancel it to withdraw the step
-        (it is skipped if it has not been sent yet)."""
+        (it is skipped if it has not been sent yet). ``epoch``: the route the step's
+        session has its KV on (None: the current one); an older one fails at once."""
         fut = asyncio.get_running_loop().create_future()
+        if epoch is not None and epoch != self.epoch:
+            fut.set_exception(PipelineUnavailableError("the route changed"))
+            return fut
         self._pending.append((step, fut))
         self._wake.set()
         return fut
 
-    async def submit(self, step: Step) -> Finalized | None:
-        return await self.enqueue(step)
+    async def submit(self, step: Step, epoch: int | None = None) -> Finalized | None:
+        return await self.enqueue(step, epoch)
 
     def lane_size(self) -> int:
         """Most sessions in one batch: all of them on one node, a lane's share on a split."""
@@ -124,26 +146,31 @@ class BatchScheduler:
             while not self._all_ready() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0)
             while self._pending:
-                await self._inflight.acquire()
+                sem = self._inflight
+                await sem.acquire()
+                if sem is not self._inflight:   # the route changed meanwhile
+                    sem.release()
+                    continue
                 batch = self._take()   # [] when every waiting step was withdrawn meanwhile
                 if not batch:
-                    self._inflight.release()
+                    sem.release()
                     break
-                task = asyncio.get_running_loop().create_task(self._run(batch))
+                task = asyncio.get_running_loop().create_task(self._run(batch, self.pipeline, sem))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
 
-    async def _run(self, batch: Sequence[tuple[Step, asyncio.Future]]) -> None:
+    async def _run(self, batch: Sequence[tuple[Step, asyncio.Future]], pipeline: Pipeline,
+                   sem: asyncio.Semaphore) -> None:
         # withdrawn between _take and now: must not reach the engine (its session may be
         # gone already, and its KV would never be freed)
         batch = [item for item in batch if not item[1].done()]
         if not batch:
-            self._inflight.release()
+            sem.release()
             return
         steps = [s for s, _ in batch]
         self._in_flight.update(s.session for s in steps)
         try:
-            results = await self.pipeline.run(steps)
+            results = await pipeline.run(steps)
             self.batches += 1
             self.rows += sum(int(s.tokens.shape[0]) for s in steps)
             if len(results) != len(steps):   # a pipeline bug: no waiter may hang on it
@@ -161,7 +188,7 @@ class BatchScheduler:
                     fut.set_exception(exc)
         finally:
             self._in_flight.difference_update(s.session for s in steps)
-            self._inflight.release()
+            sem.release()
 
     async def close(self) -> None:
         self._task.cancel()

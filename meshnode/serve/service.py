@@ -8,6 +8,18 @@ run, with progress shown as a transfer), read its tokenizer, resolve the specula
 strategy (CLI > config > model package > built-in), plan the stages over the mesh and
 negotiate them (:mod:`meshnode.mesh.runtime`), then hand a
 :class:`~meshnode.serve.model_server.ModelServer` to the OpenAI routes.
+
+Failover: when a READY plan loses a stage (its node's link died, or the stage reported a
+failure), the coordinator tells the service before any waiting step fails. The service
+marks the model server's route down (requests in flight wait, new ones too), goes
+RECOVERING, stops the old plan's stages and re-plans on the members that remain
+(:func:`meshnode.mesh.replan.fallback_options`: the original options, then fewer stages,
+then the planner's choice, which may be this node alone). On success the server switches
+to the new pipeline and its requests replay their sessions there; with no plan they end
+with a 503 that says why, and the model is FAILED until a member joins. A model serving
+on a fallback plan is *degraded*: when a member joins, the service plans again with the
+original options and, if that changes the route, switches once no request is in flight.
+Each re-plan is a :class:`~meshnode.state.FailoverInfo` (``status``, the TUI).
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +37,18 @@ from meshnode.errors import MeshnodeError
 from meshnode.serve.client import GenerationEvent, GenerationRequest, ModelCard
 from meshnode.serve.errors import EngineUnavailableError
 from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
-from meshnode.state import ModelInfo, ModelStatus, TransferInfo
+from meshnode.state import FailoverInfo, ModelInfo, ModelReplanned, ModelStatus, TransferInfo
 
 log = logging.getLogger(__name__)
+
+RECENT_FAILOVERS = 20
+# After a member joins, how often and how long to look for a better plan: its Hello may
+# not list the model yet (capabilities follow once its store is read).
+UPGRADE_POLL_S = 1.0
+UPGRADE_TRIES = 10
+# Stopping the lost plan's surviving stages waits at most this long for their answers:
+# requests wait for the new route meanwhile.
+REPLAN_STOP_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,12 @@ class ModelService:
         self.serving = None      # the runtime's ServingModel (plan, stages, stop)
         self._transfers: dict[str, TransferInfo] = {}
         self._task: asyncio.Task | None = None
+        self._base = None           # the runtime ServeOptions the model was started with
+        self._first_plan = None     # the plan the model started on (a rejoin returns to it)
+        self._degraded = False      # serving on a fallback plan (or on none)
+        self._replan: asyncio.Task | None = None    # a re-plan under way
+        self._upgrade: asyncio.Task | None = None   # looking for a better plan after a join
+        self._failovers: deque[FailoverInfo] = deque(maxlen=RECENT_FAILOVERS)
         self._unavailable = UnavailableClient(lambda: f"model not ready: {self.state}"
                                               + (f" ({self.detail})" if self.detail else ""))
 
@@ -125,15 +153,19 @@ class ModelService:
             self._set(ModelStatus.PLANNING, "")
             from meshnode.mesh.runtime import ServeOptions
 
-            serving = await self._plan_and_load(ref, ServeOptions(
+            self._base = ServeOptions(
                 split=o.split, explicit=o.stages, max_memory=o.max_memory, n_ctx=o.n_ctx,
-                n_batch=o.n_batch, n_seq_max=o.parallel, wire_dtype=o.wire_dtype))
+                n_batch=o.n_batch, n_seq_max=o.parallel, wire_dtype=o.wire_dtype)
+            serving = await self._plan_and_load(ref, self._base)
             self.serving = serving
+            self._first_plan = serving.plan
             self.server = ModelServer(
                 ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch, parallel=o.parallel, max_queue=o.max_queue,
                               aliases=tuple(o.aliases) + (ref.path.name, ref.path.stem), spec=spec),
                 tokenizer, serving.pipeline, publish=self.node.publish, draft=draft)
             self._set(ModelStatus.READY, f"{serving.pipeline.n_stages} stage(s)")
+            self.node.coordinator.on_lost = self._on_lost
+            self.node.coordinator.on_joined = self._on_joined
             log.info("model %s ready on %d stage(s): %s/chat/completions", ref.name,
                      serving.pipeline.n_stages, self.node.http_url)
         except asyncio.CancelledError:
@@ -158,6 +190,109 @@ class ModelService:
                     raise
                 self._set(ModelStatus.WAITING_FOR_PEERS, str(exc))
                 await asyncio.sleep(1.0)
+
+    # ---- failover ---------------------------------------------------------------------
+
+    def _on_lost(self, serving, reason: str, node_id: str | None) -> None:
+        """The coordinator's hook: ``serving`` (READY) lost a stage. Synchronous, before
+        the waiting steps fail, so their requests find the route down."""
+        if serving is not self.serving or self.server is None or self._replanning():
+            return
+        if self._upgrade is not None and not self._upgrade.done():
+            self._upgrade.cancel()
+        self._start_replan("lost", reason, frozenset({node_id}) if node_id else frozenset())
+
+    def _on_joined(self, node_id: str) -> None:
+        """The coordinator's hook: a peer authenticated. A degraded model looks for a
+        better plan."""
+        if (self._degraded and self.server is not None and not self._replanning()
+                and (self._upgrade is None or self._upgrade.done())):
+            self._upgrade = asyncio.get_running_loop().create_task(self._look_for_upgrade(), name="model-upgrade")
+
+    def _replanning(self) -> bool:
+        return self._replan is not None and not self._replan.done()
+
+    def _start_replan(self, cause: str, reason: str, exclude: frozenset[str] = frozenset()) -> None:
+        self.server.route.lost(reason)
+        self._set(ModelStatus.RECOVERING, reason)
+        log.warning("model %s: re-planning (%s)", self.model_ref.name, reason)
+        self._replan = asyncio.get_running_loop().create_task(
+            self._do_replan(cause, reason, exclude, time.monotonic(), time.time()), name="model-replan")
+
+    async def _do_replan(self, cause: str, reason: str, exclude: frozenset[str], t0: float, wall: float) -> None:
+        from meshnode.mesh.planner import PlanError
+        from meshnode.mesh.replan import fallback_options
+        from meshnode.mesh.runtime import NegotiationError
+
+        old, self.serving = self.serving, None
+        before = old.plan.n_stages if old is not None else 0
+        waiting = self.server.in_flight
+        serving, why = None, reason
+        try:
+            if old is not None:
+                await old.stop(f"re-planning: {reason}", timeout=REPLAN_STOP_TIMEOUT_S)
+            for i, options in enumerate(fallback_options(self._base)):
+                try:
+                    # First the same layer ranges (cached slices): the lost plan with its lost
+                    # stages moved, or for a rejoin the plan the model started on.
+                    keep = None if i else (old.plan if old is not None and cause == "lost" else self._first_plan)
+                    serving = await self.node.coordinator.start_model(self.model_ref, options,
+                                                                      exclude=exclude, keep=keep)
+                except (PlanError, NegotiationError) as exc:
+                    why = str(exc)
+                    log.info("re-plan with %s: %s", _describe(options), exc)
+                    continue
+                self._degraded = options is not self._base
+                break
+        except asyncio.CancelledError:
+            self.server.route.failed("the node is stopping")   # nobody waits for a route that never comes
+            raise
+        except Exception as exc:  # noqa: BLE001 - a re-plan bug must not leave requests hanging
+            log.exception("re-planning %s failed", self.model_ref.name)
+            serving, why = None, f"{type(exc).__name__}: {exc}"
+        ms = 1e3 * (time.monotonic() - t0)
+        if serving is None:
+            self._degraded = True   # a member that joins may give it a route again
+            self.server.route.failed(why)
+            self._set(ModelStatus.FAILED, f"no route: {why}")
+            log.error("model %s has no route after %.0f ms: %s", self.model_ref.name, ms, why)
+        else:
+            self.serving = serving
+            self.server.switch_pipeline(serving.pipeline)
+            self._set(ModelStatus.READY, f"{serving.pipeline.n_stages} stage(s)")
+            log.warning("model %s serves again on %d stage(s) after %.0f ms (%s)", self.model_ref.name,
+                        serving.pipeline.n_stages, ms, "degraded" if self._degraded else "as planned")
+        info = FailoverInfo(wall, cause, reason, before, serving.plan.n_stages if serving else 0, ms, waiting)
+        self._failovers.appendleft(info)
+        self.node.publish(ModelReplanned(info))
+
+    async def _look_for_upgrade(self) -> None:
+        """A member joined a degraded model: once the original options plan a different
+        route and no request is in flight, re-plan to it."""
+        from meshnode.mesh.planner import PlanError
+        from meshnode.mesh.replan import upgrade_wanted
+
+        for _ in range(UPGRADE_TRIES):
+            await asyncio.sleep(UPGRADE_POLL_S)
+            if self._replanning() or self.server is None:
+                return
+            try:
+                desired, _ = await self.node.coordinator.plan_for(self.model_ref, self._base,
+                                                                  keep=self._first_plan)
+            except PlanError:
+                continue
+            current = self.serving.plan if self.serving is not None else None
+            if not upgrade_wanted(current, desired):
+                self._degraded = False
+                return
+            await self.server.wait_idle()   # never disturb a request in flight
+            if self._replanning() or self.server is None:
+                return
+            self._start_replan("rejoined", "re-planning to use the members that joined")
+            return
+
+    def failovers(self) -> tuple[FailoverInfo, ...]:
+        return tuple(self._failovers)
 
     def _set(self, state: ModelStatus, detail: str) -> None:
         self.state, self.detail = state, detail
@@ -218,8 +353,19 @@ class ModelService:
         answers (default: the plan's own ``stop_timeout``)."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
+        self.node.coordinator.on_lost = self.node.coordinator.on_joined = None
+        for task in (self._upgrade, self._replan):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.server is not None:
             await self.server.close()
         if self.serving is not None:
             await self.serving.stop(timeout=stage_timeout)
         self._set("stopped", "")
+
+
+def _describe(options) -> str:
+    if options.explicit is not None:
+        return f"--stages {options.explicit}"
+    return f"--split {options.split}" if options.split is not None else "the planner's choice"

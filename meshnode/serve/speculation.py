@@ -167,7 +167,7 @@ class SpeculativeDecoder:
         mask = req.constraint.masks(drafts) if req.constraint is not None else None
         step = Step(req.session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
                     tuple(drafts), req.sampling, mask)
-        return SentStep(step, self.scheduler.enqueue(step), lookahead)
+        return SentStep(step, self.scheduler.enqueue(step, req.epoch), lookahead)
 
     def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: NGramProposer) -> SentStep | None:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is

@@ -33,7 +33,13 @@ def service_status(snap: NodeSnapshot | None) -> tuple[str, str, str]:
         case ModelStatus.UNKNOWN:  # a node that does not report its model service
             return "●", "running", "green"
         case ModelStatus.READY:
-            return "●", "ready" + (f" · {detail}" if detail else ""), "green"
+            text = "ready" + (f" · {detail}" if detail else "")
+            if snap is not None and snap.failovers:
+                last = snap.failovers[0]
+                text += f" · re-planned {len(snap.failovers)}× (last: serving again in {last.resume_ms / 1e3:.1f} s)"
+            return "●", text, "green"
+        case ModelStatus.RECOVERING:
+            return "◌", "recovering" + (f" · {detail}" if detail else ""), "yellow"
         case ModelStatus.FETCHING:
             text = "fetching" + (f" {detail}" if detail else "")
             if snap is not None and snap.transfers:
