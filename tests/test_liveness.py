@@ -59,14 +59,16 @@ def test_heartbeats_are_due_every_period_after_the_last_one_ran():
     assert lv.next_timer() == pytest.approx(101.8)
 
 
-def test_a_silent_peer_is_dead_at_the_first_heartbeat_after_dead_after_s():
+def test_a_silent_peer_is_dead_exactly_dead_after_s_after_its_last_byte():
     lv = _liveness()
     lv.authenticated(100.0)
-    got = _run(lv, 110.0)                                    # nothing ever arrives
-    assert [a for _, a in got[:-1]] == [SendHeartbeat(i) for i in range(1, 6)]
+    lv.received(100.1)
+    got = _run(lv, 110.0)                                    # nothing arrives after 100.1
+    assert [a for _, a in got[:-1]] == [SendHeartbeat(i) for i in range(1, 7)]   # 100.0 .. 101.5
     t, last = got[-1]
     assert isinstance(last, PeerSilent)
-    assert t == pytest.approx(101.5) and last.silent_s == pytest.approx(1.5)   # 0.3 s steps: > 1.2 first at 1.5
+    # at the deadline itself (dead_after_s = 1.5), not at the next heartbeat (101.8)
+    assert t == pytest.approx(101.6) and last.silent_s == pytest.approx(1.5)
     assert lv.next_timer() is None                           # dead: no more timers
 
 
@@ -78,23 +80,61 @@ def test_no_false_death_while_frames_keep_arriving():
     assert len(got) == 200                                   # a heartbeat every 0.3 s for 60 s
 
 
-def test_silence_of_exactly_dead_after_s_is_still_alive():
+def test_a_sign_of_life_moves_the_deadline_without_a_new_timer():
     lv = _liveness(dead_after_s=1.0, heartbeat_s=0.5)
     lv.authenticated(100.0)
     assert lv.handle_timer(100.0) == [SendHeartbeat(1)]
-    assert lv.handle_timer(101.0) == [SendHeartbeat(2)]      # 1.0 s silent: not more than 1.0
-    assert lv.handle_timer(101.5) == [PeerSilent(1.5)]
+    assert lv.handle_timer(100.5) == [SendHeartbeat(2)]
+    assert lv.next_timer() == pytest.approx(101.0)           # the deadline and the heartbeat agree
+    lv.received(100.9)
+    assert lv.handle_timer(101.0) == [SendHeartbeat(3)]      # 0.1 s silent
+    assert lv.next_timer() == pytest.approx(101.5)
+    assert lv.handle_timer(101.5) == [SendHeartbeat(4)]
+    assert lv.next_timer() == pytest.approx(101.9)           # the deadline comes before the heartbeat
+    assert lv.handle_timer(101.8) == []                      # early: nothing
+    assert lv.handle_timer(101.9) == [PeerSilent(pytest.approx(1.0))]
 
 
-def test_a_late_sign_of_life_revives_the_silence_count():
+def test_a_late_wake_up_blames_our_own_stall_not_the_peer():
+    """This loop was stalled 3 s: the peer's datagrams of that time are still unread. The
+    verdict waits one heartbeat period, in which the loop reads them."""
     lv = _liveness()
     lv.authenticated(100.0)
-    for seq, t in enumerate((100.0, 100.3, 100.6, 100.9), 1):
-        assert lv.handle_timer(t) == [SendHeartbeat(seq)]
-    lv.received(101.1)
-    assert lv.handle_timer(101.2) == [SendHeartbeat(5)]
-    assert lv.handle_timer(102.2) == [SendHeartbeat(6)]      # 1.1 s since 101.1
-    assert isinstance(lv.handle_timer(102.5)[0], PeerSilent)
+    assert lv.handle_timer(100.0) == [SendHeartbeat(1)]
+    assert lv.handle_timer(103.0) == [SendHeartbeat(2)]      # 3 s silent, but we woke 2.7 s late
+    assert lv.next_timer() == pytest.approx(103.3)
+    lv.received(103.01)                                      # what the peer sent during the stall
+    got = _run(lv, 110.0, rx_every=0.2, start=103.01)
+    assert got and not any(isinstance(a, PeerSilent) for _, a in got)
+
+
+def test_after_a_late_wake_up_a_dead_peer_is_dropped_one_period_later():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    assert lv.handle_timer(100.0) == [SendHeartbeat(1)]
+    assert lv.handle_timer(103.0) == [SendHeartbeat(2)]
+    assert lv.handle_timer(103.3) == [PeerSilent(pytest.approx(3.3))]
+
+
+def test_a_slightly_late_wake_up_still_judges_at_once():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    lv.received(100.1)
+    _run(lv, 101.5)
+    assert lv.next_timer() == pytest.approx(101.6)
+    assert lv.handle_timer(101.8) == [PeerSilent(pytest.approx(1.7))]   # 0.2 s late: a busy loop, not a stall
+
+
+def test_the_longest_silence_of_a_live_link_is_recorded():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    _run(lv, 103.0, rx_every=0.25)
+    assert 0.0 < lv.max_silent_s <= 0.25 + 1e-9
+    lv.received(103.0)
+    _run(lv, 104.2, start=103.0)                             # 1.2 s without a byte
+    lv.received(104.2)
+    assert lv.max_silent_s == pytest.approx(1.2, abs=0.31)   # seen at the heartbeat ticks
+    assert lv.heartbeating and lv.next_timer() is not None   # still alive
 
 
 def test_configured_settings_are_used():
@@ -102,8 +142,8 @@ def test_configured_settings_are_used():
     assert lv.next_timer() == pytest.approx(110.0)
     lv.authenticated(100.0)
     got = _run(lv, 120.0)
-    assert [t for t, _ in got] == pytest.approx([100.0 + i for i in range(7)])
-    assert isinstance(got[-1][1], PeerSilent)                # at 106: 6 s > 5 s
+    assert [t for t, _ in got] == pytest.approx([100.0 + i for i in range(6)])
+    assert isinstance(got[-1][1], PeerSilent)                # at 105: 5 s without a byte
 
 
 def test_stop_ends_every_timer():

@@ -105,6 +105,48 @@ def test_burst_keeps_order(jitter: float):
     asyncio.run(main())
 
 
+def test_spikes_hold_every_datagram_of_a_stall_until_it_ends():
+    """Every 0.5 s the link stalls 0.2 s: a ping sent every 10 ms sees round trips up to
+    the stall's length during stalls, ~the delay between them; nothing lost or reordered."""
+    async def main():
+        server, server_addr = await _echo_server()
+        every, spike, delay = 0.5, 0.2, 0.002
+        async with relay(LOCAL, server_addr, delay_s=delay, spike_every_s=every, spike_s=spike) as r:
+            transport, client = await _client(r.address)
+            t_start = time.perf_counter()
+            sent = {}
+            for i in range(140):                               # 1.4 s: stalls at 0.5 and 1.0 s
+                sent[i] = time.perf_counter()
+                transport.sendto(i.to_bytes(4, "big"))
+                await asyncio.sleep(0.01)
+            got = []
+            while len(got) < 140:
+                t, data = await asyncio.wait_for(client.received.get(), 5)
+                got.append((int.from_bytes(data, "big"), t))
+            transport.close()
+            spiked = r.counters.spiked
+        server.close()
+        assert [i for i, _ in got] == list(range(140))
+        rtt = {i: t - sent[i] for i, t in got}
+        quiet = [i for i in rtt if 0.25 <= (sent[i] - t_start) % every < 0.45]
+        print(f"\nspike {spike * 1e3:.0f} ms every {every} s: max RTT {max(rtt.values()) * 1e3:.0f} ms, "
+              f"between stalls median {statistics.median(rtt[i] for i in quiet) * 1e3:.1f} ms; "
+              f"{spiked} datagrams held by a stall")
+        assert max(rtt.values()) < spike + 2 * delay + 0.05
+        assert max(rtt.values()) > spike - 0.05
+        assert statistics.median(rtt[i] for i in quiet) < 0.05
+        assert spiked >= 20                                    # ~2 stalls x 20 pings (plus echoes)
+
+    asyncio.run(main())
+
+
+def test_spike_settings_are_checked():
+    with pytest.raises(ValueError):
+        UdpDelayRelay(LOCAL, LOCAL, spike_every_s=0.2, spike_s=0.2)
+    with pytest.raises(ValueError):
+        UdpDelayRelay(LOCAL, LOCAL, spike_s=-1.0)
+
+
 def test_clients_are_kept_apart():
     async def main():
         seen_by_server: set = set()

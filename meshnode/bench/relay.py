@@ -17,6 +17,12 @@ made non-decreasing per direction (jitter can never reorder a flow), and a timer
 everything due in FIFO order, so ordering is preserved even when several datagrams share
 one due time. Datagrams still held at :meth:`UdpDelayRelay.stop` are dropped.
 
+Latency spikes (``spike_every_s``, ``spike_s``): every ``spike_every_s`` seconds after
+start the link stalls for ``spike_s``, both ways, the way a Wi-Fi hiccup or a full
+buffer does. A datagram arriving during a stall is held until it ends (then the usual
+delay), so the first one of a stall waits ``spike_s`` longer; nothing is lost or
+reordered. :attr:`RelayCounters.spiked` counts the datagrams a stall held.
+
 Say in any benchmark output that a relay was used and with what delay.
 """
 
@@ -29,6 +35,7 @@ import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+import dataclasses
 from dataclasses import dataclass
 
 __all__ = ["RelayCounters", "UdpDelayRelay", "relay"]
@@ -48,6 +55,7 @@ class RelayCounters:
     datagrams_down: int = 0
     bytes_down: int = 0
     clients: int = 0
+    spiked: int = 0
 
 
 class _Flow:
@@ -111,14 +119,22 @@ class UdpDelayRelay:
         jitter_s: float = 0.0,
         *,
         rng: random.Random | None = None,
+        spike_every_s: float = 0.0,
+        spike_s: float = 0.0,
     ) -> None:
         if delay_s < 0 or jitter_s < 0:
             raise ValueError("delay_s and jitter_s must be >= 0")
+        if spike_s < 0 or (spike_s > 0 and not spike_s < spike_every_s):
+            raise ValueError("spike_s must be >= 0 and shorter than spike_every_s")
         self.listen = listen
         self.target = target
         self.delay_s = float(delay_s)
         self.jitter_s = float(jitter_s)
         self._rng = rng or random.Random()
+        self.spike_every_s = float(spike_every_s) if spike_s > 0 else 0.0
+        self.spike_s = float(spike_s)
+        self._t0 = 0.0   # the loop time of start(): stalls begin at t0 + k * spike_every_s, k >= 1
+        self._spiked = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.DatagramTransport | None = None
         self._clients: dict[Address, _Client] = {}
@@ -133,6 +149,7 @@ class UdpDelayRelay:
         if self._transport is not None:
             raise RuntimeError("relay already started")
         self._loop = asyncio.get_running_loop()
+        self._t0 = self._loop.time()
         transport, _ = await self._loop.create_datagram_endpoint(
             lambda: _ListenProtocol(self), local_addr=self.listen)
         self._transport = transport
@@ -180,7 +197,7 @@ class UdpDelayRelay:
     @property
     def counters(self) -> RelayCounters:
         up_n, up_b, down_n, down_b = self._counts
-        return RelayCounters(up_n, up_b, down_n, down_b, len(self._clients))
+        return RelayCounters(up_n, up_b, down_n, down_b, len(self._clients), self._spiked)
 
     # ---- forwarding ---------------------------------------------------------------------------
 
@@ -212,11 +229,22 @@ class UdpDelayRelay:
         delay = self.delay_s
         if self.jitter_s:
             delay = max(0.0, delay + self._rng.uniform(-self.jitter_s, self.jitter_s))
-        due = max(self._loop.time() + delay, flow.last_due)
+        now = self._loop.time()
+        due = max(now + delay + self._stall_left(now), flow.last_due)
         flow.last_due = due
         flow.queue.append((due, data))
         if flow.timer is None:
             flow.timer = self._loop.call_at(due, drain)
+
+    def _stall_left(self, now: float) -> float:
+        """How much longer the stall in progress at ``now`` lasts (0: none)."""
+        if not self.spike_s or now - self._t0 < self.spike_every_s:
+            return 0.0
+        into = (now - self._t0) % self.spike_every_s
+        if into >= self.spike_s:
+            return 0.0
+        self._spiked += 1
+        return self.spike_s - into
 
     def _drain(self, flow: _Flow, send, drain) -> None:
         assert self._loop is not None
@@ -265,12 +293,70 @@ async def relay(
     jitter_s: float = 0.0,
     *,
     rng: random.Random | None = None,
+    spike_every_s: float = 0.0,
+    spike_s: float = 0.0,
 ) -> AsyncIterator[UdpDelayRelay]:
     """``async with relay(("127.0.0.1", 0), peer, delay_s=0.01) as r:`` -- a started
     :class:`UdpDelayRelay`, stopped on exit; clients send to ``r.address``."""
-    r = UdpDelayRelay(listen, target, delay_s, jitter_s, rng=rng)
+    r = UdpDelayRelay(listen, target, delay_s, jitter_s, rng=rng,
+                      spike_every_s=spike_every_s, spike_s=spike_s)
     await r.start()
     try:
         yield r
     finally:
         await r.stop()
+
+
+# ---- a relay process (tests and benchmarks whose own process must not be its clock) -----
+
+
+def _address(text: str) -> Address:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m meshnode.bench.relay --target HOST:PORT [--listen HOST:PORT] [--delay-ms
+    MS] [--jitter-ms MS] [--spike-every S --spike-ms MS]``: run a relay until SIGTERM or
+    SIGINT. Prints ``listening on HOST:PORT`` once bound and, at the end, its counters as
+    one JSON line. A process of its own keeps the relay's timing independent of whatever
+    its user does (a test that holds the GIL would otherwise stall the link)."""
+    import argparse
+    import json
+    import signal
+
+    p = argparse.ArgumentParser(prog="python -m meshnode.bench.relay", description=main.__doc__)
+    p.add_argument("--target", type=_address, required=True, help="where datagrams go (HOST:PORT)")
+    p.add_argument("--listen", type=_address, default=("127.0.0.1", 0), help="bind address (default 127.0.0.1:0)")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="uniform jitter around the delay")
+    p.add_argument("--spike-every", type=float, default=0.0, metavar="S",
+                   help="every S seconds the link stalls for --spike-ms (both ways)")
+    p.add_argument("--spike-ms", type=float, default=0.0, help="length of each stall")
+    args = p.parse_args(argv)
+
+    async def run() -> RelayCounters:
+        try:
+            r = UdpDelayRelay(args.listen, args.target, args.delay_ms / 1e3, args.jitter_ms / 1e3,
+                              spike_every_s=args.spike_every, spike_s=args.spike_ms / 1e3)
+        except ValueError as exc:
+            p.error(str(exc))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with r:
+            host, port = r.address
+            print(f"listening on {host}:{port}", flush=True)
+            await stop.wait()
+            return r.counters
+
+    counters = asyncio.run(run())
+    print(json.dumps(dataclasses.asdict(counters)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -89,9 +89,11 @@ PROFILE_MAX_FRAME = 64 * 1024 + 512
 
 @dataclass(frozen=True, slots=True)
 class LinkSettings:
-    idle_timeout_s: float = 1.5      # QUIC idle timeout
+    # Failure detection (docs/mesh.md, "Failure detection", derives these): a peer is
+    # dropped after dead_after_s without a byte; QUIC's idle timeout is only a backstop.
+    idle_timeout_s: float = 4.0      # QUIC idle timeout
     heartbeat_s: float = 0.3         # Heartbeat period on the control stream
-    dead_after_s: float = 1.2        # silence after which the peer is dropped
+    dead_after_s: float = 1.5        # silence after which the peer is dropped
     auth_timeout_s: float = 3.0      # TLS + mesh proof must finish within this
     max_datagram_size: int = 1350    # safe on a 1500-byte MTU LAN (and through most tunnels)
     # Datagrams to a peer on this host (loopback: 64 KiB MTU, no fragmentation). An f32
@@ -640,7 +642,12 @@ class PeerLink(QuicConnectionProtocol):
         if self.closed_reason is not None:   # closing: no heartbeat, no deadline
             self.liveness.stop()
             return
-        for action in self.liveness.handle_timer(now):
+        record = max(self.liveness.max_silent_s, self.liveness.heartbeat_s)   # log records above one period
+        actions = self.liveness.handle_timer(now)
+        if self.liveness.max_silent_s > record:   # how close a live link came to being dropped
+            log.debug("peer %s: longest silence so far %.3f s (dropped after %.1f s)",
+                      self.peer_node_id, self.liveness.max_silent_s, self.liveness.dead_after_s)
+        for action in actions:
             if isinstance(action, SendHeartbeat):
                 try:
                     self.send(Heartbeat(ref=0, seq=action.seq, sent_ns=time.monotonic_ns(), echo=False))

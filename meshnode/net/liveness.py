@@ -4,11 +4,17 @@ Theory of operation: a QUIC link must authenticate within ``auth_timeout_s`` of 
 created, or it is closed. Once authenticated it sends a Heartbeat every
 ``heartbeat_s`` (its echo gives the RTT, and it keeps bytes flowing both ways); every
 byte that arrives from the peer, on a stream or on the fast lane, counts as a sign of
-life. At each heartbeat the watch first looks at the silence: more than
-``dead_after_s`` since the last byte and the peer counts as dead (a killed process, a
-pulled cable); the link closes and the fabric drops the peer. Death is therefore noticed
-at the first heartbeat after ``dead_after_s`` of silence (QUIC's own idle timeout may
-notice it first; the link takes whichever comes first).
+life. ``dead_after_s`` of silence and the peer counts as dead (a killed process, a
+pulled cable); the link closes and the fabric drops the peer. The watch wakes at that
+deadline itself (not at the next heartbeat), so death is noticed ``dead_after_s`` after
+the last byte, never up to a heartbeat period later. QUIC's idle timeout is only a
+backstop, set longer (docs/mesh.md, "Failure detection", derives the values).
+
+A late wake-up means *this* event loop was stalled (a long callback, a starved CPU):
+the peer's datagrams of that time are still unread in the socket, and judging the
+silence now would blame the peer for our own stall. So after a wake-up more than
+``heartbeat_s`` late the verdict waits one more ``heartbeat_s`` (the loop reads what
+arrived first); a peer that really died is then dropped that much later.
 
 The next heartbeat is due ``heartbeat_s`` after the previous one *ran*, not after it
 was due, as a sleeping loop would do: a late tick (a busy event loop) never causes a
@@ -54,7 +60,7 @@ class Liveness:
     """Timers of one link; see the module docstring. ``now`` is the creation time."""
 
     __slots__ = ("heartbeat_s", "dead_after_s", "auth_deadline", "last_rx", "next_heartbeat",
-                 "seq", "stopped")
+                 "seq", "stopped", "max_silent_s", "judge_from")
 
     def __init__(self, *, heartbeat_s: float, dead_after_s: float, auth_timeout_s: float,
                  now: float) -> None:
@@ -65,6 +71,10 @@ class Liveness:
         self.next_heartbeat: float | None = None                    # None until authenticated
         self.seq = 0                                                # heartbeats sent
         self.stopped = False                                        # closed: no more timers
+        # The longest silence a heartbeat tick saw on a live link: how close the watch came
+        # to a false detection (the link logs each new record).
+        self.max_silent_s = 0.0
+        self.judge_from = float("-inf")   # no verdict before this (set after a late wake-up)
 
     @property
     def heartbeating(self) -> bool:
@@ -90,10 +100,17 @@ class Liveness:
     # ---- timers --------------------------------------------------------------
 
     def next_timer(self) -> float | None:
-        """When :meth:`handle_timer` wants to be called next, or None (never)."""
+        """When :meth:`handle_timer` wants to be called next, or None (never): the next
+        heartbeat or the dead-peer deadline, whichever comes first. Bytes that arrive
+        move the deadline later without a new timer: an early call does nothing and
+        asks again."""
         if self.stopped:
             return None
-        return self.auth_deadline if self.auth_deadline is not None else self.next_heartbeat
+        if self.auth_deadline is not None:
+            return self.auth_deadline
+        if self.next_heartbeat is None:
+            return None
+        return min(self.next_heartbeat, max(self.last_rx + self.dead_after_s, self.judge_from))
 
     def handle_timer(self, now: float) -> list[LivenessAction]:
         """What is due at ``now`` (nothing when called early)."""
@@ -104,12 +121,18 @@ class Liveness:
                 return []
             self.stopped = True
             return [AuthTimedOut()]
-        if self.next_heartbeat is None or now < self.next_heartbeat:
+        due = self.next_timer()
+        if self.next_heartbeat is None or due is None or now < due:
             return []
+        if now - due > self.heartbeat_s:   # this loop was stalled: read what arrived first
+            self.judge_from = now + self.heartbeat_s
         silent = now - self.last_rx
-        if silent > self.dead_after_s:
+        if silent >= self.dead_after_s and now >= self.judge_from:
             self.stopped = True
             return [PeerSilent(silent)]
+        self.max_silent_s = max(self.max_silent_s, silent)
+        if now < self.next_heartbeat:
+            return []
         self.seq += 1
         self.next_heartbeat = now + self.heartbeat_s
         return [SendHeartbeat(self.seq)]
