@@ -160,7 +160,7 @@ messages = st.one_of(
     st.builds(lambda b, sess, m: GrammarMask.pack(b, sess, np.asarray(m, dtype=np.uint32), 32 * len(m[0])),
               u64, u64, st.integers(1, 4).flatmap(lambda w: st.lists(
                   st.lists(st.integers(0, 2**32 - 1), min_size=w, max_size=w), min_size=1, max_size=33))),
-    st.builds(ModelsServed, u32, st.lists(st.builds(ServedModel, st.text(min_size=1, max_size=24), u32, u64),
+    st.builds(ModelsServed, u32, st.lists(st.builds(ServedModel, st.text(min_size=1, max_size=24), u32, u64, st.text(max_size=40)),
                                           max_size=16).map(tuple)),
     st.builds(ApiRequest, u32, u64.filter(bool), st.sampled_from(API_PATHS), st.binary(max_size=64)),
     st.builds(ApiResponseStart, u32, u64.filter(bool), st.integers(100, 599),

@@ -41,7 +41,7 @@ import json
 import logging
 import secrets
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
@@ -63,7 +63,9 @@ from meshnode.wire import (
     ModelsServed,
     ServedModel,
 )
-from meshnode.wire.messages import MAX_API_BODY, MAX_API_CHUNK, MAX_MODEL_NAME_LEN, MAX_SERVED_MODELS
+from meshnode.wire.messages import (
+    MAX_API_BODY, MAX_API_CHUNK, MAX_CAPABILITIES_LEN, MAX_MODEL_NAME_LEN, MAX_SERVED_MODELS,
+)
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +159,8 @@ class MeshShare:
         server = getattr(service, "server", None)
         if node.stopping or server is None:
             return ()
-        return tuple(ServedModel(c.id[:MAX_MODEL_NAME_LEN], c.n_ctx or 0, max(0, int(c.created)))
+        return tuple(ServedModel(c.id[:MAX_MODEL_NAME_LEN], c.n_ctx or 0, max(0, int(c.created)),
+                                 ",".join(getattr(c, "capabilities", ()))[:MAX_CAPABILITIES_LEN])
                      for c in server.models() if c.id)[:MAX_SERVED_MODELS]
 
     def models_changed(self) -> None:
@@ -463,14 +466,14 @@ class MeshClient:
         out = []
         for m in self.share.mesh_models():
             card = local.get(m.name.lower())
+            where = dict(coordinator_id=m.coordinator_id, coordinator_name=m.coordinator_name, local=m.local)
             if card is not None:
-                created = card.created
-            else:
-                hit = self.share.directory.route(m.name)
-                created = hit[1].created if hit is not None else 0
-            out.append(ModelCard(id=m.name, created=created,
-                                 n_ctx=m.n_ctx or None, coordinator_id=m.coordinator_id,
-                                 coordinator_name=m.coordinator_name, local=m.local))
+                out.append(replace(card, **where))
+                continue
+            hit = self.share.directory.route(m.name)
+            created = hit[1].created if hit is not None else 0
+            caps = tuple(c for c in hit[1].capabilities.split(",") if c) if hit is not None else ()
+            out.append(ModelCard(id=m.name, created=created, n_ctx=m.n_ctx or None, capabilities=caps, **where))
         return out
 
     def generate(self, request: GenerationRequest):  # -> AsyncIterator[GenerationEvent]

@@ -668,6 +668,7 @@ class GrammarMask:
 
 MAX_SERVED_MODELS = 16          # models one coordinator may list
 MAX_MODEL_NAME_LEN = 128
+MAX_CAPABILITIES_LEN = 256     # a ServedModel's feature names, comma-separated
 MAX_API_BODY = 16 << 20         # a forwarded request's body (the HTTP cap is --max-body)
 MAX_API_CHUNK = 64 << 10        # one ApiResponseBody's data
 MAX_API_HEADERS = 16
@@ -681,11 +682,13 @@ API_PATHS = ("/v1/chat/completions", "/v1/completions")
 @record
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """One model a coordinator serves now: its id, context length and creation time."""
+    """One model a coordinator serves now: its id, context length, creation time and
+    what it supports (feature names of /v1/models' ``capabilities``, comma-separated)."""
 
     name: str = wf(STR)
     n_ctx: int = wf(U32)
     created: int = wf(U64)
+    capabilities: str = wf(STR, default="")
 
 
 def _check_models_served(m: "ModelsServed") -> None:
@@ -695,6 +698,9 @@ def _check_models_served(m: "ModelsServed") -> None:
         if not 0 < len(sm.name) <= MAX_MODEL_NAME_LEN:
             raise Invalid(ErrorCode.BAD_FIELD, f"models[{i}].name of {len(sm.name)} characters "
                                                f"(1 to {MAX_MODEL_NAME_LEN})")
+        if len(sm.capabilities) > MAX_CAPABILITIES_LEN:
+            raise Invalid(ErrorCode.BAD_FIELD, f"models[{i}].capabilities of {len(sm.capabilities)} "
+                                               f"characters (at most {MAX_CAPABILITIES_LEN})")
 
 
 @message(MessageKind.MODELS_SERVED, _check_models_served)
