@@ -62,3 +62,71 @@ async def status(request: Request) -> dict[str, Any]:
     if stage_server is not None:
         data["stage_sessions"] = stage_server.sessions()
     return data
+
+
+@router.get("/mesh/models", responses=error_responses((401, 403, 500)))
+async def mesh_models_route(request: Request) -> dict[str, Any]:
+    """Models the members share (``meshnode models list --mesh``)."""
+    from meshnode.mesh.share import mesh_models
+
+    node = request.app.state.node
+    transfers = [t.as_dict() for t in node.share.transfers.values()]
+    return {"models": mesh_models(node.fabric), "transfers": transfers}
+
+
+@router.post("/mesh/pull", responses=error_responses((400, 401, 403, 500)))
+async def mesh_pull_route(request: Request) -> Any:
+    """Pull a shared model into this node's store (``meshnode models pull``): one JSON line
+    per progress step, then ``{"path": ...}`` or ``{"error": ...}``. A client that goes
+    away cancels the pull (the part file stays for a resume)."""
+    import asyncio
+    import json
+
+    from fastapi.responses import StreamingResponse
+
+    from meshnode.mesh.share import resolve_mesh_model
+    from meshnode.models.transfer import TransferError
+
+    node = request.app.state.node
+    try:
+        body = await request.json()
+        query, source = str(body.get("model", ""))[:128], body.get("from")
+        entry, sources = resolve_mesh_model(node.fabric, query, str(source)[:128] if source else None)
+    except (ValueError, AttributeError) as exc:
+        return _line_error(f"bad request: {exc}")
+    except TransferError as exc:
+        return _line_error(str(exc))
+    dest = node.paths.models / f"{entry['name'].replace('/', '_')}.gguf"
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def run() -> None:
+        try:
+            if dest.exists():
+                raise TransferError(f"{dest.name} is already in the store")
+            path, _ = await node.share.pull(entry["sha256"], dest, sources=sources, whole=True,
+                                            name=entry["name"], progress=lambda p: queue.put_nowait(
+                                                {"done": p.done, "total": p.total, "rate": p.rate, "eta_s": p.eta_s}))
+            node.advertise_models()
+            queue.put_nowait({"path": str(path), "name": entry["name"], "sha256": entry["sha256"]})
+        except TransferError as exc:
+            queue.put_nowait({"error": str(exc)})
+
+    async def lines() -> Any:
+        task = asyncio.get_running_loop().create_task(run())
+        try:
+            while True:
+                item = await queue.get()
+                yield (json.dumps(item) + "\n").encode()
+                if "path" in item or "error" in item:
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _line_error(message: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": message}, status_code=400)
