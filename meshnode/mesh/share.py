@@ -38,6 +38,7 @@ from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.runtime import find_held_model
 from meshnode.models.errors import ModelFileError, SliceRangeError, UnsupportedArchitectureError
 from meshnode.models.transfer import (
+    CHUNK_SIZE,
     ChunkPlan,
     Manifest,
     PartFile,
@@ -107,8 +108,9 @@ class ShareService:
     """Both sides of model sharing on one node (module docstring)."""
 
     def __init__(self, fabric: Fabric, paths: NodePaths, *, enabled: bool = True,
-                 streams: int = STREAMS) -> None:
+                 streams: int = STREAMS, chunk_size: int = CHUNK_SIZE) -> None:
         self.fabric = fabric
+        self.chunk_size = chunk_size
         self.paths = paths
         self.enabled = enabled
         self.streams = streams
@@ -184,7 +186,8 @@ class ShareService:
             except ModelFileError as exc:
                 raise _Refused(wire.ErrorCode.INTERNAL, str(exc)) from None
             what = f"layers [{msg.layer_start}, {msg.layer_end})"
-        manifest = await asyncio.to_thread(cached_manifest, Path(path), self.paths.cache / "manifests")
+        manifest = await asyncio.to_thread(cached_manifest, Path(path), self.paths.cache / "manifests",
+                                           self.chunk_size)
         now = time.monotonic()
         tickets = b"".join(self.tickets.issue(node_id, Path(path), manifest.size, manifest.chunk_size, 0,
                                               manifest.n_chunks, now) for _ in range(self.streams))
