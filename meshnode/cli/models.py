@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     pp.add_argument("model", metavar="NAME|SHA256", help="a model from `meshnode models list --mesh`")
     pp.add_argument("--from", dest="source", metavar="NODE", default=None,
                     help="pull only from this member (node name or id; default: every member that shares it)")
+    pp.add_argument("--range", metavar="A:B", dest="layer_range", default=None,
+                    help="only the layer package of blocks A to B (into the slice cache, as a stage would fetch it)")
     pp.set_defaults(func=cmd_pull)
 
     fp = models_sub.add_parser("fetch", help="fetch (or re-check) the default model or a known model")
@@ -148,7 +150,9 @@ def cmd_list_mesh(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    body = {"model": args.model, "from": args.source}
+    body: dict = {"model": args.model, "from": args.source}
+    if args.layer_range:
+        body["layers"] = list(parse_range(args.layer_range))
     bar = None
     try:
         with _node_request(_paths(args), "/mesh/pull", body, timeout=120.0) as resp:

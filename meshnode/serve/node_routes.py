@@ -61,6 +61,9 @@ async def status(request: Request) -> dict[str, Any]:
     stage_server = getattr(node, "stage_server", None)
     if stage_server is not None:
         data["stage_sessions"] = stage_server.sessions()
+    share = getattr(node, "share", None)
+    if share is not None:   # pulls in progress: bytes done of total, rate, ETA
+        data["transfers"] = [t.as_dict() for t in share.transfers.values()]
     return data
 
 
@@ -76,9 +79,10 @@ async def mesh_models_route(request: Request) -> dict[str, Any]:
 
 @router.post("/mesh/pull", responses=error_responses((400, 401, 403, 500)))
 async def mesh_pull_route(request: Request) -> Any:
-    """Pull a shared model into this node's store (``meshnode models pull``): one JSON line
-    per progress step, then ``{"path": ...}`` or ``{"error": ...}``. A client that goes
-    away cancels the pull (the part file stays for a resume)."""
+    """Pull a shared model into this node's store (``meshnode models pull``), or with
+    ``"layers": [a, b]`` the layer package of blocks [a, b) into the slice cache: one JSON
+    line per progress step, then ``{"path": ...}`` or ``{"error": ...}``. A client that
+    goes away cancels the pull (the part file stays for a resume)."""
     import asyncio
     import json
 
@@ -92,21 +96,37 @@ async def mesh_pull_route(request: Request) -> Any:
         body = await request.json()
         query, source = str(body.get("model", ""))[:128], body.get("from")
         entry, sources = resolve_mesh_model(node.fabric, query, str(source)[:128] if source else None)
-    except (ValueError, AttributeError) as exc:
+        layers = body.get("layers")
+        if layers is not None:
+            start, end = (int(x) for x in layers)
+            if not 0 <= start < end <= entry["n_layers"]:
+                raise TransferError(f"layers [{start}, {end}) are outside the model's {entry['n_layers']} layers")
+    except (ValueError, AttributeError, TypeError) as exc:
         return _line_error(f"bad request: {exc}")
     except TransferError as exc:
         return _line_error(str(exc))
-    dest = node.paths.models / f"{entry['name'].replace('/', '_')}.gguf"
+    from meshnode.models.slicer import SliceCache
+
+    cache = SliceCache(node.paths)
+    if layers is None:
+        dest = node.paths.models / f"{entry['name'].replace('/', '_')}.gguf"
+    else:
+        dest = cache.package_path(entry["sha256"], start, end, entry["n_layers"])
     queue: asyncio.Queue = asyncio.Queue()
 
     async def run() -> None:
         try:
             if dest.exists():
-                raise TransferError(f"{dest.name} is already in the store")
-            path, _ = await node.share.pull(entry["sha256"], dest, sources=sources, whole=True,
+                raise TransferError(f"{dest.name} is already here ({dest})")
+            path, _ = await node.share.pull(entry["sha256"], dest, sources=sources, whole=layers is None,
+                                            layer_start=start if layers else 0, layer_end=end if layers else 0,
                                             name=entry["name"], progress=lambda p: queue.put_nowait(
                                                 {"done": p.done, "total": p.total, "rate": p.rate, "eta_s": p.eta_s}))
-            node.advertise_models()
+            if layers is None:
+                node.advertise_models()
+            else:
+                await asyncio.to_thread(cache.adopt, path, entry["sha256"], entry["name"], start, end,
+                                        entry["n_layers"])
             queue.put_nowait({"path": str(path), "name": entry["name"], "sha256": entry["sha256"]})
         except TransferError as exc:
             queue.put_nowait({"error": str(exc)})
