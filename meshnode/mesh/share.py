@@ -287,6 +287,9 @@ class ShareService:
         manifest, name, offers = await self._offers(sha256, sources, whole, start, end)
         info.name = name
         part = await asyncio.to_thread(PartFile, dest, manifest)
+        if part.done:
+            log.info("resuming %s of %s: %d of %d chunks already here", info.what, name, len(part.done),
+                     manifest.n_chunks)
         try:
             await asyncio.to_thread(check_free_space, dest.parent, manifest.size - part.bytes_held)
             plan = ChunkPlan(manifest.n_chunks, [s for s, _ in offers], done=part.done)
