@@ -71,6 +71,14 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     sp.add_argument("-o", "--output", required=True, metavar="OUT", help="file to write")
     sp.set_defaults(func=cmd_slice)
 
+    for name, helptext in (("share", "let members pull a model of the store (the default while sharing is on)"),
+                           ("unshare", "keep a model of the store from members"),
+                           ("rm", "delete a model from the store")):
+        xp = models_sub.add_parser(name, help=helptext)
+        add_common_options(xp)
+        xp.add_argument("model", metavar="NAME|SHA256", help="a model from `meshnode models list`")
+        xp.set_defaults(func=cmd_share_state, action=name)
+
     # --- certify: owned by meshnode/cli/certify.py, which adds its own subcommand here. ---
     try:
         from meshnode.cli import certify
@@ -177,6 +185,38 @@ def cmd_pull(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     raise MeshnodeError("the node ended the pull without a result")
+
+
+def cmd_share_state(args: argparse.Namespace) -> int:
+    """``models share|unshare|rm``: change the store, then tell a running node."""
+    import shutil
+
+    from meshnode.models.index import record_path
+    from meshnode.models.sharing import set_shared
+    from meshnode.models.store import list_models
+
+    paths = _paths(args)
+    refs = [r for r in list_models(paths) if args.model in (r.name, r.sha256)
+            or (len(args.model) >= 8 and r.sha256.startswith(args.model))]
+    if len(refs) != 1:
+        raise MeshnodeError(f"no model {args.model!r} in the store (`meshnode models list`)" if not refs
+                            else f"{args.model!r} names {len(refs)} models; give the sha256")
+    ref = refs[0]
+    if args.action == "rm":
+        ref.path.unlink()
+        record_path(ref.path).unlink(missing_ok=True)
+        if ref.path.parent != paths.models and not any(ref.path.parent.iterdir()):
+            shutil.rmtree(ref.path.parent, ignore_errors=True)
+        set_shared(paths, ref.sha256, True)
+        print(f"removed {ref.name} ({ref.path})")
+    else:
+        set_shared(paths, ref.sha256, args.action == "share")
+        print(f"{ref.name}: {'shared with' if args.action == 'share' else 'kept from'} the mesh's members")
+    try:
+        _node_request(paths, "/mesh/refresh", {}).close()
+    except MeshnodeError:
+        pass   # no node running: it reads the store when it starts
+    return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:

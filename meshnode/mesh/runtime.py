@@ -150,7 +150,11 @@ def held_models(paths: NodePaths, *, shared: bool = False) -> list[HeldModel]:
     except (ModelFileError, OSError) as exc:
         log.warning("cannot list the model store: %s", exc)
         return []
-    return [HeldModel(r.name, r.sha256, r.n_layers, _size(r.path), r.architecture, shared) for r in refs]
+    from meshnode.models.sharing import unshared
+
+    kept = unshared(paths) if shared else set()
+    return [HeldModel(r.name, r.sha256, r.n_layers, _size(r.path), r.architecture, shared and r.sha256 not in kept)
+            for r in refs]
 
 
 def find_held_model(paths: NodePaths, sha256: str) -> Any:

@@ -170,7 +170,11 @@ class ShareService:
         name = getattr(self.fabric, "name", "this node")
         if not self.enabled or self._server is None:
             raise _Refused(wire.ErrorCode.BUSY, f"{name} does not share models")
+        from meshnode.models.sharing import unshared
+
         model = await asyncio.to_thread(find_held_model, self.paths, msg.model_sha256)
+        if model is not None and model.sha256 in unshared(self.paths):
+            raise _Refused(wire.ErrorCode.BUSY, f"{name} does not share {model.name}")
         if model is None:
             raise _Refused(wire.ErrorCode.BAD_FIELD, f"{name} holds no model with sha256 {msg.model_sha256[:16]}")
         if msg.whole:

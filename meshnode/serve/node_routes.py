@@ -77,6 +77,13 @@ async def mesh_models_route(request: Request) -> dict[str, Any]:
     return {"models": mesh_models(node.fabric), "transfers": transfers}
 
 
+@router.post("/mesh/refresh", responses=error_responses((401, 403, 500)))
+async def mesh_refresh_route(request: Request) -> dict[str, Any]:
+    """Advertise the store again (after ``meshnode models share|unshare|rm``)."""
+    request.app.state.node.advertise_models()
+    return {"ok": True}
+
+
 @router.post("/mesh/pull", responses=error_responses((400, 401, 403, 500)))
 async def mesh_pull_route(request: Request) -> Any:
     """Pull a shared model into this node's store (``meshnode models pull``), or with
