@@ -38,6 +38,8 @@ from meshnode.wire import (
     Segment,
     SegmentResult,
     SessionEnd,
+    ShareRequest,
+    ShareTicket,
     StageStatus,
     Status,
     Stop,
@@ -67,6 +69,12 @@ json_value = st.recursive(json_scalar, lambda v: st.lists(v, max_size=3) | st.di
 def layer_range(draw: st.DrawFn) -> tuple[int, int, int]:
     a, b, total = sorted(draw(st.lists(st.integers(0, 200), min_size=3, max_size=3)))
     return a, b, total
+
+
+@st.composite
+def share_requests(draw: st.DrawFn) -> ShareRequest:
+    a, b, _ = draw(layer_range())
+    return ShareRequest(draw(u32), draw(text), draw(st.booleans()), a, b)
 
 
 @st.composite
@@ -133,6 +141,10 @@ messages = st.one_of(
     st.builds(CapsUpdate, u32, st.dictionaries(text, json_value, max_size=4)),
     st.builds(SecretRotate, u32, st.binary(min_size=32, max_size=32)),
     st.builds(SecretAck, u32, text),
+    share_requests(),
+    st.builds(ShareTicket, u32, u16, st.binary(min_size=32, max_size=32),
+              st.integers(1, 4).map(lambda n: b"t" * (32 * n)),
+              st.lists(text, max_size=3).map(lambda c: {"chunks": c, "size": 1}), text),
 )
 
 
@@ -149,11 +161,11 @@ def same(a: object, b: object) -> bool:
 
 
 def test_every_kind_has_a_strategy():
-    # one_of keeps its branches; make sure none of the 23 kinds was forgotten
+    # one_of keeps its branches; make sure none of the 25 kinds was forgotten
     kinds = {
         Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, LaneKey, Profile, Claim, Prepare, Inventory, Load,
         Ready, Stop, Status, Error, Forward, TokenReturn, Trim, SessionEnd, DataError,
-        CapsUpdate, SecretRotate, SecretAck,
+        CapsUpdate, SecretRotate, SecretAck, ShareRequest, ShareTicket,
     }  # fmt: skip
     assert {k.KIND for k in kinds} == set(MessageKind)
 
