@@ -16,9 +16,10 @@ A puller drives two pieces:
 * :class:`PartFile` (IO): chunks are verified (:func:`chunk_ok`) and written at their
   offsets into ``<dest>.part``; the indices of written chunks go to ``<dest>.part.json``
   after an ``fsync`` of the part file (at most every :data:`CHECKPOINT_S`), so a puller
-  killed at any point resumes with every recorded chunk intact. :meth:`PartFile.finish`
-  hashes the whole file and renames it to ``dest`` only when it matches: a partial or
-  corrupt file is never visible under the model's name.
+  killed at any point resumes with every recorded chunk intact. The whole file's sha256
+  is fed chunk by chunk in file order while the transfer runs (a chunk that arrives early
+  is read back when its turn comes); :meth:`PartFile.finish` renames the file to ``dest``
+  only when it matches: a partial or corrupt file is never visible under the model's name.
 
 Free space is checked before the first byte (:func:`check_free_space`). Every size a
 peer's manifest states is bounded by :meth:`Manifest.from_dict` before it is used.
@@ -269,6 +270,11 @@ class PartFile:
         self._written: set[int] = set()
         self._recorded: set[int] = set()
         self._last = 0.0
+        # the whole file's sha256, fed in order as chunks arrive (so finish() need not read
+        # the file again); chunks that arrive ahead of the cursor are read back when it gets there
+        self._whole = hashlib.sha256()
+        self._cursor = 0
+        self._hash_lock = threading.Lock()
         self.done = self._resume()
         self._fd = os.open(self.part, os.O_RDWR | os.O_CREAT, 0o644)
         os.ftruncate(self._fd, manifest.size)
@@ -300,8 +306,23 @@ class PartFile:
             view, off = view[n:], off + n
         with self._lock:
             self._written.add(index)
+        self._advance(index, data)
         if time.monotonic() - self._last >= CHECKPOINT_S:
             self.checkpoint()
+
+    def _advance(self, index: int, data: bytes | memoryview | None) -> None:
+        with self._hash_lock:
+            while True:
+                with self._lock:
+                    ready = self._cursor in self._written
+                if not ready:
+                    return
+                if self._cursor == index and data is not None:
+                    self._whole.update(data)
+                else:
+                    off, n = self.manifest.span(self._cursor)
+                    self._whole.update(os.pread(self._fd, n, off))
+                self._cursor += 1
 
     def checkpoint(self) -> None:
         """fsync the part file, then record the chunks it holds."""
@@ -318,12 +339,19 @@ class PartFile:
     def finish(self) -> Path:
         """Check the whole file's sha256 and rename it to ``dest``. On a mismatch the part
         file and record are deleted and :class:`TransferError` is raised."""
-        self.close()
-        h = hashlib.sha256()
-        with open(self.part, "rb") as f:
-            while data := f.read(_READ):
-                h.update(data)
-        if h.hexdigest() != self.manifest.sha256:
+        if self._fd >= 0:
+            self._advance(-1, None)   # chunks still ahead of the cursor (a resumed pull's)
+        if self._cursor == self.manifest.n_chunks:
+            digest = self._whole.hexdigest()
+            self.close()
+        else:
+            self.close()
+            h = hashlib.sha256()
+            with open(self.part, "rb") as f:
+                while data := f.read(_READ):
+                    h.update(data)
+            digest = h.hexdigest()
+        if digest != self.manifest.sha256:
             self.discard()
             raise TransferError(f"{self.dest.name}: the assembled file's sha256 does not match the manifest")
         os.replace(self.part, self.dest)
