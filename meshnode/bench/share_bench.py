@@ -244,7 +244,9 @@ def _time_to_stage(model: Path) -> dict:
                 nodes.append(_start(homes[1], "fresh", "--no-model"))
                 nodes.append(_start(homes[0], "coord", "--model", str(model), "--split", "2", "--ctx", "512"))
                 deadline = time.monotonic() + 600
-                while (nodes[1].get("/health").get("model") or {}).get("state") != "ready":
+                while (state := nodes[1].get("/health").get("model") or {}).get("state") != "ready":
+                    if state.get("state") == "failed":
+                        raise RuntimeError(f"the split failed: {state.get('detail')}")
                     if time.monotonic() > deadline:
                         raise TimeoutError("the split did not get ready")
                     time.sleep(0.1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 STREAMS = 2                 # connections per source: one verifies a chunk while the other reads
 OFFER_TIMEOUT_S = 600.0     # a holder may have to slice a large model before it answers
 PROGRESS_EVERY_S = 0.25
+SHARE_REF_BIT = 0x80000000
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,9 +251,11 @@ class ShareService:
                       ) -> tuple[Manifest, str, list[tuple[str, wire.ShareTicket]]]:
         from meshnode.mesh.fabric import PeerReplyError
 
-        req = wire.ShareRequest(ref=0, model_sha256=sha256, whole=whole, layer_start=start, layer_end=end)
-
         async def ask(src: str) -> tuple[str, Any]:
+            # refs with the high bit: the stage-control machines number their requests from 1
+            # in both directions of a link, so a link's own counter could meet theirs
+            req = wire.ShareRequest(ref=SHARE_REF_BIT | secrets.randbits(31), model_sha256=sha256, whole=whole,
+                                    layer_start=start, layer_end=end)
             try:
                 return src, await self.fabric.request(src, req, timeout=OFFER_TIMEOUT_S)  # type: ignore[attr-defined]
             except PeerReplyError as exc:
@@ -265,6 +269,8 @@ class ShareService:
         manifest: Manifest | None = None
         for src, a in answers:
             if not isinstance(a, wire.ShareTicket):
+                if not isinstance(a, str):
+                    errors.append(f"{src}: answered {type(a).__name__}")
                 continue
             try:
                 m = Manifest.from_dict(a.manifest)
