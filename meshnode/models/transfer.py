@@ -267,6 +267,7 @@ class PartFile:
         self.part = dest.with_name(dest.name + ".part")
         self.record = dest.with_name(dest.name + ".part.json")
         self._lock = threading.Lock()
+        self._ckpt_lock = threading.Lock()
         self._written: set[int] = set()
         self._recorded: set[int] = set()
         self._last = 0.0
@@ -325,16 +326,22 @@ class PartFile:
                 self._cursor += 1
 
     def checkpoint(self) -> None:
-        """fsync the part file, then record the chunks it holds."""
-        with self._lock:
-            chunks = set(self._written)
+        """fsync the part file, then record the chunks it held before the fsync. Other
+        threads keep writing meanwhile (only one checkpoint runs at a time)."""
+        if not self._ckpt_lock.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                chunks = set(self._written)
             if chunks == self._recorded:
                 return
-            os.fsync(self._fd)
+            self._last = time.monotonic()
+            os.fdatasync(self._fd)
             with atomic_write(self.record, "w") as f:
                 json.dump({"sha256": self.manifest.sha256, "chunks": sorted(chunks)}, f)  # type: ignore[arg-type]
             self._recorded = chunks
-            self._last = time.monotonic()
+        finally:
+            self._ckpt_lock.release()
 
     def finish(self) -> Path:
         """Check the whole file's sha256 and rename it to ``dest``. On a mismatch the part
