@@ -5,6 +5,7 @@ real node processes)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import time
@@ -155,3 +156,38 @@ def test_refusals_name_the_reason(tmp_path, model):
                 await s.close()
 
     asyncio.run(main())
+
+
+def test_bulk_server_bounds_connections(tmp_path, monkeypatch):
+    """Over the connection limit a connection is closed at once; one that sends no ticket
+    gives its slot back after the handshake timeout."""
+    import socket
+
+    from meshnode.net import bulk
+    from meshnode.net.bulk import BulkServer, TicketBook
+
+    monkeypatch.setattr(bulk, "HANDSHAKE_TIMEOUT_S", 0.5)
+    paths = NodePaths.resolve(tmp_path / "h").ensure()
+    Identity.load_or_create(paths.identity)
+    server = BulkServer(paths.identity, TicketBook(), port=0, max_connections=1)
+    try:
+        idle = socket.create_connection(("127.0.0.1", server.port))   # holds the only slot
+        time.sleep(0.1)
+        extra = socket.create_connection(("127.0.0.1", server.port))
+        extra.settimeout(2)
+        assert extra.recv(1) == b""                                   # closed at once
+        idle.settimeout(3)
+        t0 = time.monotonic()
+        with contextlib.suppress(OSError):   # a reset counts as closed too
+            assert idle.recv(1) == b""                                # dropped after the timeout
+        assert time.monotonic() - t0 < 2.5
+        time.sleep(0.1)
+        again = socket.create_connection(("127.0.0.1", server.port))   # the slot is free again
+        again.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            again.recv(1)                                             # held open: TLS expected
+        again.close()
+        idle.close()
+        extra.close()
+    finally:
+        server.close()

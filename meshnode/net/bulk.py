@@ -22,8 +22,10 @@ Wire format after the TLS handshake (all integers big-endian):
   ``status u8`` 0 + ``length u64`` + the chunk's bytes, or status 1 + ``len u16`` + message
   (an index outside the ticket's range: refused, connection closed).
 
-Bounds: at most :data:`MAX_CONNECTIONS` transfers at once (more are refused "busy"), at most
-:data:`MAX_TICKETS` tickets outstanding, every read has a :data:`IDLE_TIMEOUT_S` timeout.
+Bounds: at most :data:`MAX_CONNECTIONS` connections at once, at most
+:data:`MAX_TICKETS` tickets outstanding; a connection has :data:`HANDSHAKE_TIMEOUT_S` for TLS
+and its ticket, then every read has a :data:`IDLE_TIMEOUT_S` timeout. Connections over the
+limit are closed at once (the puller's pull fails with "connection closed" and can be retried).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ TICKET_TTL_S = 60.0
 MAX_TICKETS = 256
 MAX_CONNECTIONS = 8
 IDLE_TIMEOUT_S = 30.0
+HANDSHAKE_TIMEOUT_S = 5.0     # TLS and the ticket, before a connection is a transfer
 MAX_MESSAGE = 512
 BYE = 0xFFFFFFFF
 SOCKET_BUFFER = 4 * 1024 * 1024
@@ -193,19 +196,15 @@ class BulkServer:
                 time.sleep(0.05)
                 continue
             if not self._slots.acquire(blocking=False):
-                threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
+                # no thread and no TLS for a connection over the limit: a flood costs nothing
+                with contextlib.suppress(OSError):
+                    conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn, addr), name="bulk-serve", daemon=True).start()
 
-    def _refuse(self, conn: socket.socket) -> None:
-        conn.settimeout(5.0)
-        with contextlib.suppress(OSError, ssl.SSLError), self._ctx.wrap_socket(conn, server_side=True) as tls:
-            _recv_exact(tls, TICKET_LEN)
-            _send_error(tls, "busy: too many transfers at once, try again")
-
     def _serve(self, conn: socket.socket, addr: object) -> None:
         try:
-            conn.settimeout(IDLE_TIMEOUT_S)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)   # a slot is not held long by one without a ticket
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._ctx.wrap_socket(conn, server_side=True) as tls:
@@ -228,6 +227,7 @@ class BulkServer:
         if grant is None:
             _send_error(tls, "unknown or expired ticket (ask the holder for a new one over the mesh link)")
             return
+        tls.settimeout(IDLE_TIMEOUT_S)
         try:
             fd = os.open(grant.path, os.O_RDONLY)
         except OSError as exc:
