@@ -132,6 +132,7 @@ class MeshnodeConfig:
     defaults_speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     models: Mapping[str, ModelSettings] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    share: bool | None = None           # [models] share: members may pull this node's models
 
     def model_speculative(self, model: str) -> SpeculativeSettings:
         """``[models.<model>.speculative]`` (empty settings when absent)."""
@@ -322,7 +323,13 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
 
     models_t = r.table(data, "models", "models")
     models: dict[str, ModelSettings] = {}
+    share = None
     for name in models_t:
+        if name == "share" and not isinstance(models_t[name], dict):   # [models] share = bool
+            if not isinstance(models_t[name], bool):
+                raise r.error("models.share", f"expected true or false, got {models_t[name]!r}")
+            share = models_t[name]
+            continue
         mt = r.table(models_t, name, f"models.{name}")
         r.warn_unknown(mt, f"models.{name}.", ("speculative",))
         prefix = f"models.{name}.speculative."
@@ -336,6 +343,7 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
         defaults_speculative=defaults_spec,
         models=models,
         warnings=tuple(warnings),
+        share=share,
     )
 
 

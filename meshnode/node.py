@@ -89,9 +89,11 @@ class Node:
         max_memory: int | None = None,
         http_security: Any = None,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
+        share: bool = True,
     ) -> None:
         from meshnode.mesh.coordinator import CoordinatorRuntime
         from meshnode.mesh.fabric import MeshFabric
+        from meshnode.mesh.share import ShareService
         from meshnode.mesh.stage_server import StageServerRuntime
         from meshnode.serve.http_guard import HttpSecurity, check_binding
         from meshnode.serve.mesh_share import MeshShare
@@ -129,6 +131,9 @@ class Node:
                                                max_memory=max_memory)
         self.coordinator = CoordinatorRuntime(self.fabric, self.paths, n_threads=threads,
                                               decode_threads=decode_threads, publish=self.publish)
+        # model sharing (docs/models.md): answers members' pulls; Prepare fetches through it
+        self.share = ShareService(self.fabric, self.paths, enabled=share)
+        self.stage_server.share = self.share
         self.service = ModelService(self, service) if service is not None else None
         # the mesh-wide endpoint: models served anywhere, requests carried to them
         self.mesh_share = MeshShare(self.fabric, self)
@@ -151,6 +156,7 @@ class Node:
         await self._advertise()
         await self.fabric.start()
         self.app = create_app(self)
+        await self.share.start(self.fabric.port)
         config = uvicorn.Config(
             self.app, host=self._http_host, port=self._http_port,
             log_level="warning", lifespan="off", access_log=False,
@@ -223,6 +229,8 @@ class Node:
             await self.coordinator.close()
         with contextlib.suppress(Exception):
             await self.stage_server.stop()
+        with contextlib.suppress(Exception):
+            await self.share.close()
         await self.fabric.stop()
         if self._server is not None:
             _quiet_cancelled_responses()
@@ -308,7 +316,8 @@ class Node:
         from meshnode.mesh.runtime import node_capabilities
 
         try:
-            caps = await asyncio.to_thread(node_capabilities, self.paths, max_memory=self.max_memory)
+            caps = await asyncio.to_thread(node_capabilities, self.paths, max_memory=self.max_memory,
+                                           share=self.share.enabled)
             await self.fabric.set_capabilities(caps)
         except Exception:  # noqa: BLE001 - stale capabilities are better than a dead node
             log.debug("capability refresh failed", exc_info=True)
@@ -322,6 +331,8 @@ class Node:
         if self.coordinator.handle(node_id, msg):
             return
         if self.stage_server.handle(node_id, msg):
+            return
+        if self.share.handle(node_id, msg):
             return
         if self.mesh_share.handle(node_id, msg):   # after the per-token paths
             return

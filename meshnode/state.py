@@ -85,6 +85,8 @@ class HeldModel:
     sha256: str
     n_layers: int
     size_bytes: int = 0
+    architecture: str = ""
+    shared: bool = False    # members may pull it (meshnode.mesh.share)
 
 
 @dataclass(frozen=True, slots=True)

@@ -308,3 +308,20 @@ def test_format_size_rounds_up():
     assert format_size(2.01 * GB) == "2.1 GB"
     assert format_size(2 * GB) == "2.0 GB"
     assert format_size(0) == "0 B"
+
+
+def test_fetch_time_prefers_a_holder_and_never_rules_a_non_holder_out():
+    """A peer that lacks the model must fetch its layer package: the planner counts that
+    time (package bytes over the peer's fetch bandwidth)."""
+    m = model()
+    holder, lacks = peer(1, 16, speed=1.0), peer(2, 16, speed=5.0, fetch_bytes_per_s=100 * MB)
+    # the faster peer would win on speed alone; its download makes the holder the choice
+    assert [s.node_id for s in plan(m, [coord(4, speed=5.0), holder, lacks]).stages] == ["n0", "n1"]
+    # a holder without room: the non-holder serves (after its fetch)
+    assert [s.node_id for s in plan(m, [coord(4), peer(1, 1), lacks]).stages] == ["n0", "n2"]
+    # among non-holders the one that fetches faster
+    slow = peer(3, 16, speed=5.0, fetch_bytes_per_s=10 * MB)
+    assert [s.node_id for s in plan(m, [coord(4, speed=5.0), slow, lacks]).stages] == ["n0", "n2"]
+    # the middle of a 3-stage split goes to the non-holder (no embedding, no head to fetch)
+    p = plan(m, [coord(4), peer(1, 16), peer(2, 16, fetch_bytes_per_s=100 * MB)], split=3)
+    assert [s.node_id for s in p.stages] == ["n0", "n2", "n1"]

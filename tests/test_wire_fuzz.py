@@ -48,6 +48,8 @@ from meshnode.wire import (
     SegmentResult,
     SessionCopy,
     SessionEnd,
+    ShareRequest,
+    ShareTicket,
     StageStatus,
     Status,
     Stop,
@@ -77,6 +79,12 @@ json_value = st.recursive(json_scalar, lambda v: st.lists(v, max_size=3) | st.di
 def layer_range(draw: st.DrawFn) -> tuple[int, int, int]:
     a, b, total = sorted(draw(st.lists(st.integers(0, 200), min_size=3, max_size=3)))
     return a, b, total
+
+
+@st.composite
+def share_requests(draw: st.DrawFn) -> ShareRequest:
+    a, b, _ = draw(layer_range())
+    return ShareRequest(draw(u32), draw(text), draw(st.booleans()), a, b)
 
 
 @st.composite
@@ -169,6 +177,10 @@ messages = st.one_of(
                        max_size=4).map(tuple)),
     st.builds(ApiResponseBody, u32, u64.filter(bool), st.binary(max_size=64), st.booleans()),
     st.builds(ApiCancel, u32, u64.filter(bool)),
+    share_requests(),
+    st.builds(ShareTicket, u32, u16, st.binary(min_size=32, max_size=32),
+              st.integers(1, 4).map(lambda n: b"t" * (32 * n)),
+              st.lists(text, max_size=3).map(lambda c: {"chunks": c, "size": 1}), text),
 )
 
 
@@ -185,12 +197,12 @@ def same(a: object, b: object) -> bool:
 
 
 def test_every_kind_has_a_strategy():
-    # one_of keeps its branches; make sure none of the 24 kinds was forgotten
+    # one_of keeps its branches; make sure none of the kinds was forgotten
     kinds = {
         Hello, AuthChallenge, AuthProof, AuthResult, Heartbeat, LaneKey, Profile, Claim, Prepare, Inventory, Load,
         Ready, Stop, Status, Error, Forward, TokenReturn, Trim, SessionEnd, SessionCopy, DataError,
         CapsUpdate, SecretRotate, SecretAck, GrammarMask,
-        ModelsServed, ApiRequest, ApiResponseStart, ApiResponseBody, ApiCancel,
+        ModelsServed, ApiRequest, ApiResponseStart, ApiResponseBody, ApiCancel, ShareRequest, ShareTicket,
     }  # fmt: skip
     assert {k.KIND for k in kinds} == set(MessageKind)
 

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "replay": "replay_bench",
     "report": "report",
     "serve": "serve_bench",
+    "share": "share_bench",
     "soak": "soak_bench",
     "spec": "spec_bench",
 }

@@ -47,6 +47,9 @@ KEYS: dict[str, tuple[str, str, str]] = {
     "http.max_body": ("size (>= 1KiB)", "--max-body", "largest request body"),
     "http.max_queue": ("int >= 0", "--max-queue",
                        "requests waiting beyond `--parallel`; later ones get 429"),
+    "models.share": ("bool", "--no-share",
+                     "members may list this node's models and pull them or any layer package of "
+                     "them (docs/models.md, \"Sharing\"); false: nothing is listed or served"),
     "speculative.strategy": ("string", "--spec",
                              "`ngram`, `draft-model`, `none`, or a strategy defined by the model package"),
     "speculative.mode": ('`"auto"` \\| `"on"` \\| `"off"`', "--spec-mode",
@@ -75,6 +78,7 @@ def config_keys() -> list[str]:
     """Every key the config dataclasses hold, dotted (``speculative.*``: both tables)."""
     keys = [f"node.{f.name}" for f in dataclasses.fields(cfg.NodeSettings)]
     keys += [f"http.{f.name}" for f in dataclasses.fields(cfg.HttpSettings)]
+    keys.append("models.share")
     for f in dataclasses.fields(cfg.SpeculativeSettings):
         if f.name == "window":
             keys += [f"speculative.window.{w.name}" for w in dataclasses.fields(cfg.WindowSettings)]
@@ -108,6 +112,7 @@ def defaults() -> dict[str, object]:
         "http.api_key": sec.api_key, "http.allowed_hosts": list(sec.allowed_hosts),
         "http.cors_origins": list(sec.cors_origins), "http.max_body": sec.max_body,
         "http.max_queue": kw["service"].max_queue if kw["service"] else _max_queue(args),
+        "models.share": kw["share"],
         "speculative.strategy": spec.strategy_name, "speculative.mode": spec.mode,
         "speculative.draft_model": spec.draft_model,
         "speculative.window.policy": spec.window.kind, "speculative.window.initial": spec.window.initial,
@@ -202,6 +207,10 @@ The OpenAI endpoint's protections (docs/api.md, "Security"). `MESHNODE_API_KEY` 
 between the option and the file.
 
 {_table(http, "http.", values)}
+
+## `[models]`
+
+{_table(["models.share"], "models.", values)}
 
 ## `[defaults.speculative]` and `[models.<name>.speculative]`
 

@@ -34,7 +34,18 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     lp = models_sub.add_parser("list", help="models in the store")
     add_common_options(lp)
     lp.add_argument("--json", action="store_true", help="print JSON")
+    lp.add_argument("--mesh", action="store_true",
+                    help="list the models the mesh's members share (asks this home's running node)")
     lp.set_defaults(func=cmd_list)
+
+    pp = models_sub.add_parser("pull", help="copy a model a member shares into the store (through the running node)")
+    add_common_options(pp)
+    pp.add_argument("model", metavar="NAME|SHA256", help="a model from `meshnode models list --mesh`")
+    pp.add_argument("--from", dest="source", metavar="NODE", default=None,
+                    help="pull only from this member (node name or id; default: every member that shares it)")
+    pp.add_argument("--range", metavar="A:B", dest="layer_range", default=None,
+                    help="only the layer package of blocks A to B (into the slice cache, as a stage would fetch it)")
+    pp.set_defaults(func=cmd_pull)
 
     fp = models_sub.add_parser("fetch", help="fetch (or re-check) the default model or a known model")
     add_common_options(fp)
@@ -59,6 +70,14 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
                     help="blocks A (inclusive) to B (exclusive)")
     sp.add_argument("-o", "--output", required=True, metavar="OUT", help="file to write")
     sp.set_defaults(func=cmd_slice)
+
+    for name, helptext in (("share", "let members pull a model of the store (the default while sharing is on)"),
+                           ("unshare", "keep a model of the store from members"),
+                           ("rm", "delete a model from the store")):
+        xp = models_sub.add_parser(name, help=helptext)
+        add_common_options(xp)
+        xp.add_argument("model", metavar="NAME|SHA256", help="a model from `meshnode models list`")
+        xp.set_defaults(func=cmd_share_state, action=name)
 
     # --- certify: owned by meshnode/cli/certify.py, which adds its own subcommand here. ---
     try:
@@ -92,9 +111,120 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def _node_request(paths, route: str, body: dict | None = None, timeout: float = 10.0):
+    """Open ``route`` on the node running for ``paths`` (POST when ``body``); the response."""
+    import urllib.error
+    import urllib.request
+
+    from meshnode.cli.mesh import fetch_status
+
+    fetch_status(paths, timeout)   # a clear error when no node runs for this home
+    info = json.loads(paths.runtime_file.read_text())
+    host = info.get("http_host") or "127.0.0.1"
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://{host}:{info['http_port']}{route}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        return opener.open(req, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read()).get("error")
+        except (ValueError, AttributeError):
+            message = None
+        raise MeshnodeError(str(message or exc)) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise MeshnodeError(f"cannot reach the node: {exc}") from None
+
+
+def cmd_list_mesh(args: argparse.Namespace) -> int:
+    from meshnode.state import printable as pr
+
+    with _node_request(_paths(args), "/mesh/models") as resp:
+        data = json.loads(resp.read())
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    if not data["models"]:
+        print("no member shares a model")
+    for m in data["models"]:
+        holders = ", ".join(pr(h["name"] or h["node_id"]) for h in m["holders"])
+        print(f"{pr(m['name']):32} {pr(m['architecture']):8} {m['n_layers']:3d} layers  {_mib(m['size']):>10}  "
+              f"{m['sha256'][:12]}  on {holders}")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    body: dict = {"model": args.model, "from": args.source}
+    if args.layer_range:
+        body["layers"] = list(parse_range(args.layer_range))
+    bar = None
+    try:
+        with _node_request(_paths(args), "/mesh/pull", body, timeout=120.0) as resp:
+            for line in resp:
+                item = json.loads(line)
+                if "error" in item:
+                    raise MeshnodeError(item["error"])
+                if "path" in item:
+                    if bar is not None:
+                        bar.close()
+                    print(f"{item['name']}: {item['path']} (sha256 {item['sha256']}, verified)")
+                    return 0
+                if bar is None:
+                    bar = tqdm(total=item["total"], desc=args.model, unit="B", unit_scale=True,
+                               unit_divisor=1024, file=sys.stderr)
+                bar.update(item["done"] - bar.n)   # tqdm shows the rate and the ETA
+    except KeyboardInterrupt:
+        # closing the response cancels the pull in the node; the part file stays for a resume
+        print("\npull cancelled (run it again to resume)", file=sys.stderr)
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
+    raise MeshnodeError("the node ended the pull without a result")
+
+
+def cmd_share_state(args: argparse.Namespace) -> int:
+    """``models share|unshare|rm``: change the store, then tell a running node."""
+    import shutil
+
+    from meshnode.models.index import record_path
+    from meshnode.models.sharing import set_shared
+    from meshnode.models.store import list_models
+
+    paths = _paths(args)
+    refs = [r for r in list_models(paths) if args.model in (r.name, r.sha256)
+            or (len(args.model) >= 8 and r.sha256.startswith(args.model))]
+    if len(refs) != 1:
+        raise MeshnodeError(f"no model {args.model!r} in the store (`meshnode models list`)" if not refs
+                            else f"{args.model!r} names {len(refs)} models; give the sha256")
+    ref = refs[0]
+    if args.action == "rm":
+        ref.path.unlink()
+        record_path(ref.path).unlink(missing_ok=True)
+        if ref.path.parent != paths.models and not any(ref.path.parent.iterdir()):
+            shutil.rmtree(ref.path.parent, ignore_errors=True)
+        set_shared(paths, ref.sha256, True)
+        print(f"removed {ref.name} ({ref.path})")
+    else:
+        set_shared(paths, ref.sha256, args.action == "share")
+        print(f"{ref.name}: {'shared with' if args.action == 'share' else 'kept from'} the mesh's members")
+    try:
+        _node_request(paths, "/mesh/refresh", {}).close()
+    except MeshnodeError:
+        pass   # no node running: it reads the store when it starts
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from meshnode.models.progress import TqdmProgress
     from meshnode.models.store import list_models
+
+    if args.mesh:
+        return cmd_list_mesh(args)
 
     with TqdmProgress() as bar:
         refs = list_models(_paths(args), progress=bar)

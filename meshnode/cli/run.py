@@ -40,6 +40,8 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="also dial this peer's QUIC endpoint directly (repeatable; for networks without mDNS)")
     p.add_argument("--no-discovery", action="store_true",
                    help="no mDNS: reach peers only through --peer (networks without multicast)")
+    p.add_argument("--no-share", action="store_true",
+                   help="do not list or serve this node's models to members (they cannot pull from it)")
     p.add_argument("--name", default=None, help="this node's display name (default: host name)")
     p.add_argument("--shutdown-grace", type=_grace, default=None, metavar="SECONDS",
                    help="at SIGINT/SIGTERM (or q in the TUI), how long requests in flight may "
@@ -186,6 +188,7 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
         static_peers=args.peer, discovery=not args.no_discovery, service=service, threads=args.threads,
         decode_threads=args.decode_threads, max_memory=max_memory,
         shutdown_grace=_first(args.shutdown_grace, node_cfg.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
+        share=not args.no_share and config.share is not False,
     )
 
 

@@ -53,6 +53,9 @@ __all__ = ["CoordinatorRuntime", "ServingModel"]
 log = logging.getLogger(__name__)
 
 _REPLIES = (wire.Status, wire.Inventory, wire.Ready, wire.Error)
+# What the planner assumes a peer lacking the model fetches its layers at (a 1 Gbit/s LAN,
+# docs/models.md): it makes holders win over non-holders, never rules a non-holder out.
+FETCH_BYTES_PER_S = 110e6
 
 
 class ServingModel:
@@ -390,16 +393,21 @@ class CoordinatorRuntime:
         cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes,
                            budget=options.max_memory, speed=me.speed or None, is_coordinator=True)]
         skipped = []
-        for p in self.fabric.peers():
-            if p.node_id in exclude:
-                continue
+        peers = [p for p in self.fabric.peers() if p.node_id not in exclude]
+        # a peer that lacks the model fetches its layers from one that shares it (this node too)
+        mine = getattr(self.fabric, "capabilities", {}).get("models", [])
+        sharers = any(m.get("sha256") == model.sha256 and m.get("shared") for m in mine if isinstance(m, dict))
+        sharers = sharers or any(p.capabilities is not None and any(
+            m.sha256 == model.sha256 and m.shared for m in p.capabilities.models) for p in peers)
+        for p in peers:
             caps = p.capabilities
             holds = caps is not None and any(m.sha256 == model.sha256 for m in caps.models)
-            if not holds and options.explicit is None:
+            if not holds and not sharers and options.explicit is None:
                 skipped.append(p.name or p.node_id)
                 continue
             cands.append(Candidate(p.node_id, p.name or p.node_id, caps.free_ram_bytes if caps else 0,
-                                   speed=(caps.speed or None) if caps else None, rtt_ms=p.rtt_ms))
+                                   speed=(caps.speed or None) if caps else None, rtt_ms=p.rtt_ms,
+                                   fetch_bytes_per_s=None if holds else FETCH_BYTES_PER_S))
         return cands, skipped
 
     async def stop(self, reason: str = "stopped") -> None:

@@ -129,7 +129,9 @@ class Candidate:
     score is fine: only ratios and the time estimate use it); None or <= 0 means
     unknown and counts as the mean of the known speeds. ``rtt_ms`` is the link round
     trip from the coordinator (None: unknown, counted as 1 ms; the coordinator's own is
-    ignored).
+    ignored). ``fetch_bytes_per_s``: None when the node holds the model; otherwise it
+    must fetch its stage's layer package from a holder at this rate (bytes/s), and the
+    planner counts that time (:func:`plan`).
     """
 
     node_id: str
@@ -139,6 +141,7 @@ class Candidate:
     speed: float | None = None
     rtt_ms: float | None = None
     is_coordinator: bool = False
+    fetch_bytes_per_s: float | None = None
 
     @property
     def capacity(self) -> int:
@@ -299,6 +302,9 @@ class _Context:
         self.prefix = [0]
         for s in sizes:
             self.prefix.append(self.prefix[-1] + s + kv)
+        self.wprefix = [0]   # weights only: what a layer package carries
+        for s in sizes:
+            self.wprefix.append(self.wprefix[-1] + s)
         known = [c.speed for c in cands if c.speed is not None and c.speed > 0]
         self.default_speed = sum(known) / len(known) if known else 1.0
 
@@ -347,7 +353,8 @@ class _Context:
                 arr = self.arrange(order)
                 if arr is None:
                     continue
-                key = (round(self.est_ms(arr), 9), tuple(c.node_id for c, _, _ in arr))
+                # the one-off fetch first: a plan on holders beats one that must download
+                key = (round(self.fetch_s(arr), 3), round(self.est_ms(arr), 9), tuple(c.node_id for c, _, _ in arr))
                 if best is None or key < best[0]:
                     best = (key, arr)
         return None if best is None else best[1]
@@ -420,6 +427,19 @@ class _Context:
                 left -= caps[i]
                 free.discard(i)
         return share
+
+    def fetch_s(self, arr: _Arrangement) -> float:
+        """Seconds the non-holders of ``arr`` spend fetching their packages (in parallel:
+        the slowest one counts)."""
+        m, last = self.model, len(arr) - 1
+        worst = 0.0
+        for i, (c, s, e) in enumerate(arr):
+            if c.fetch_bytes_per_s is None:
+                continue
+            size = (self.wprefix[e] - self.wprefix[s] + (m.embed_bytes if i == 0 else 0)
+                    + (m.head_bytes if i == last else 0))
+            worst = max(worst, size / max(c.fetch_bytes_per_s, 1.0))
+        return worst
 
     def est_ms(self, arr: _Arrangement) -> float:
         return sum(1000.0 * (e - s) / self.n / self.speed(c) + self.rtt(c) for c, s, e in arr)

@@ -137,7 +137,7 @@ class TermStore:
 # ---- held models and capabilities ---------------------------------------------------
 
 
-def held_models(paths: NodePaths) -> list[HeldModel]:
+def held_models(paths: NodePaths, *, shared: bool = False) -> list[HeldModel]:
     """The models in this node's store, as advertised in capabilities.
 
     Blocking (a GGUF without a record is hashed once): call it from a thread. A store
@@ -150,7 +150,11 @@ def held_models(paths: NodePaths) -> list[HeldModel]:
     except (ModelFileError, OSError) as exc:
         log.warning("cannot list the model store: %s", exc)
         return []
-    return [HeldModel(r.name, r.sha256, r.n_layers, _size(r.path)) for r in refs]
+    from meshnode.models.sharing import unshared
+
+    kept = unshared(paths) if shared else set()
+    return [HeldModel(r.name, r.sha256, r.n_layers, _size(r.path), r.architecture, shared and r.sha256 not in kept)
+            for r in refs]
 
 
 def find_held_model(paths: NodePaths, sha256: str) -> Any:
@@ -168,12 +172,12 @@ def find_held_model(paths: NodePaths, sha256: str) -> Any:
 
 
 def node_capabilities(paths: NodePaths, *, max_memory: int | None = None,
-                      models: list[HeldModel] | None = None) -> dict[str, Any]:
+                      models: list[HeldModel] | None = None, share: bool = False) -> dict[str, Any]:
     """This node's capability dict for :class:`MeshFabric` (``capabilities=`` or
     ``set_capabilities``): free RAM capped by ``max_memory`` and the held models.
 
     Blocking when ``models`` is None (lists the store)."""
-    held = tuple(held_models(paths) if models is None else models)
+    held = tuple(held_models(paths, shared=share) if models is None else models)
     caps = capsmod.to_dict(local_capabilities(held))
     if max_memory is not None:
         caps["free_ram"] = min(int(caps["free_ram"]), int(max_memory))
@@ -233,11 +237,12 @@ def trained_context(path: Any) -> int:
 
 
 def load_limits(model_path: Any, slice_path: Any, layer_start: int, layer_end: int, *,
-                budget_bytes: int | None,
+                budget_bytes: int | None, n_layers_total: int | None = None,
                 overhead_bytes: int = DEFAULT_STAGE_OVERHEAD) -> LoadLimits:
     """What a stage server lets a Load ask for, for blocks [start, end) of the model at
     ``model_path`` sliced to ``slice_path``: the trained context and the memory estimate
-    of :class:`LoadLimits` under ``budget_bytes``. Blocking (reads the GGUF header)."""
+    of :class:`LoadLimits` under ``budget_bytes``. A node that fetched only the slice passes
+    it as ``model_path`` too, with the model's ``n_layers_total``. Blocking (reads the GGUF header)."""
     from meshnode.models.gguf_info import field_value, info_from_reader, open_gguf
 
     reader = open_gguf(model_path)
@@ -252,7 +257,7 @@ def load_limits(model_path: Any, slice_path: Any, layer_start: int, layer_end: i
         kv_bytes_per_cell=shape.kv_bytes_per_token * (layer_end - layer_start),
         n_embd=info.n_embd,
         n_head=n_head,
-        n_vocab=info.n_vocab if layer_end == info.n_layers else 0,
+        n_vocab=info.n_vocab if layer_end == (n_layers_total or info.n_layers) else 0,
         overhead_bytes=overhead_bytes,
     )
 

@@ -7,9 +7,12 @@ the data plane of the stage it serves (Forward, Trim, SessionEnd, SessionCopy), 
 anything else. After each feed it drains the machine: replies go to an :class:`Outbox`,
 events become host work:
 
-* ``PrepareRequested``: find the model by sha256 in this node's store (a model not held
-  fails the stage with a clear reason; fetching from peers comes later), then build the
+* ``PrepareRequested``: find the model by sha256 in this node's store and build the
   slice with :class:`SliceCache` in a thread, reporting progress; ``slice_present()``.
+  A model not held is fetched: the range's layer package comes from the peers that share
+  the model (:class:`~meshnode.mesh.share.ShareService`, verified chunk by chunk, kept in
+  the slice cache), with the bytes done reported as progress; no sharing peer fails the
+  stage with a clear reason.
   Once present, the host measures what a Load may ask for (:func:`load_limits`: the
   model's trained context, the memory the parameters would take against
   ``--max-memory``, else free RAM) and hands it to ``slice_present()``; the machine
@@ -97,6 +100,7 @@ class StageServerRuntime:
         self._tasks: set[asyncio.Task] = set()
         self._frees: set[asyncio.Task] = set()
         self._last_progress = 0.0
+        self.share: Any = None                 # ShareService: fetches what this node lacks
         fabric.on_peer_change(self._on_peer_change)
 
     # ---- reading -----------------------------------------------------------------
@@ -220,9 +224,17 @@ class StageServerRuntime:
         try:
             model = await asyncio.to_thread(find_held_model, self.paths, ev.model_sha256)
             if model is None:
-                raise MeshnodeError(
-                    f"model {ev.model_name or '?'} (sha256 {ev.model_sha256[:12]}...) is not in the "
-                    f"store of {self.fabric.name}; fetching models from peers is not supported yet")
+                path = await self._fetch(ev, claim)
+                if not self._current(claim, StageState.PREPARING):
+                    unpin(path)
+                    return
+                self._pin(path)
+                limits = await asyncio.to_thread(self._limits, path, path, ev.layer_start, ev.layer_end,
+                                                 ev.n_layers_total)
+                self._slice = (claim, Path(path), ev.n_layers_total)
+                c.slice_present(limits, time.monotonic())
+                self._pump()
+                return
             if model.n_layers != ev.n_layers_total:
                 raise MeshnodeError(f"the stored model has {model.n_layers} layers, "
                                     f"the coordinator's has {ev.n_layers_total}")
@@ -251,6 +263,42 @@ class StageServerRuntime:
             c.slice_present(limits, time.monotonic())
             self._pump()
 
+    async def _fetch(self, ev: PrepareRequested, claim: _Claim) -> Path:
+        """The layer package of the claim's range, from the slice cache or from the peers
+        that share the model (pinned either way)."""
+        from meshnode.models.slicer import SliceCache, unpin
+        from meshnode.models.transfer import TransferError
+
+        cache = SliceCache(self.paths)
+        args = (ev.model_sha256, ev.layer_start, ev.layer_end, ev.n_layers_total)
+        path = await asyncio.to_thread(cache.lookup, *args, pin=True)
+        if path is not None:
+            return path
+        sources = self.share.sources_for(ev.model_sha256) if self.share is not None else []
+        if not sources:
+            raise MeshnodeError(
+                f"model {ev.model_name or '?'} (sha256 {ev.model_sha256[:12]}...) is not in the "
+                f"store of {self.fabric.name} and no peer shares it")
+        dest = cache.package_path(*args)
+
+        def progress(p: Any) -> None:
+            self._progress(claim, p.done / max(p.total, 1), f"fetching layers {p.describe()}")
+
+        try:
+            _, name = await self.share.pull(ev.model_sha256, dest, sources=sources, whole=False,
+                                            layer_start=ev.layer_start, layer_end=ev.layer_end,
+                                            name=ev.model_name, progress=progress)
+        except TransferError as exc:
+            raise MeshnodeError(f"cannot fetch layers [{ev.layer_start}, {ev.layer_end}) of "
+                                f"{ev.model_name or ev.model_sha256[:12]}: {exc}") from None
+        await asyncio.to_thread(cache.adopt, dest, ev.model_sha256, name, ev.layer_start, ev.layer_end,
+                                ev.n_layers_total)
+        path = await asyncio.to_thread(cache.lookup, *args, pin=True)
+        if path is None:
+            unpin(dest)
+            raise MeshnodeError("the fetched layer package vanished from the slice cache")
+        return path
+
     def _pin(self, path: Path | None) -> None:
         """Keep ``path`` (the slice of the current claim) pinned, and only it."""
         from meshnode.models.slicer import unpin
@@ -259,18 +307,19 @@ class StageServerRuntime:
         if old is not None:
             unpin(old)
 
-    def _limits(self, model_path: Path, slice_path: Path, start: int, end: int) -> LoadLimits:
+    def _limits(self, model_path: Path, slice_path: Path, start: int, end: int,
+                n_layers_total: int | None = None) -> LoadLimits:
         """What a Load may ask for here (blocking: reads the GGUF header, /proc/meminfo)."""
         budget = self.max_memory if self.max_memory is not None else local_capabilities().free_ram_bytes
-        return load_limits(model_path, slice_path, start, end, budget_bytes=budget)
+        return load_limits(model_path, slice_path, start, end, budget_bytes=budget, n_layers_total=n_layers_total)
 
-    def _progress(self, claim: _Claim, fraction: float) -> None:
+    def _progress(self, claim: _Claim, fraction: float, detail: str | None = None) -> None:
         now = time.monotonic()
         if now - self._last_progress < PROGRESS_EVERY_S and fraction < 1.0:
             return
         self._last_progress = now
         if self._current(claim, StageState.PREPARING) and not self.control.present:
-            self.control.slice_progress(fraction, f"slicing {fraction:.0%}")
+            self.control.slice_progress(fraction, detail or f"slicing {fraction:.0%}")
             self._pump()
 
     async def _load(self, ev: LoadRequested, claim: _Claim) -> None:

@@ -421,14 +421,20 @@ class SliceCache:
             model.path, start, end, path,
             keep_embedding=role.keep_embedding, keep_head=role.keep_head, progress=progress,
         )
+        self._record(path, manifest, model.sha256, model.name, model.architecture, model.n_layers,
+                     start, end, role)
+
+    @staticmethod
+    def _record(path: Path, manifest: Path, sha256: str, name: str, architecture: str, n_layers: int,
+                start: int, end: int, role: StageRole) -> None:
         st = path.stat()
         from meshnode.fsutil import atomic_write
 
         record = {
-            "source_sha256": model.sha256,
-            "source_name": model.name,
-            "architecture": model.architecture,
-            "source_n_layers": model.n_layers,
+            "source_sha256": sha256,
+            "source_name": name,
+            "architecture": architecture,
+            "source_n_layers": n_layers,
             "start": start,
             "end": end,
             "role": role.value,
@@ -439,10 +445,37 @@ class SliceCache:
         with atomic_write(manifest, "w") as f:
             json.dump(record, f, indent=2)  # type: ignore[arg-type]
 
+    # -- packages fetched from peers (a node that does not hold the model)
+
+    def package_path(self, source_sha256: str, start: int, end: int, n_layers: int) -> Path:
+        """Where the slice [start, end) of a model of ``n_layers`` layers lives in this cache."""
+        role = stage_role(start, end, n_layers)
+        return self.root / f"{self.key(source_sha256, start, end, role)}.gguf"
+
+    def lookup(self, source_sha256: str, start: int, end: int, n_layers: int, *, pin: bool = False) -> Path | None:
+        """The cached slice, built here or fetched (:meth:`adopt`), or None."""
+        path = self.package_path(source_sha256, start, end, n_layers)
+        if not self._valid(path, path.with_suffix(".json"), source_sha256):
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path.with_suffix(".json"))
+        if pin:
+            _pin(path)
+        return path
+
+    def adopt(self, path: Path, source_sha256: str, name: str, start: int, end: int, n_layers: int) -> None:
+        """Record the verified package at :meth:`package_path` (fetched from a peer), then
+        keep the cache within its quota."""
+        self._record(path, path.with_suffix(".json"), source_sha256, name, "", n_layers,
+                     start, end, stage_role(start, end, n_layers))
+        self.evict(keep=path)
+
     def list(self) -> list[dict[str, Any]]:
         """Manifests of the cached slices (unreadable ones skipped)."""
         out = []
         for m in sorted(self.root.glob("*.json")):
+            if m.name.endswith(".part.json"):   # a fetch in progress (meshnode.models.transfer)
+                continue
             with contextlib.suppress(OSError, ValueError):
                 out.append(json.loads(m.read_text()))
         return out

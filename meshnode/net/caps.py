@@ -1,7 +1,8 @@
 """Capability summaries as plain dicts (carried in Hello and the mDNS record) and back.
 
 Dict form (JSON-safe, stable): ``{"free_ram": int, "free_vram": int, "backend": str,
-"cores": int, "models": [{"name", "sha256", "layers", "size"}, ...]}``. Unknown keys
+"cores": int, "models": [{"name", "sha256", "layers", "size", "arch", "shared"}, ...]}``
+(``shared``: members may pull the model and any layer package of it). Unknown keys
 are ignored on read, so later versions can add fields.
 
 The network only carries capabilities as data; measuring this machine's is the mesh's
@@ -23,7 +24,8 @@ def to_dict(caps: Capabilities) -> dict[str, Any]:
         "cores": int(caps.cores),
         "speed": round(float(caps.speed), 2),
         "models": [
-            {"name": m.name, "sha256": m.sha256, "layers": m.n_layers, "size": m.size_bytes}
+            {"name": m.name, "sha256": m.sha256, "layers": m.n_layers, "size": m.size_bytes,
+             "arch": m.architecture, "shared": bool(m.shared)}
             for m in caps.models
         ],
     }
@@ -34,7 +36,8 @@ def from_dict(d: dict[str, Any] | None) -> Capabilities | None:
         return None
     try:
         models = tuple(
-            HeldModel(str(m["name"]), str(m["sha256"]), int(m["layers"]), int(m.get("size", 0)))
+            HeldModel(str(m["name"]), str(m["sha256"]), int(m["layers"]), int(m.get("size", 0)),
+                      str(m.get("arch", ""))[:64], m.get("shared") is True)
             for m in d.get("models", ())
         )
         return Capabilities(

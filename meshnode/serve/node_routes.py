@@ -68,4 +68,99 @@ async def status(request: Request) -> dict[str, Any]:
     share = getattr(node, "mesh_share", None)
     if share is not None:   # requests carried to members, and members' served here
         data["mesh_requests"] = dict(share.counters)
+    share = getattr(node, "share", None)
+    if share is not None:   # pulls in progress: bytes done of total, rate, ETA
+        data["transfers"] = [t.as_dict() for t in share.transfers.values()]
     return data
+
+
+@router.get("/mesh/models", responses=error_responses((401, 403, 500)))
+async def mesh_models_route(request: Request) -> dict[str, Any]:
+    """Models the members share (``meshnode models list --mesh``)."""
+    from meshnode.mesh.share import mesh_models
+
+    node = request.app.state.node
+    transfers = [t.as_dict() for t in node.share.transfers.values()]
+    return {"models": mesh_models(node.fabric), "transfers": transfers}
+
+
+@router.post("/mesh/refresh", responses=error_responses((401, 403, 500)))
+async def mesh_refresh_route(request: Request) -> dict[str, Any]:
+    """Advertise the store again (after ``meshnode models share|unshare|rm``)."""
+    request.app.state.node.advertise_models()
+    return {"ok": True}
+
+
+@router.post("/mesh/pull", responses=error_responses((400, 401, 403, 500)))
+async def mesh_pull_route(request: Request) -> Any:
+    """Pull a shared model into this node's store (``meshnode models pull``), or with
+    ``"layers": [a, b]`` the layer package of blocks [a, b) into the slice cache: one JSON
+    line per progress step, then ``{"path": ...}`` or ``{"error": ...}``. A client that
+    goes away cancels the pull (the part file stays for a resume)."""
+    import asyncio
+    import json
+
+    from fastapi.responses import StreamingResponse
+
+    from meshnode.mesh.share import resolve_mesh_model
+    from meshnode.models.transfer import TransferError
+
+    node = request.app.state.node
+    try:
+        body = await request.json()
+        query, source = str(body.get("model", ""))[:128], body.get("from")
+        entry, sources = resolve_mesh_model(node.fabric, query, str(source)[:128] if source else None)
+        layers = body.get("layers")
+        if layers is not None:
+            start, end = (int(x) for x in layers)
+            if not 0 <= start < end <= entry["n_layers"]:
+                raise TransferError(f"layers [{start}, {end}) are outside the model's {entry['n_layers']} layers")
+    except (ValueError, AttributeError, TypeError) as exc:
+        return _line_error(f"bad request: {exc}")
+    except TransferError as exc:
+        return _line_error(str(exc))
+    from meshnode.models.slicer import SliceCache
+
+    cache = SliceCache(node.paths)
+    if layers is None:
+        dest = node.paths.models / f"{entry['name'].replace('/', '_')}.gguf"
+    else:
+        dest = cache.package_path(entry["sha256"], start, end, entry["n_layers"])
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def run() -> None:
+        try:
+            if dest.exists():
+                raise TransferError(f"{dest.name} is already here ({dest})")
+            path, _ = await node.share.pull(entry["sha256"], dest, sources=sources, whole=layers is None,
+                                            layer_start=start if layers else 0, layer_end=end if layers else 0,
+                                            name=entry["name"], progress=lambda p: queue.put_nowait(
+                                                {"done": p.done, "total": p.total, "rate": p.rate, "eta_s": p.eta_s}))
+            if layers is None:
+                node.advertise_models()
+            else:
+                await asyncio.to_thread(cache.adopt, path, entry["sha256"], entry["name"], start, end,
+                                        entry["n_layers"])
+            queue.put_nowait({"path": str(path), "name": entry["name"], "sha256": entry["sha256"]})
+        except TransferError as exc:
+            queue.put_nowait({"error": str(exc)})
+
+    async def lines() -> Any:
+        task = asyncio.get_running_loop().create_task(run())
+        try:
+            while True:
+                item = await queue.get()
+                yield (json.dumps(item) + "\n").encode()
+                if "path" in item or "error" in item:
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _line_error(message: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": message}, status_code=400)

@@ -121,6 +121,9 @@ class MessageKind(enum.IntEnum):
     API_RESPONSE_START = 0x0062
     API_RESPONSE_BODY = 0x0063
     API_CANCEL = 0x0064
+    # model sharing: a puller asks a holder for a ticket to the bulk channel (meshnode.net.bulk)
+    SHARE_REQUEST = 0x0050
+    SHARE_TICKET = 0x0051
 
 
 class MessageType:
@@ -796,6 +799,60 @@ class ApiCancel:
     KIND: ClassVar[MessageKind]
     ref: int = wf(U32)
     request_id: int = wf(U64)
+MAX_SHA256_LEN = 64
+SHARE_TICKET_LEN = 32
+MAX_SHARE_TICKETS = 4        # parallel connections one ticket answer allows
+MAX_MANIFEST_CHUNKS = 1 << 17   # 1 TiB in 8 MiB chunks (meshnode.models.transfer bounds it again)
+
+
+def _check_share_request(m: "ShareRequest") -> None:
+    if len(m.model_sha256) > MAX_SHA256_LEN:
+        raise Invalid(ErrorCode.BAD_FIELD, f"model_sha256 of {len(m.model_sha256)} characters")
+    if not m.whole:
+        _check_layers(m)
+
+
+@message(MessageKind.SHARE_REQUEST, _check_share_request)
+@dataclass(frozen=True, slots=True)
+class ShareRequest:
+    """Ask a holder for the whole model ``model_sha256`` (``whole``) or for the layer package
+    of blocks [layer_start, layer_end). Answered by :class:`ShareTicket` or ``Error``."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    model_sha256: str = wf(STR)
+    whole: bool = wf(BOOL)
+    layer_start: int = wf(U32)
+    layer_end: int = wf(U32)
+
+
+def _check_share_ticket(m: "ShareTicket") -> None:
+    if len(m.cert_sha256) != 32:
+        raise Invalid(ErrorCode.BAD_FIELD, f"cert_sha256 of {len(m.cert_sha256)} bytes, expected 32")
+    n, rest = divmod(len(m.tickets), SHARE_TICKET_LEN)
+    if rest or not 1 <= n <= MAX_SHARE_TICKETS:
+        raise Invalid(ErrorCode.BAD_FIELD, f"tickets of {len(m.tickets)} bytes")
+    chunks = m.manifest.get("chunks") if isinstance(m.manifest, dict) else None
+    if not isinstance(chunks, list) or len(chunks) > MAX_MANIFEST_CHUNKS:
+        raise Invalid(ErrorCode.BAD_FIELD, "manifest without a bounded chunk list")
+    if len(m.name) > MAX_NAME_LEN * 4:
+        raise Invalid(ErrorCode.BAD_FIELD, f"name of {len(m.name)} characters")
+
+
+@message(MessageKind.SHARE_TICKET, _check_share_ticket)
+@dataclass(frozen=True, slots=True)
+class ShareTicket:
+    """Fetch it over the bulk channel: TLS to TCP ``port`` whose certificate has SHA-256
+    ``cert_sha256``, presenting one of ``tickets`` (32 bytes each, single-use) per
+    connection. ``manifest``: size, sha256, chunk_size, chunks (meshnode.models.transfer)."""
+
+    KIND: ClassVar[MessageKind]
+    ref: int = wf(U32)
+    port: int = wf(U16)
+    cert_sha256: bytes = wf(BYTES)
+    tickets: bytes = wf(BYTES)
+    manifest: dict[str, Any] = wf(JSON)
+    name: str = wf(STR)
 
 
 Message = (
@@ -829,6 +886,8 @@ Message = (
     | ApiResponseStart
     | ApiResponseBody
     | ApiCancel
+    | ShareRequest
+    | ShareTicket
 )
 
 if set(MESSAGE_TYPES) != set(MessageKind):  # import-time sanity: every kind has exactly one class

@@ -1,0 +1,52 @@
+"""Model sharing end to end: real node processes on loopback (real mDNS, QUIC, TLS bulk
+channel, HTTP); a node with an empty store fetches its layers from the holders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.nodeproc import start_node
+from tests.test_split_serving import (  # noqa: F401 - single_node_outputs is a fixture
+    NODE_FLAGS,
+    _complete_all,
+    _home_with_model,
+    _same_mesh,
+    _wait_ready,
+    single_node_outputs,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.net]
+
+
+def test_empty_store_serves_middle_stage(smollm2, single_node_outputs, tmp_path):  # noqa: F811
+    """n1 holds nothing: Prepare fetches the middle package (from n0 and n2, verified chunk
+    by chunk) and the 3-stage split's greedy text equals one node's."""
+    homes = [_home_with_model(tmp_path, "n0", smollm2.path), tmp_path / "n1",
+             _home_with_model(tmp_path, "n2", smollm2.path)]
+    (tmp_path / "n1").mkdir()
+    _same_mesh(homes)
+    helpers = [start_node(homes[i], f"n{i}", "--no-model", *NODE_FLAGS) for i in (1, 2)]
+    nodes = list(helpers)
+    try:
+        for h in helpers:
+            h.wait_up(30)
+        coord = start_node(homes[0], "n0", "--model", str(smollm2.path), "--split", "3", *NODE_FLAGS).wait_up(30)
+        nodes.append(coord)
+        _wait_ready(coord, 180)
+        stages = coord.status()["stages"]
+        assert [s["state"] for s in stages] == ["ready"] * 3, stages
+        assert stages[1]["node_id"] == helpers[0].node_id, stages   # the empty node took the middle
+        assert _complete_all(coord.info["http_port"]) == single_node_outputs
+        slices = list((homes[1]).rglob("*.gguf"))
+        assert len(slices) == 1 and "slices" in str(slices[0]), slices   # the package, in the slice cache
+        assert not list(homes[1].rglob("*.part")), "no partial file is left"
+        assert not any(p.name.endswith(".gguf") for p in Path(homes[1]).rglob("models/*"))
+    except BaseException:
+        for n in nodes:
+            print(n.log()[-4000:])
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
