@@ -8,3 +8,10 @@ step all agree with one node decoding alone.
 """
 
 MAX_VERIFY_WINDOW = 32
+
+# The KV cache types a stage engine accepts (wire Load.kv_type), and the default: with a
+# q8_0 cache llama.cpp's CPU flash attention gives every row the same result alone, in a
+# batch of any size and on any thread count (docs/engine.md, "Batch invariance"), which
+# an f16 cache does not. Every stage of a split uses the coordinator's choice.
+KV_CACHE_TYPES = ("q8_0", "f16", "bf16", "f32")
+DEFAULT_KV_TYPE = "q8_0"
