@@ -15,3 +15,10 @@ MAX_TOP_LOGPROBS = 20
 
 # Choices of one request (``n``): each holds a sequence slot on every stage.
 MAX_CHOICES = 8
+
+# The KV cache types a stage engine accepts (wire Load.kv_type), and the default: with a
+# q8_0 cache llama.cpp's CPU flash attention gives every row the same result alone, in a
+# batch of any size and on any thread count (docs/engine.md, "Batch invariance"), which
+# an f16 cache does not. Every stage of a split uses the coordinator's choice.
+KV_CACHE_TYPES = ("q8_0", "f16", "bf16", "f32")
+DEFAULT_KV_TYPE = "q8_0"

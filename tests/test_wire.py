@@ -398,6 +398,15 @@ def test_load_wire_dtype_is_checked_both_ways():
     with pytest.raises(LocalProtocolError) as ei:
         encode(dataclasses.replace(good, wire_dtype="bf16"))
     assert ei.value.code is ErrorCode.BAD_DTYPE
+
+
+def test_load_kv_type_is_carried_and_checked():
+    good = Load(1, 2, "sha", 0, 10, "up", "down", "coord", "f16", 4096, 512, 4, "f16")
+    assert decode(encode(good)).kv_type == "f16"
+    assert Load(1, 2, "sha", 0, 10, "up", "down", "coord", "f16", 4096, 512, 4).kv_type == "q8_0"
+    with pytest.raises(LocalProtocolError) as ei:
+        encode(dataclasses.replace(good, kv_type="q4_0"))
+    assert ei.value.code is ErrorCode.BAD_FIELD
     forged = encode(good).replace(b"\x03\x00\x00\x00f16", b"\x03\x00\x00\x00q16")
     [err] = FrameDecoder().feed(forged)
     assert err.code is ErrorCode.BAD_DTYPE

@@ -11,9 +11,9 @@ from .errors import (
     EngineInputError,
     ModelLoadError,
 )
-from .stage import EngineConfig, Segment, StageEngine
+from .stage import KV_TYPES, EngineConfig, Segment, StageEngine
 
 __all__ = [
-    "ContextOverflowError", "DecodeError", "EngineBusyError",
+    "KV_TYPES", "ContextOverflowError", "DecodeError", "EngineBusyError",
     "EngineError", "EngineInputError", "EngineConfig", "ModelLoadError", "Segment", "StageEngine",
 ]

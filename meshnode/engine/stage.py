@@ -12,7 +12,8 @@ Chaining slices this way is bit-identical to the whole model (docs/engine.md) pr
 * every row of a non-final stage is marked as an output (llama.cpp prunes the last
   layer to output rows otherwise, and an unmarked row never reaches ``l_out``);
 * ``n_ubatch == n_batch`` (the tap fires once per ubatch);
-* ``kv_unified`` is on, so rows of several sessions come back in batch order;
+* each llama_decode call is one micro-batch whose rows come back in batch order (one KV
+  stream per session: consecutive sequence ids, the same row count each; :meth:`_calls`);
 * every participant uses the same batch schedule (verify windows <= 32).
 
 Sessions are caller-chosen integers mapped onto llama.cpp sequence ids. Positions are
@@ -43,10 +44,16 @@ from .errors import (
     EngineInputError,
     ModelLoadError,
 )
+from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES
+
 from .ggml import LayerTap
 from .llama_log import install_log_bridge
 
 log = logging.getLogger(__name__)
+
+# ggml_type of each KV cache type a stage may be asked for (wire Load.kv_type).
+KV_TYPES = {"q8_0": 8, "f16": 1, "bf16": 30, "f32": 0}
+assert set(KV_TYPES) == set(KV_CACHE_TYPES)
 
 
 
@@ -84,15 +91,23 @@ class EngineConfig:
     n_batch: int = 256         # rows per llama_decode (also n_ubatch)
     n_seq_max: int = 4         # concurrent sessions
     n_threads: int | None = None
-    # Threads for one-token batches (None: n_threads). With more than one, llama.cpp's CPU
-    # flash attention takes a split-KV path for a single row once the KV view reaches 512
-    # cells, which rounds differently from the same row inside a multi-row batch: plain
-    # steps and speculative verify windows then disagree at near ties. 1 keeps them (and
-    # splits over nodes with different core counts) bit-identical, at the price of slower
-    # plain decoding. See docs/speculative.md, "Exactness".
+    # Threads for one-token batches (None: n_threads). With the default KV type the thread
+    # counts do not change any result; with an f16/f32 KV cache, 1 keeps one-row steps equal
+    # to verify windows past 512 cells (docs/speculative.md, "Exactness").
     decode_threads: int | None = None
     gpu_layers: int = 0
     taps: tuple[int, ...] = ()  # extra layers to capture (certification)
+    # Exactness (docs/engine.md, "Batch invariance"): one KV stream per session, so a
+    # session's keys sit in cells 0..n of its own stream whatever its neighbours do; and a
+    # q8_0 KV cache, on which llama.cpp's CPU flash attention computes every (row, head)
+    # whole on one thread, visiting the session's cells in order. With an f16 or f32 cache
+    # it would split a lone row's KV over the threads (once 512+ cells) and tile batches of
+    # 32+ rows, each rounding differently; without flash attention, K.Q of a multi-row
+    # batch goes through llamafile's tiled GEMM and a single row does not. So a row's
+    # result depends neither on its neighbours, nor on the batch size, nor on threads.
+    kv_unified: bool = False
+    flash_attn: bool = True
+    kv_type: str = DEFAULT_KV_TYPE
 
 
 def default_threads() -> int:
@@ -112,6 +127,8 @@ class StageEngine:
             raise ModelLoadError(f"model file not found: {path}")
         if config.n_batch < 1 or config.n_ctx < 1 or config.n_seq_max < 1:
             raise EngineInputError("n_batch, n_ctx and n_seq_max must be positive")
+        if config.kv_type not in KV_TYPES:
+            raise EngineInputError(f"unknown KV cache type {config.kv_type!r} (one of {', '.join(KV_TYPES)})")
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = config.gpu_layers
@@ -149,7 +166,10 @@ class StageEngine:
         threads = config.n_threads or default_threads()
         cparams.n_threads = config.decode_threads or threads   # llama.cpp: one-token batches
         cparams.n_threads_batch = threads
-        cparams.kv_unified = True
+        cparams.kv_unified = config.kv_unified
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
+                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cparams.type_k = cparams.type_v = KV_TYPES[config.kv_type]
         cparams.swa_full = True   # exact rollback inside sliding-window layers
         cparams.no_perf = True
         if self._tap is not None:
@@ -309,23 +329,75 @@ class StageEngine:
             for s in segs:
                 if s.session in self._next_pos and s.pos < self._next_pos[s.session]:
                     self.rollback(s.session, s.pos)
-        total = self._check(segs)
-        row = 0
+        self._check(segs)
         seqs = [self._seq(s.session) for s in segs]
-        for s, seq in zip(segs, seqs):
-            n = s.n_rows
+        outs = [np.empty((s.n_rows if not self.has_head else s.n_logits,
+                          self.n_embd if not self.has_head else self.n_vocab), dtype=np.float32)
+                for s in segs]
+        done = [0] * len(segs)
+        try:
+            for call in self._calls(segs, seqs):
+                self._decode(segs, seqs, call, outs)
+                for i, first, n in call:
+                    done[i] = first + n
+                    self._next_pos[segs[i].session] = segs[i].pos + done[i]
+        except BaseException:
+            for s, seq, d in zip(segs, seqs, done):     # leave no half-run segment behind
+                if d:
+                    llama_cpp.llama_memory_seq_rm(self._mem, seq, s.pos, -1)
+                    self._next_pos[s.session] = s.pos
+            raise
+        return outs
+
+    def _calls(self, segs: Sequence[Segment], seqs: list[int]) -> list[list[tuple[int, int, int]]]:
+        """The llama_decode calls for one forward: each a list of (segment, first row, rows).
+
+        With one KV stream per session llama.cpp splits a batch into micro-batches of
+        consecutive sequence ids taking the same number of rows each, ordered by sequence,
+        and the capture would come back in that order. So the engine makes each call one
+        such micro-batch itself (rows in sequence order, equal counts), and every row's
+        place is known. On CPU a call costs about its rows (a 32-row window is ~16 one-row
+        steps), so splitting costs little.
+        """
+        if self.config.kv_unified:
+            return [[(i, 0, s.n_rows) for i, s in enumerate(segs)]]
+        order = sorted(range(len(segs)), key=lambda i: seqs[i])
+        done = [0] * len(segs)
+        calls: list[list[tuple[int, int, int]]] = []
+        while True:
+            active = [i for i in order if done[i] < segs[i].n_rows]
+            if not active:
+                return calls
+            run = [active[0]]
+            for i in active[1:]:
+                if seqs[i] != seqs[run[-1]] + 1:
+                    break
+                run.append(i)
+            m = min(segs[i].n_rows - done[i] for i in run)
+            calls.append([(i, done[i], m) for i in run])
+            for i in run:
+                done[i] += m
+
+    def _decode(self, segs: Sequence[Segment], seqs: list[int],
+                call: list[tuple[int, int, int]], outs: list[np.ndarray]) -> None:
+        row = 0
+        for i, first, n in call:
+            s = segs[i]
             if self.takes_tokens:
-                self._tok[row:row + n] = s.tokens
+                self._tok[row:row + n] = s.tokens[first:first + n]
             else:
-                self._embd[row:row + n] = s.hidden
-            self._pos[row:row + n] = np.arange(s.pos, s.pos + n, dtype=np.int32)
-            self._seq_store[row:row + n] = seq
+                self._embd[row:row + n] = s.hidden[first:first + n]
+            self._pos[row:row + n] = np.arange(s.pos + first, s.pos + first + n, dtype=np.int32)
+            self._seq_store[row:row + n] = seqs[i]
             if self.has_head:
+                # Logits for the rows among the segment's last n_logits.
+                lo = max(first, s.n_rows - s.n_logits) - first
                 self._out_flags[row:row + n] = 0
-                self._out_flags[row + n - s.n_logits:row + n] = 1
+                self._out_flags[row + lo:row + n] = 1
             else:
                 self._out_flags[row:row + n] = 1
             row += n
+        total = row
         self._batch.n_tokens = total
         if self._tap is not None:
             self._tap.reset()
@@ -334,12 +406,6 @@ class StageEngine:
             raise EngineBusyError("no KV cache slot for this batch (too many long sessions)")
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc}")
-        for s in segs:
-            self._next_pos[s.session] = s.pos + s.n_rows
-        return self._outputs(segs, total)
-
-    def _outputs(self, segs: Sequence[Segment], total: int) -> list[np.ndarray]:
-        out: list[np.ndarray] = []
         if not self.has_head:
             assert self._tap is not None and self._tap.stop_layer is not None
             il = self._tap.stop_layer
@@ -348,20 +414,18 @@ class StageEngine:
                 raise DecodeError(f"captured {got} rows of layer {il}, expected {total}")
             buf = self._tap.buffers[il]
             row = 0
-            for s in segs:
-                out.append(buf[row:row + s.n_rows].copy())
-                row += s.n_rows
-            return out
+            for i, first, n in call:
+                outs[i][first:first + n] = buf[row:row + n]
+                row += n
+            return
         row = 0
-        for s in segs:
-            n = s.n_rows
-            logits = np.empty((s.n_logits, self.n_vocab), dtype=np.float32)
-            for j, i in enumerate(range(row + n - s.n_logits, row + n)):
-                ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
-                ctypes.memmove(logits[j].ctypes.data, ptr, 4 * self.n_vocab)
-            out.append(logits)
+        for i, first, n in call:
+            s = segs[i]
+            skip = s.n_rows - s.n_logits      # rows of the segment without logits
+            for r in range(max(first, skip), first + n):
+                ptr = llama_cpp.llama_get_logits_ith(self._ctx, row + r - first)
+                ctypes.memmove(outs[i][r - skip].ctypes.data, ptr, 4 * self.n_vocab)
             row += n
-        return out
 
     def tapped(self, layer: int, rows: int) -> np.ndarray:
         """Rows captured at ``l_out-{layer}`` by the last forward (certification)."""

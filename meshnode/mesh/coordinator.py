@@ -244,7 +244,7 @@ class ServingModel:
             path = await self._slice_task
             config = EngineConfig(path, takes_tokens=True, has_head=ev.layer_end == self.model.n_layers,
                                   n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
-                                  n_threads=self.runtime.n_threads,
+                                  kv_type=p.kv_type, n_threads=self.runtime.n_threads,
                                   decode_threads=self.runtime.decode_threads)
             worker = await EngineWorker.load(config, name="stage0")
         except asyncio.CancelledError:

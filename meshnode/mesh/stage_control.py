@@ -38,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES
 from meshnode.state import StageChanged, StageInfo
 from meshnode.wire import ErrorCode, LocalProtocolError, Message
 
@@ -81,6 +82,7 @@ class LoadParams:
     n_batch: int = 512
     n_seq_max: int = 1
     wire_dtype: str = "f32"   # 'f32' | 'f16'
+    kv_type: str = DEFAULT_KV_TYPE   # KV cache type: results depend on it, so one for all
 
 
 # llama.cpp's LLAMA_MAX_SEQ: a context cannot hold more sequences than this.
@@ -123,6 +125,8 @@ def check_load(p: "LoadParams", limits: "LoadLimits | None", where: str = "this 
         return f"n_seq_max {p.n_seq_max} is above llama.cpp's limit of {MAX_SEQ} sequences"
     if p.wire_dtype not in ("f32", "f16"):
         return f"wire dtype must be 'f32' or 'f16', not {p.wire_dtype!r}"
+    if p.kv_type not in KV_CACHE_TYPES:
+        return f"KV cache type must be one of {', '.join(KV_CACHE_TYPES)}, not {p.kv_type!r}"
     if limits is None:
         return ""
     if limits.n_ctx_train and p.n_ctx > limits.n_ctx_train:

@@ -351,7 +351,7 @@ class CoordinatorControl(MachineOutput[CoordinatorEvent]):
             p = self.params
             self._send(st, Load(ref, self.term, self.model_sha256, st.start, st.end,
                                 self._stages[j - 1].node_id, down, self._stages[0].node_id,
-                                p.wire_dtype, p.n_ctx, p.n_batch, p.n_seq_max))
+                                p.wire_dtype, p.n_ctx, p.n_batch, p.n_seq_max, p.kv_type))
 
     def _timeout_reason(self, st: _Stage) -> str:
         what = {

@@ -344,7 +344,7 @@ class StageServerControl(MachineOutput[ServerEvent]):
             self._reply(node_id, Error(msg.ref, ErrorCode.BAD_FIELD,
                                        "load must name its sender as coordinator and another node upstream"))
             return
-        params = LoadParams(msg.n_ctx, msg.n_batch, msg.n_seq_max, msg.wire_dtype)
+        params = LoadParams(msg.n_ctx, msg.n_batch, msg.n_seq_max, msg.wire_dtype, msg.kv_type)
         refusal = check_load(params, self.limits, self.name)
         if refusal:
             log.warning("stage server %s: load refused: %s", self.node_id, refusal)

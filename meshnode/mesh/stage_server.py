@@ -336,7 +336,7 @@ class StageServerRuntime:
             _, path, n_total = self._slice
             p = ev.params
             config = EngineConfig(path, takes_tokens=ev.layer_start == 0, has_head=ev.layer_end == n_total,
-                                  n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
+                                  n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max, kv_type=p.kv_type,
                                   n_threads=self.n_threads, decode_threads=self.decode_threads)
             worker = await EngineWorker.load(config, name=f"stage{ev.stage_index}")
             host = StageHost(self.fabric, worker,

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from meshnode.limits import MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
+from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
 from meshnode.wire.errors import ErrorCode
 from meshnode.wire.schema import (
     ARRAY,
@@ -331,6 +331,8 @@ class Load:
     n_ctx: int = wf(U32)
     n_batch: int = wf(U32)
     n_seq_max: int = wf(U32)
+    # The KV cache type every stage uses: results depend on it (docs/engine.md).
+    kv_type: str = wf(StrField(KV_CACHE_TYPES), default=DEFAULT_KV_TYPE)
 
 
 @message(MessageKind.READY)
