@@ -96,7 +96,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for s in stages:
             a, b = s["layers"]
             detail = f"  ({pr(s['detail'])})" if s.get("detail") else ""
-            print(f"       stage {s['index']}: layers [{a},{b}) on {pr(s['node'])}: {pr(s['state'])}{detail}")
+            on = f" ({pr(s['backend'])})" if s.get("backend") else ""
+            print(f"       stage {s['index']}: layers [{a},{b}) on {pr(s['node'])}{on}: {pr(s['state'])}{detail}")
     peers = data["peers"]
     if not peers:
         print("peers  none")

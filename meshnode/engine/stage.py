@@ -43,6 +43,7 @@ from .errors import (
     EngineInputError,
     ModelLoadError,
 )
+from . import offload
 from .ggml import LayerTap
 from .llama_log import install_log_bridge
 
@@ -91,8 +92,47 @@ class EngineConfig:
     # splits over nodes with different core counts) bit-identical, at the price of slower
     # plain decoding. See docs/speculative.md, "Exactness".
     decode_threads: int | None = None
+    # Layers to offload to a GPU: a count, offload.GPU_LAYERS_ALL, or GPU_LAYERS_AUTO (as
+    # many as the free VRAM holds). Resolved to 0 on a build without a GPU device.
     gpu_layers: int = 0
+    # Flash attention: None is off when layers are offloaded to a GPU (CUDA's flash
+    # attention picks kernels by row count, so verify windows would not reproduce one-row
+    # steps) and llama.cpp's choice on CPU; True / False force it.
+    flash_attn: bool | None = None
+    # Run a one-row call as two rows (the second a throwaway copy, rolled back at once), so
+    # that plain decoding uses the kernels of a 2-row verify window. None: on when layers
+    # are offloaded to a GPU, where a one-row matmul takes a vector kernel that rounds
+    # differently from the multi-row one (docs/engine.md, "GPU").
+    pad_one_row: bool | None = None
     taps: tuple[int, ...] = ()  # extra layers to capture (certification)
+
+
+def _peek_shape(path: Path, n_cells: int) -> tuple[int, int]:
+    """(n_layer, f16 KV bytes per layer for ``n_cells``) from the GGUF header alone (no
+    weights are read): what ``--gpu-layers auto`` sizes the offload by. (llama.cpp's
+    vocab-only load does not fill the per-layer sizes: asking it aborts.)"""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+
+        def field(key: str, default: int | None = None) -> int:
+            f = reader.fields.get(key)
+            if f is None:
+                if default is None:
+                    raise KeyError(key)
+                return default
+            v = f.contents()
+            return int(v[0] if isinstance(v, list) else v)
+
+        arch = reader.fields["general.architecture"].contents()
+        n_layer = field(f"{arch}.block_count")
+        n_embd = field(f"{arch}.embedding_length")
+        n_head = max(1, field(f"{arch}.attention.head_count", 1))
+        n_head_kv = field(f"{arch}.attention.head_count_kv", n_head) or n_head
+    except (KeyError, ValueError, OSError) as exc:
+        raise ModelLoadError(f"cannot read the layer sizes of {path.name}: {exc}") from None
+    return n_layer, 2 * 2 * (n_embd * n_head_kv // n_head) * n_cells
 
 
 def default_threads() -> int:
@@ -113,8 +153,13 @@ class StageEngine:
         if config.n_batch < 1 or config.n_ctx < 1 or config.n_seq_max < 1:
             raise EngineInputError("n_batch, n_ctx and n_seq_max must be positive")
 
+        offload.backend_env_defaults()
+        self.gpu_layers = offload.resolve_gpu_layers(
+            config.gpu_layers, file_bytes=path.stat().st_size,
+            shape=lambda: _peek_shape(path, config.n_ctx * config.n_seq_max))
+        self.backend = offload.backend_summary()[0] if self.gpu_layers else "cpu"
         mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = config.gpu_layers
+        mparams.n_gpu_layers = self.gpu_layers
         # No "extra" weight buffers (llama.cpp's CPU repacking and AMX tiles). On a VM whose
         # CPU advertises AMX without the hypervisor enabling its tile state, the AMX matmul
         # faults on its first `ldtilecfg` and takes the process down (seen on Sapphire
@@ -131,6 +176,10 @@ class StageEngine:
 
         self.n_embd = int(llama_cpp.llama_model_n_embd(model))
         self.n_layer = int(llama_cpp.llama_model_n_layer(model))
+        self.gpu_layers = min(self.gpu_layers, self.n_layer + 1)   # what llama.cpp offloads
+        log.info("%s: --gpu-layers %s, %d layer(s) offloaded (%s)", path.name,
+                 {offload.GPU_LAYERS_AUTO: "auto", offload.GPU_LAYERS_ALL: "all"}.get(
+                     config.gpu_layers, config.gpu_layers), self.gpu_layers, self.backend)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)))
         self.takes_tokens = config.takes_tokens
         self.has_head = config.has_head
@@ -152,6 +201,11 @@ class StageEngine:
         cparams.kv_unified = True
         cparams.swa_full = True   # exact rollback inside sliding-window layers
         cparams.no_perf = True
+        flash = config.flash_attn if config.flash_attn is not None else (False if self.gpu_layers else None)
+        if flash is not None:
+            cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash
+                                       else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self.pad_one_row = config.pad_one_row if config.pad_one_row is not None else self.gpu_layers > 0
         if self._tap is not None:
             cparams.cb_eval = self._tap.c_callback
             cparams.cb_eval_user_data = self._tap.user_data
@@ -290,6 +344,26 @@ class StageEngine:
             for s in segs:
                 if s.session in self._next_pos and s.pos < self._next_pos[s.session]:
                     self.rollback(s.session, s.pos)
+        if self.pad_one_row and len(segs) == 1 and segs[0].n_rows == 1 and segs[0].pos + 2 <= self.n_ctx:
+            return self._padded(segs[0])
+        return self._forward(segs)
+
+    def _padded(self, s: Segment) -> list[np.ndarray]:
+        """``s`` (one row) run as the first row of a 2-row call whose second row is
+        dropped again: the same kernels as a verify window of 2 rows. Row 0 does not see
+        row 1 (causal attention, row-wise matmuls), so its result is the window's."""
+        self._check([s])
+        if s.tokens is not None:
+            twice = Segment(s.session, s.pos, tokens=np.repeat(s.tokens, 2), n_logits=2 if s.n_logits else 0)
+        else:
+            assert s.hidden is not None
+            twice = Segment(s.session, s.pos, hidden=np.concatenate([s.hidden, np.zeros_like(s.hidden)]),
+                            n_logits=2 if s.n_logits else 0)
+        out = self._forward([twice])[0]
+        self.rollback(s.session, s.pos + 1)
+        return [out[:1]]
+
+    def _forward(self, segs: Sequence[Segment]) -> list[np.ndarray]:
         total = self._check(segs)
         row = 0
         seqs = [self._seq(s.session) for s in segs]

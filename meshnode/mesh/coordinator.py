@@ -89,8 +89,19 @@ class ServingModel:
     # ---- reading -----------------------------------------------------------------
 
     def stages(self) -> list[StageInfo]:
-        """Every stage of the plan as the UI and ``meshnode status --json`` show it."""
-        return list(self.control.stages)
+        """Every stage of the plan as the UI and ``meshnode status --json`` show it, with
+        the backend each runs on: stage 0's from its loaded engine, a peer's as its
+        capabilities advertise it over the authenticated link."""
+        caps = {p.node_id: p.capabilities for p in self.runtime.fabric.peers()}
+        out = []
+        for st in self.control.stages:
+            if st.index == 0:
+                backend = self._worker.engine.backend if self._worker is not None else ""
+            else:
+                c = caps.get(st.node_id)
+                backend = c.backend if c is not None else ""
+            out.append(dataclasses.replace(st, backend=backend))
+        return out
 
     @property
     def state(self) -> CoordinatorState:
@@ -235,7 +246,8 @@ class ServingModel:
             config = EngineConfig(path, takes_tokens=True, has_head=ev.layer_end == self.model.n_layers,
                                   n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
                                   n_threads=self.runtime.n_threads,
-                                  decode_threads=self.runtime.decode_threads)
+                                  decode_threads=self.runtime.decode_threads,
+                                  gpu_layers=self.runtime.gpu_layers)
             worker = await EngineWorker.load(config, name="stage0")
         except asyncio.CancelledError:
             raise
@@ -271,12 +283,13 @@ class CoordinatorRuntime:
     """
 
     def __init__(self, fabric: Fabric, paths: NodePaths, *, n_threads: int | None = None,
-                 decode_threads: int | None = None,
+                 decode_threads: int | None = None, gpu_layers: int = 0,
                  publish: Publish | None = None) -> None:
         self.fabric = fabric
         self.paths = paths
         self.n_threads = n_threads
         self.decode_threads = decode_threads
+        self.gpu_layers = gpu_layers   # this node's own setting, never the coordinator's
         self.publish = publish
         self.terms = TermStore(paths)
         self._serving: ServingModel | None = None
@@ -339,7 +352,8 @@ class CoordinatorRuntime:
         """The plan for ``model`` over the current peers (raises :class:`PlanError`)."""
         me = local_capabilities()
         cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes,
-                           budget=options.max_memory, speed=me.speed or None, is_coordinator=True)]
+                           budget=options.max_memory, speed=me.speed or None, is_coordinator=True,
+                           free_vram=me.free_vram_bytes if self.gpu_layers != 0 else 0)]
         skipped = []
         for p in self.fabric.peers():
             caps = p.capabilities
@@ -348,7 +362,8 @@ class CoordinatorRuntime:
                 skipped.append(p.name or p.node_id)
                 continue
             cands.append(Candidate(p.node_id, p.name or p.node_id, caps.free_ram_bytes if caps else 0,
-                                   speed=(caps.speed or None) if caps else None, rtt_ms=p.rtt_ms))
+                                   speed=(caps.speed or None) if caps else None, rtt_ms=p.rtt_ms,
+                                   free_vram=caps.free_vram_bytes if caps and caps.backend != "cpu" else 0))
         try:
             return make_plan(shape, cands, split=options.split, explicit=options.explicit)
         except PlanError as exc:
