@@ -55,8 +55,8 @@ __all__ = [
 
 DEFAULT_HEADROOM = 0.1
 # Decode speed of layers held in VRAM against the same node's CPU figure when the node
-# does not say (Candidate.vram_speed): on the lent H200 machine (16 cores) an 8B Q4_0
-# model decoded ~3.1 ms/token fully offloaded against ~50 ms/token on its CPUs.
+# does not say (Candidate.vram_speed). An estimate, not a measurement: decoding is
+# memory-bound, and a GPU's memory bandwidth is roughly 10-20x a desktop's DRAM.
 GPU_SPEEDUP = 16.0
 # At most this many remote candidates are considered for automatic plans (the ones with
 # the most capacity); keeps the search over node subsets small on a large LAN.
