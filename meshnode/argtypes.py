@@ -76,3 +76,22 @@ def cpu_list(text: str) -> frozenset[int]:
         raise argparse.ArgumentTypeError(
             f"expected CPU numbers like 0, 0,2 or 0-3, got {text!r}") from None
     return frozenset(cpus)
+
+
+GPU_LAYERS_HELP = ("layers of each slice this node runs to offload to its GPU: a number, 'all' or "
+                   "'auto' (default: as many as the free VRAM holds; 0 without a GPU build of llama.cpp)")
+
+
+def gpu_layers(text: str) -> int:
+    """argparse type: ``--gpu-layers`` as a count, ``all`` or ``auto`` (the engine's
+    ``offload.GPU_LAYERS_ALL`` / ``GPU_LAYERS_AUTO``; the values are repeated here so
+    that parsing a flag does not import llama.cpp)."""
+    word = text.strip().lower()
+    if word == "auto":
+        return -1
+    if word == "all":
+        return 1 << 20
+    v = _int(text, "a number of layers, 'all' or 'auto'")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of layers >= 0, 'all' or 'auto', got {v}")
+    return min(v, 1 << 20)

@@ -86,6 +86,8 @@ def certify(
     n_decode: int = 16,
     n_threads: int | None = None,
     prompt: str = PROMPT,
+    gpu_layers: int = 0,
+    flash_attn: bool | None = None,
 ) -> CertifyReport:
     """Compare the whole model with its slices at ``splits``.
 
@@ -99,7 +101,8 @@ def certify(
         raise CertifyError(f"certification prompt too long ({len(tokens)} tokens, at most {MAX_PROMPT_TOKENS})")
     n_ctx = max(256, len(tokens) + n_decode + 8)
 
-    common = dict(n_ctx=n_ctx, n_batch=n_batch, n_seq_max=1, n_threads=n_threads)
+    common = dict(n_ctx=n_ctx, n_batch=n_batch, n_seq_max=1, n_threads=n_threads,
+                  gpu_layers=gpu_layers, flash_attn=flash_attn)
     whole = StageEngine(EngineConfig(model_path, taps=tuple(b - 1 for b in splits), **common))
     n_layers = whole.n_layer
     bounds = [0, *splits, n_layers]
@@ -169,3 +172,98 @@ def certify(
         whole.close()
         for eng in stages:
             eng.close()
+
+
+# ---- batch schedule: one-row steps against verify windows ---------------------------
+
+SCHEDULE_CONTEXTS = (16, 200, 600)
+SCHEDULE_WINDOWS = (2, 4, 8, 16, 32)
+SCHEDULE_STEPS = 32
+
+
+@dataclass
+class ScheduleCase:
+    context: int
+    window: int
+    max_abs_diff: float = 0.0
+    first_diff_row: int | None = None   # first position (after the context) that differed
+    greedy_match: bool = True
+
+
+@dataclass
+class ScheduleReport:
+    """One model, one engine: do multi-row windows give exactly the logits of one-row
+    steps? What exact speculation needs (a verify window must reproduce plain decoding)."""
+
+    model: str
+    backend: str
+    gpu_layers: int
+    cases: list[ScheduleCase] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return all(c.max_abs_diff == 0.0 and c.greedy_match for c in self.cases)
+
+    @property
+    def max_abs_diff(self) -> float:
+        return max((c.max_abs_diff for c in self.cases), default=0.0)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["exact"] = self.exact
+        d["max_abs_diff"] = self.max_abs_diff
+        return d
+
+
+def schedule_check(
+    model_path: Path,
+    *,
+    contexts: Sequence[int] = SCHEDULE_CONTEXTS,
+    windows: Sequence[int] = SCHEDULE_WINDOWS,
+    n_steps: int = SCHEDULE_STEPS,
+    n_threads: int | None = None,
+    decode_threads: int | None = None,
+    gpu_layers: int = 0,
+    flash_attn: bool | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ScheduleReport:
+    """Feed the same ``n_steps`` tokens after each context length twice: as one-row
+    steps, then as windows of each size in ``windows`` (rolled back in between), and
+    compare every row's logits. A fixed pseudo-random token stream stands in for text
+    (it exercises the same kernels; what matters is that both schedules see it)."""
+    if not contexts or not windows or min(contexts) < 1 or min(windows) < 2:
+        raise CertifyError("contexts must be >= 1 and windows >= 2")
+    n_batch = 64
+    if max(windows) > n_batch:
+        raise CertifyError(f"windows must be at most {n_batch} rows")
+    n_ctx = max(contexts) + n_steps + 8
+    engine = StageEngine(EngineConfig(model_path, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=1,
+                                      n_threads=n_threads, decode_threads=decode_threads,
+                                      gpu_layers=gpu_layers, flash_attn=flash_attn))
+    try:
+        rng = np.random.default_rng(0)
+        stream = rng.integers(0, engine.n_vocab, size=n_ctx, dtype=np.int32)
+        report = ScheduleReport(model_path.name, engine.backend, engine.gpu_layers)
+        for ctx_len in sorted(set(contexts)):
+            engine.rollback(0, 0)
+            engine.run_session(0, 0, stream[:ctx_len], n_logits=1)
+            steps = stream[ctx_len:ctx_len + n_steps]
+            ref = np.stack([engine.forward([Segment(0, ctx_len + i, tokens=steps[i:i + 1], n_logits=1)])[0][0]
+                            for i in range(n_steps)])
+            for w in windows:
+                engine.rollback(0, ctx_len)
+                got = []
+                for a in range(0, n_steps, w):
+                    rows = steps[a:a + w]
+                    got.append(engine.forward([Segment(0, ctx_len + a, tokens=rows, n_logits=len(rows))])[0])
+                g = np.concatenate(got)
+                diff = np.max(np.abs(g - ref), axis=1)
+                case = ScheduleCase(ctx_len, w, float(diff.max()),
+                                    int(np.flatnonzero(diff)[0]) if diff.any() else None,
+                                    bool(np.array_equal(g.argmax(axis=1), ref.argmax(axis=1))))
+                report.cases.append(case)
+                if progress is not None:
+                    progress(f"context {ctx_len}, window {w}: max |diff| {case.max_abs_diff:g}")
+        return report
+    finally:
+        engine.close()

@@ -39,7 +39,7 @@ from typing import Any
 from meshnode import __version__
 from meshnode.errors import MeshnodeError
 from meshnode.fsutil import atomic_write
-from meshnode.mesh.local_caps import local_capabilities
+from meshnode.mesh.local_caps import local_capabilities, set_offload
 from meshnode.net import caps as capsmod
 from meshnode.paths import NodePaths
 from meshnode.state import (
@@ -86,6 +86,7 @@ class Node:
         service: Any = None,
         threads: int | None = None,
         decode_threads: int | None = None,
+        gpu_layers: int = 0,
         max_memory: int | None = None,
         http_security: Any = None,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
@@ -105,6 +106,7 @@ class Node:
         if self.http_security.bound_host != http_host:
             self.http_security = replace(self.http_security, bound_host=http_host)
         self.paths = paths.ensure()
+        set_offload(gpu_layers != 0)
         self.name = name or socket.gethostname()
         self.fabric = MeshFabric(
             # the chosen name only: mDNS announces no hostname the user did not choose
@@ -126,11 +128,14 @@ class Node:
         self._stop_task: asyncio.Task | None = None
         self.fabric.on_peer_change(self._on_peer_change)
         self.max_memory = max_memory
+        self.gpu_layers = gpu_layers
         self.stage_server = StageServerRuntime(self.fabric, self.paths, n_threads=threads,
-                                               decode_threads=decode_threads, publish=self.publish,
+                                               decode_threads=decode_threads, gpu_layers=gpu_layers,
+                                               publish=self.publish,
                                                max_memory=max_memory)
         self.coordinator = CoordinatorRuntime(self.fabric, self.paths, n_threads=threads,
-                                              decode_threads=decode_threads, publish=self.publish)
+                                              decode_threads=decode_threads, gpu_layers=gpu_layers,
+                                              publish=self.publish)
         # model sharing (docs/models.md): answers members' pulls; Prepare fetches through it
         self.share = ShareService(self.fabric, self.paths, enabled=share)
         self.stage_server.share = self.share

@@ -112,6 +112,7 @@ class StageInfo:
     layer_end: int          # exclusive
     state: StageState
     detail: str = ""        # e.g. failure reason, load progress
+    backend: str = ""       # what the stage computes on: cpu | cuda | ... ("" not known yet)
 
 
 @dataclass(frozen=True, slots=True)

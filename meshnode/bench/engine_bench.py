@@ -36,7 +36,7 @@ TEXT = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshnode.argtypes import non_negative_float
+    from meshnode.argtypes import GPU_LAYERS_HELP, gpu_layers, non_negative_float
 
     parser.add_argument("model", nargs="?", default=None,
                         help="a GGUF path or a model name in the store (default: the default model)")
@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows per llama_decode, the prefill chunk (default 64)")
     parser.add_argument("--reps", type=int, default=5, help="prefill repetitions per path (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
+    parser.add_argument("--gpu-layers", type=gpu_layers, default=-1, metavar="N|all|auto", help=GPU_LAYERS_HELP)
     parser.add_argument("--gap-ms", type=non_negative_float, default=12.0, metavar="MS",
                         help="idle gap before every other step of the idle-gap measurement "
                              "(default 12: a 2-stage SmolLM2 split's wait; 0 skips it)")
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = np.asarray(text_ids[:32], dtype=np.int32)
 
     n_ctx = max(args.prefill, 32 + args.warmup + 2 * args.tokens) + 8
-    common = dict(n_ctx=n_ctx, n_batch=args.batch, n_seq_max=1, n_threads=threads)
+    common = dict(n_ctx=n_ctx, n_batch=args.batch, n_seq_max=1, n_threads=threads, gpu_layers=args.gpu_layers)
     whole = StageEngine(EngineConfig(ref.path, **common))
     stages = [
         StageEngine(EngineConfig(p, takes_tokens=(i == 0), has_head=(i == len(ranges) - 1), **common))

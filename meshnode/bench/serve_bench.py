@@ -16,7 +16,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from meshnode.argtypes import positive_int
+from meshnode.argtypes import GPU_LAYERS_HELP, gpu_layers, positive_int
 
 HELP = "serving benchmark: single node vs 2/3-stage splits (decode, TTFT, prefill, concurrency)"
 
@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run a random-weight ~1B llama (written once into the cache; slow)")
     p.add_argument("--stages", default="1,2,3", help="stage counts to run (default 1,2,3)")
     p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads per stage (default 1)")
+    p.add_argument("--gpu-layers", type=gpu_layers, default=-1, metavar="N|all|auto", help=GPU_LAYERS_HELP)
     p.add_argument("--pin", action="store_true",
                    help="give each node of a configuration CPUs of its own (--cpus), when the "
                         "machine has enough (default: the OS places them)")
@@ -88,11 +89,11 @@ class _Ceiling:
     """The same engine decoding one batch of B sessions directly, in this process: what
     continuous batching could reach at best. Loaded once, measured in every round."""
 
-    def __init__(self, model_path, threads: int, max_b: int) -> None:
+    def __init__(self, model_path, threads: int, max_b: int, gpu_layers: int = 0) -> None:
         from meshnode.engine import EngineConfig, StageEngine
 
         self.engine = StageEngine(EngineConfig(model_path, n_ctx=256, n_batch=64, n_seq_max=max_b,
-                                             n_threads=threads))
+                                             n_threads=threads, gpu_layers=gpu_layers))
 
     def tok_s(self, b: int, steps: int = 16) -> float:
         import numpy as np
@@ -130,7 +131,8 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
 
     from meshnode.bench.cluster import LocalCluster, cpu_flags
 
-    flags = ("--threads", str(args.threads), "--parallel", str(max(concurrency)), "--ctx", "1024",
+    gl = ("--gpu-layers", str(args.gpu_layers))
+    flags = (*gl, "--threads", str(args.threads), "--parallel", str(max(concurrency)), "--ctx", "1024",
              "--batch", "64", "--spec-mode", "off", "--model", str(model_ref.path))
     ends: dict[int, tuple[str, str]] = {}
     with contextlib.ExitStack() as stack:
@@ -138,12 +140,12 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
             print(f"  {model_ref.name}: starting {n} stage(s) ...", file=sys.stderr, flush=True)
             cluster = stack.enter_context(LocalCluster(model_ref.path, n))
             for i in range(1, n):
-                cluster.start(i, "--no-model", "--threads", str(args.threads), "--parallel",
+                cluster.start(i, "--no-model", *gl, "--threads", str(args.threads), "--parallel",
                               str(max(concurrency)), *cpu_flags(i, n, args.threads, pin=args.pin))
             coord = cluster.start(0, *flags, "--split", str(n),
                                   *cpu_flags(0, n, args.threads, pin=args.pin)).wait_model()
             ends[n] = (coord.base_url, coord.get("/v1/models")["data"][0]["id"])
-        ceiling = _Ceiling(model_ref.path, args.threads, max(concurrency))
+        ceiling = _Ceiling(model_ref.path, args.threads, max(concurrency), args.gpu_layers)
         stack.callback(ceiling.close)
         for base, model in ends.values():
             _stream(base, model, "Hello", 4)  # warm-up

@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 
-from meshnode.argtypes import positive_int
+from meshnode.argtypes import GPU_LAYERS_HELP, gpu_layers, positive_int
 
 HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model on a 2-stage split"
 
@@ -166,6 +166,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-threads", type=positive_int, default=None, metavar="N",
                    help="llama.cpp threads for one-token steps on every node (default: --threads; "
                         "1 keeps speculation token-identical when --threads > 1)")
+    p.add_argument("--gpu-layers", type=gpu_layers, default=-1, metavar="N|all|auto", help=GPU_LAYERS_HELP)
+    p.add_argument("--draft-max", type=positive_int, default=None, metavar="N",
+                   help="largest verify window on every node (default: the node's, 32)")
     p.add_argument("--pin", action="store_true",
                    help="give each node CPUs of its own (--cpus), when the machine has enough "
                         "(default: the OS places them)")
@@ -390,8 +393,9 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     print(latency, file=sys.stderr, flush=True)
 
-    common = ("--threads", str(args.threads), "--ctx", "1024", "--batch", "64", "--parallel", "1",
-              *(("--decode-threads", str(args.decode_threads)) if args.decode_threads else ()))
+    common = ("--gpu-layers", str(args.gpu_layers), "--threads", str(args.threads), "--ctx", "1024", "--batch", "64", "--parallel", "1",
+              *(("--decode-threads", str(args.decode_threads)) if args.decode_threads else ()),
+              *(("--draft-max", str(args.draft_max)) if args.draft_max else ()))
     rounds = args.rounds or (2 if args.quick else 3)
     # raw[workload][strategy][prompt index] = one run per round
     raw = {w: {s: [[] for _ in workloads[w]] for s in strategies} for w in WORKLOADS}

@@ -96,7 +96,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for s in stages:
             a, b = s["layers"]
             detail = f"  ({pr(s['detail'])})" if s.get("detail") else ""
-            print(f"       stage {s['index']}: layers [{a},{b}) on {pr(s['node'])}: {pr(s['state'])}{detail}")
+            on = f" ({pr(s['backend'])})" if s.get("backend") else ""
+            print(f"       stage {s['index']}: layers [{a},{b}) on {pr(s['node'])}{on}: {pr(s['state'])}{detail}")
     served = data.get("mesh_models") or []
     if served:   # every model ready in the mesh: this node's endpoint takes requests for each
         print("mesh models (any node's /v1 serves them)")

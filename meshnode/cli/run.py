@@ -12,7 +12,16 @@ import signal
 import sys
 import threading
 
-from meshnode.argtypes import cpu_list, non_negative_float, non_negative_int, port, positive_int, size
+from meshnode.argtypes import (
+    GPU_LAYERS_HELP,
+    cpu_list,
+    gpu_layers,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_int,
+    size,
+)
 from meshnode.cli import add_common_options
 from meshnode.config import MAX_SHUTDOWN_GRACE
 
@@ -96,8 +105,9 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="run this node on these CPUs only, e.g. 0 or 2-3 (Linux; default: any). "
                         "For several nodes on one machine: a stage that keeps its own cores "
                         "computes faster than one the scheduler moves around")
-    m.add_argument("--gpu-layers", type=int, default=0, metavar="N",
-                   help="layers of each slice to offload to a GPU (needs a GPU build of llama.cpp)")
+    m.add_argument("--gpu-layers", type=gpu_layers, default=-1, metavar="N|all|auto",
+                   help=GPU_LAYERS_HELP + "; it applies to this node's own stage and to the "
+                        "stages it serves for peers")
 
     s = p.add_argument_group("speculative decoding (flags override config.toml and the model package)")
     s.add_argument("--spec", dest="spec_strategy", default=None, metavar="STRATEGY",
@@ -186,7 +196,7 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
         http_port=_first(args.port, node_cfg.http_port, 8642),
         http_host=args.host, interfaces=args.interface, name=args.name or node_cfg.name,
         static_peers=args.peer, discovery=not args.no_discovery, service=service, threads=args.threads,
-        decode_threads=args.decode_threads, max_memory=max_memory,
+        decode_threads=args.decode_threads, gpu_layers=args.gpu_layers, max_memory=max_memory,
         shutdown_grace=_first(args.shutdown_grace, node_cfg.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
         share=not args.no_share and config.share is not False,
     )

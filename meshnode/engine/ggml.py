@@ -22,23 +22,29 @@ from pathlib import Path
 import llama_cpp
 
 
-@cache
-def _libggml_base() -> ctypes.CDLL:
+def ggml_lib(mapped: str, glob: str) -> ctypes.CDLL:
+    """The ggml library file that libllama mapped whose name contains ``mapped`` (else
+    the first ``glob*`` beside libllama). Raises OSError when there is none."""
     candidates: list[str] = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.rsplit(None, 1)[-1]
-                if "libggml-base" in os.path.basename(path) and path not in candidates:
+                if mapped in os.path.basename(path) and path not in candidates:
                     candidates.append(path)
     except OSError:
         pass
     if not candidates:  # macOS / no procfs: the copy beside libllama
         lib_dir = Path(llama_cpp.__file__).parent / "lib"
-        candidates = sorted(str(p) for p in lib_dir.glob("libggml-base*"))
+        candidates = sorted(str(p) for p in lib_dir.glob(glob + "*"))
     if not candidates:
-        raise OSError("cannot find libggml-base next to llama.cpp")
-    lib = ctypes.CDLL(candidates[0])
+        raise OSError(f"cannot find {glob} next to llama.cpp")
+    return ctypes.CDLL(candidates[0])
+
+
+@cache
+def _libggml_base() -> ctypes.CDLL:
+    lib = ggml_lib("libggml-base", "libggml-base")
     lib.ggml_get_name.argtypes = [ctypes.c_void_p]
     lib.ggml_get_name.restype = ctypes.c_char_p
     lib.ggml_nbytes.argtypes = [ctypes.c_void_p]

@@ -46,6 +46,7 @@ from .errors import (
 )
 from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES
 
+from . import offload
 from .ggml import LayerTap
 from .llama_log import install_log_bridge
 
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 # ggml_type of each KV cache type a stage may be asked for (wire Load.kv_type).
 KV_TYPES = {"q8_0": 8, "f16": 1, "bf16": 30, "f32": 0}
 assert set(KV_TYPES) == set(KV_CACHE_TYPES)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,19 @@ class EngineConfig:
     # counts do not change any result; with an f16/f32 KV cache, 1 keeps one-row steps equal
     # to verify windows past 512 cells (docs/speculative.md, "Exactness").
     decode_threads: int | None = None
+    # Layers to offload to a GPU: a count, offload.GPU_LAYERS_ALL, or GPU_LAYERS_AUTO (as
+    # many as the free VRAM holds). Resolved to 0 on a build without a GPU device.
     gpu_layers: int = 0
+    # Flash attention: None is on for a CPU stage (with the q8_0 KV cache, below, it is what
+    # makes rows batch-invariant) and off when layers are offloaded to a GPU (CUDA's flash
+    # attention picks kernels by row count, so verify windows would not reproduce one-row
+    # steps); True / False force it.
+    flash_attn: bool | None = None
+    # Run a one-row call as two rows (the second a throwaway copy, rolled back at once), so
+    # that plain decoding uses the kernels of a 2-row verify window. None: on when layers
+    # are offloaded to a GPU, where a one-row matmul takes a vector kernel that rounds
+    # differently from the multi-row one (docs/engine.md, "GPU").
+    pad_one_row: bool | None = None
     taps: tuple[int, ...] = ()  # extra layers to capture (certification)
     # Exactness (docs/engine.md, "Batch invariance"): one KV stream per session, so a
     # session's keys sit in cells 0..n of its own stream whatever its neighbours do; and a
@@ -106,8 +118,35 @@ class EngineConfig:
     # batch goes through llamafile's tiled GEMM and a single row does not. So a row's
     # result depends neither on its neighbours, nor on the batch size, nor on threads.
     kv_unified: bool = False
-    flash_attn: bool = True
     kv_type: str = DEFAULT_KV_TYPE
+
+
+def _peek_shape(path: Path, n_cells: int) -> tuple[int, int]:
+    """(n_layer, f16 KV bytes per layer for ``n_cells``) from the GGUF header alone (no
+    weights are read): what ``--gpu-layers auto`` sizes the offload by. (llama.cpp's
+    vocab-only load does not fill the per-layer sizes: asking it aborts.)"""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+
+        def field(key: str, default: int | None = None) -> int:
+            f = reader.fields.get(key)
+            if f is None:
+                if default is None:
+                    raise KeyError(key)
+                return default
+            v = f.contents()
+            return int(v[0] if isinstance(v, list) else v)
+
+        arch = reader.fields["general.architecture"].contents()
+        n_layer = field(f"{arch}.block_count")
+        n_embd = field(f"{arch}.embedding_length")
+        n_head = max(1, field(f"{arch}.attention.head_count", 1))
+        n_head_kv = field(f"{arch}.attention.head_count_kv", n_head) or n_head
+    except (KeyError, ValueError, OSError) as exc:
+        raise ModelLoadError(f"cannot read the layer sizes of {path.name}: {exc}") from None
+    return n_layer, 2 * 2 * (n_embd * n_head_kv // n_head) * n_cells
 
 
 def default_threads() -> int:
@@ -130,8 +169,13 @@ class StageEngine:
         if config.kv_type not in KV_TYPES:
             raise EngineInputError(f"unknown KV cache type {config.kv_type!r} (one of {', '.join(KV_TYPES)})")
 
+        offload.backend_env_defaults()
+        self.gpu_layers = offload.resolve_gpu_layers(
+            config.gpu_layers, file_bytes=path.stat().st_size,
+            shape=lambda: _peek_shape(path, config.n_ctx * config.n_seq_max))
+        self.backend = offload.backend_summary()[0] if self.gpu_layers else "cpu"
         mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = config.gpu_layers
+        mparams.n_gpu_layers = self.gpu_layers
         # No "extra" weight buffers (llama.cpp's CPU repacking and AMX tiles). On a VM whose
         # CPU advertises AMX without the hypervisor enabling its tile state, the AMX matmul
         # faults on its first `ldtilecfg` and takes the process down (seen on Sapphire
@@ -148,6 +192,10 @@ class StageEngine:
 
         self.n_embd = int(llama_cpp.llama_model_n_embd(model))
         self.n_layer = int(llama_cpp.llama_model_n_layer(model))
+        self.gpu_layers = min(self.gpu_layers, self.n_layer + 1)   # what llama.cpp offloads
+        log.info("%s: --gpu-layers %s, %d layer(s) offloaded (%s)", path.name,
+                 {offload.GPU_LAYERS_AUTO: "auto", offload.GPU_LAYERS_ALL: "all"}.get(
+                     config.gpu_layers, config.gpu_layers), self.gpu_layers, self.backend)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)))
         self.takes_tokens = config.takes_tokens
         self.has_head = config.has_head
@@ -167,11 +215,19 @@ class StageEngine:
         cparams.n_threads = config.decode_threads or threads   # llama.cpp: one-token batches
         cparams.n_threads_batch = threads
         cparams.kv_unified = config.kv_unified
-        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
-                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        cparams.type_k = cparams.type_v = KV_TYPES[config.kv_type]
+        flash = config.flash_attn if config.flash_attn is not None else not self.gpu_layers
+        kv_type = config.kv_type
+        if not flash and kv_type == "q8_0":
+            # llama.cpp quantizes the V cache only with flash attention; a GPU stage runs
+            # without it (exact one-row steps there), so it keeps its KV in f16.
+            kv_type = "f16"
+        self.kv_type = kv_type
+        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
         cparams.swa_full = True   # exact rollback inside sliding-window layers
         cparams.no_perf = True
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash
+                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self.pad_one_row = config.pad_one_row if config.pad_one_row is not None else self.gpu_layers > 0
         if self._tap is not None:
             cparams.cb_eval = self._tap.c_callback
             cparams.cb_eval_user_data = self._tap.user_data
@@ -329,6 +385,26 @@ class StageEngine:
             for s in segs:
                 if s.session in self._next_pos and s.pos < self._next_pos[s.session]:
                     self.rollback(s.session, s.pos)
+        if self.pad_one_row and len(segs) == 1 and segs[0].n_rows == 1 and segs[0].pos + 2 <= self.n_ctx:
+            return self._padded(segs[0])
+        return self._forward(segs)
+
+    def _padded(self, s: Segment) -> list[np.ndarray]:
+        """``s`` (one row) run as the first row of a 2-row call whose second row is
+        dropped again: the same kernels as a verify window of 2 rows. Row 0 does not see
+        row 1 (causal attention, row-wise matmuls), so its result is the window's."""
+        self._check([s])
+        if s.tokens is not None:
+            twice = Segment(s.session, s.pos, tokens=np.repeat(s.tokens, 2), n_logits=2 if s.n_logits else 0)
+        else:
+            assert s.hidden is not None
+            twice = Segment(s.session, s.pos, hidden=np.concatenate([s.hidden, np.zeros_like(s.hidden)]),
+                            n_logits=2 if s.n_logits else 0)
+        out = self._forward([twice])[0]
+        self.rollback(s.session, s.pos + 1)
+        return [out[:1]]
+
+    def _forward(self, segs: Sequence[Segment]) -> list[np.ndarray]:
         self._check(segs)
         seqs = [self._seq(s.session) for s in segs]
         outs = [np.empty((s.n_rows if not self.has_head else s.n_logits,

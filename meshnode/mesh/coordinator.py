@@ -95,8 +95,19 @@ class ServingModel:
     # ---- reading -----------------------------------------------------------------
 
     def stages(self) -> list[StageInfo]:
-        """Every stage of the plan as the UI and ``meshnode status --json`` show it."""
-        return list(self.control.stages)
+        """Every stage of the plan as the UI and ``meshnode status --json`` show it, with
+        the backend each runs on: stage 0's from its loaded engine, a peer's as its
+        capabilities advertise it over the authenticated link."""
+        caps = {p.node_id: p.capabilities for p in self.runtime.fabric.peers()}
+        out = []
+        for st in self.control.stages:
+            if st.index == 0:
+                backend = self._worker.engine.backend if self._worker is not None else ""
+            else:
+                c = caps.get(st.node_id)
+                backend = c.backend if c is not None else ""
+            out.append(dataclasses.replace(st, backend=backend))
+        return out
 
     @property
     def state(self) -> CoordinatorState:
@@ -245,7 +256,8 @@ class ServingModel:
             config = EngineConfig(path, takes_tokens=True, has_head=ev.layer_end == self.model.n_layers,
                                   n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max,
                                   kv_type=p.kv_type, n_threads=self.runtime.n_threads,
-                                  decode_threads=self.runtime.decode_threads)
+                                  decode_threads=self.runtime.decode_threads,
+                                  gpu_layers=self.runtime.gpu_layers)
             worker = await EngineWorker.load(config, name="stage0")
         except asyncio.CancelledError:
             raise
@@ -281,12 +293,13 @@ class CoordinatorRuntime:
     """
 
     def __init__(self, fabric: Fabric, paths: NodePaths, *, n_threads: int | None = None,
-                 decode_threads: int | None = None,
+                 decode_threads: int | None = None, gpu_layers: int = 0,
                  publish: Publish | None = None) -> None:
         self.fabric = fabric
         self.paths = paths
         self.n_threads = n_threads
         self.decode_threads = decode_threads
+        self.gpu_layers = gpu_layers   # this node's own setting, never the coordinator's
         self.publish = publish
         self.terms = TermStore(paths)
         self._serving: ServingModel | None = None
@@ -391,7 +404,8 @@ class CoordinatorRuntime:
         but ``exclude``; and the names of the peers left out for lacking the model."""
         me = local_capabilities()
         cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes,
-                           budget=options.max_memory, speed=me.speed or None, is_coordinator=True)]
+                           budget=options.max_memory, speed=me.speed or None, is_coordinator=True,
+                           free_vram=me.free_vram_bytes if self.gpu_layers != 0 else 0)]
         skipped = []
         peers = [p for p in self.fabric.peers() if p.node_id not in exclude]
         # a peer that lacks the model fetches its layers from one that shares it (this node too)
@@ -407,7 +421,8 @@ class CoordinatorRuntime:
                 continue
             cands.append(Candidate(p.node_id, p.name or p.node_id, caps.free_ram_bytes if caps else 0,
                                    speed=(caps.speed or None) if caps else None, rtt_ms=p.rtt_ms,
-                                   fetch_bytes_per_s=None if holds else FETCH_BYTES_PER_S))
+                                   fetch_bytes_per_s=None if holds else FETCH_BYTES_PER_S,
+                                   free_vram=caps.free_vram_bytes if caps and caps.backend != "cpu" else 0))
         return cands, skipped
 
     async def stop(self, reason: str = "stopped") -> None:

@@ -13,16 +13,39 @@ import os
 from meshnode.state import Capabilities, HeldModel
 
 
+_offload = True
+
+
+def set_offload(enabled: bool) -> None:
+    """Whether this node offloads layers to its GPU (``--gpu-layers`` other than 0): a
+    node that does not advertises the CPU backend and no VRAM, so the planner does not
+    count on a GPU it will not use."""
+    global _offload
+    _offload = enabled
+
+
 def local_capabilities(models: tuple[HeldModel, ...] = ()) -> Capabilities:
-    """This machine's summary now (free RAM rounded to 64 MiB so the record is stable)."""
+    """This machine's summary now (free RAM and VRAM rounded to 64 MiB so the record is
+    stable)."""
+    backend, vram = gpu_summary() if _offload else ("cpu", 0)
     return Capabilities(
         free_ram_bytes=_free_ram() // (64 << 20) * (64 << 20),
-        free_vram_bytes=0,
-        backend="cpu",
+        free_vram_bytes=vram // (64 << 20) * (64 << 20),
+        backend=backend,
         cores=usable_cores(),
         models=models,
         speed=measured_speed(),
     )
+
+
+def gpu_summary() -> tuple[str, int]:
+    """(backend, free VRAM bytes) as llama.cpp's device list gives them: ("cpu", 0) on a
+    CPU-only build."""
+    try:
+        from meshnode.engine.offload import backend_summary
+        return backend_summary()
+    except (ImportError, OSError):   # no usable llama.cpp here: nothing to offload to
+        return "cpu", 0
 
 
 def usable_cores() -> int:

@@ -22,7 +22,11 @@ Rules, in order (see ``docs/planning.md``):
    rest is shared among the others), then rounded to whole layers under exact fit
    checks. Among the feasible arrangements the one with the lowest estimated time
    per token (compute share / speed + link RTT) wins; ties go to node ids.
-5. ``split=N`` forces exactly N stages; ``explicit`` takes given ranges on given
+5. A node with a GPU (``free_vram`` > 0) adds its free VRAM to its capacity and runs
+   the layers that fit there at ``vram_speed`` (default: ``GPU_SPEEDUP`` times its CPU
+   speed), the rest at its CPU speed: in the water-fill it is two slots, a fast one
+   capped by its VRAM and a slow one for what spills to RAM.
+6. ``split=N`` forces exactly N stages; ``explicit`` takes given ranges on given
    nodes and only checks them (coverage, coordinator first, memory fit).
 """
 
@@ -50,6 +54,10 @@ __all__ = [
 ]
 
 DEFAULT_HEADROOM = 0.1
+# Decode speed of layers held in VRAM against the same node's CPU figure when the node
+# does not say (Candidate.vram_speed). An estimate, not a measurement: decoding is
+# memory-bound, and a GPU's memory bandwidth is roughly 10-20x a desktop's DRAM.
+GPU_SPEEDUP = 16.0
 # At most this many remote candidates are considered for automatic plans (the ones with
 # the most capacity); keeps the search over node subsets small on a large LAN.
 MAX_REMOTE_POOL = 8
@@ -142,14 +150,16 @@ class Candidate:
     rtt_ms: float | None = None
     is_coordinator: bool = False
     fetch_bytes_per_s: float | None = None
+    free_vram: int = 0                 # bytes of GPU memory this node offloads into
+    vram_speed: float | None = None    # speed of layers in VRAM (None: GPU_SPEEDUP x speed)
 
     @property
     def capacity(self) -> int:
-        """Bytes this node may use: free memory, capped by its budget."""
+        """Bytes this node may use: free memory, capped by its budget, plus free VRAM."""
         cap = max(0, int(self.free_memory))
         if self.budget is not None:
             cap = min(cap, max(0, int(self.budget)))
-        return cap
+        return cap + max(0, int(self.free_vram))
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,6 +337,22 @@ class _Context:
     def speed(self, c: Candidate) -> float:
         return c.speed if c.speed is not None and c.speed > 0 else self.default_speed
 
+    def vram_layers(self, c: Candidate) -> float:
+        """Layers (of average size) this node holds in VRAM."""
+        if c.free_vram <= 0:
+            return 0.0
+        return c.free_vram / (1.0 + self.headroom) / max(1.0, self.prefix[self.n] / self.n)
+
+    def vram_speed(self, c: Candidate) -> float:
+        if c.vram_speed is not None and c.vram_speed > 0:
+            return c.vram_speed
+        return self.speed(c) * GPU_SPEEDUP
+
+    def stage_ms(self, c: Candidate, layers: float) -> float:
+        """Compute time of ``layers`` layers on ``c``: the VRAM part at GPU speed."""
+        fast = min(layers, self.vram_layers(c))
+        return 1000.0 / self.n * (fast / self.vram_speed(c) + (layers - fast) / self.speed(c))
+
     def rtt(self, c: Candidate) -> float:
         if c.is_coordinator:
             return 0.0
@@ -411,21 +437,31 @@ class _Context:
         for i, c in enumerate(order):
             fixed = m.overhead_bytes + (m.embed_bytes if i == 0 else 0) + (m.head_bytes if i == k - 1 else 0)
             caps.append(max(0.0, (self.usable(c) - fixed) / avg))
-        share = [0.0] * k
-        free = set(range(k))
+        # Slots: (node index, speed, cap). A GPU node has a VRAM slot and a RAM slot.
+        slots: list[tuple[int, float, float]] = []
+        for i, c in enumerate(order):
+            fast = min(caps[i], self.vram_layers(c))
+            if fast > 0:
+                slots.append((i, self.vram_speed(c), fast))
+            slots.append((i, self.speed(c), caps[i] - fast))
+        got = [0.0] * len(slots)
+        free = set(range(len(slots)))
         left = float(n)
         while free:
-            total = sum(self.speed(order[i]) for i in free)
-            trial = {i: left * self.speed(order[i]) / total for i in free}
-            over = [i for i in sorted(free) if trial[i] > caps[i]]
+            total = sum(slots[j][1] for j in free)
+            trial = {j: left * slots[j][1] / total for j in free}
+            over = [j for j in sorted(free) if trial[j] > slots[j][2]]
             if not over:
-                for i, v in trial.items():
-                    share[i] = v
+                for j, v in trial.items():
+                    got[j] = v
                 break
-            for i in over:
-                share[i] = caps[i]
-                left -= caps[i]
-                free.discard(i)
+            for j in over:
+                got[j] = slots[j][2]
+                left -= slots[j][2]
+                free.discard(j)
+        share = [0.0] * k
+        for (i, _, _), v in zip(slots, got):
+            share[i] += v
         return share
 
     def fetch_s(self, arr: _Arrangement) -> float:
@@ -442,7 +478,7 @@ class _Context:
         return worst
 
     def est_ms(self, arr: _Arrangement) -> float:
-        return sum(1000.0 * (e - s) / self.n / self.speed(c) + self.rtt(c) for c, s, e in arr)
+        return sum(self.stage_ms(c, e - s) + self.rtt(c) for c, s, e in arr)
 
     # -- explicit plans
 

@@ -81,13 +81,14 @@ class StageServerRuntime:
     """
 
     def __init__(self, fabric: Fabric, paths: NodePaths, *, n_threads: int | None = None,
-                 decode_threads: int | None = None,
+                 decode_threads: int | None = None, gpu_layers: int = 0,
                  publish: Publish | None = None, max_memory: int | None = None,
                  lease: ClaimLease = ClaimLease()) -> None:
         self.fabric = fabric
         self.paths = paths
         self.n_threads = n_threads
         self.decode_threads = decode_threads
+        self.gpu_layers = gpu_layers   # this node's own setting, never the coordinator's
         self.publish = publish
         self.max_memory = max_memory
         self.control = StageServerControl(fabric.node_id, time.monotonic(), name=fabric.name, lease=lease)
@@ -337,7 +338,8 @@ class StageServerRuntime:
             p = ev.params
             config = EngineConfig(path, takes_tokens=ev.layer_start == 0, has_head=ev.layer_end == n_total,
                                   n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max, kv_type=p.kv_type,
-                                  n_threads=self.n_threads, decode_threads=self.decode_threads)
+                                  n_threads=self.n_threads, decode_threads=self.decode_threads,
+                                  gpu_layers=self.gpu_layers)
             worker = await EngineWorker.load(config, name=f"stage{ev.stage_index}")
             host = StageHost(self.fabric, worker,
                              StageRoute(ev.coordinator, ev.downstream or None, p.wire_dtype, ev.upstream))

@@ -40,7 +40,8 @@ def status_json(snapshot: Any) -> dict[str, Any]:
         "failovers": to_jsonable(snapshot.failovers),
         "stages": [
             {"index": s.index, "node_id": s.node_id, "node": s.node_name,
-             "layers": [s.layer_start, s.layer_end], "state": s.state.value, "detail": s.detail}
+             "layers": [s.layer_start, s.layer_end], "state": s.state.value, "detail": s.detail,
+             "backend": s.backend}
             for s in snapshot.stages
         ],
         "requests": to_jsonable(snapshot.requests[:20]),

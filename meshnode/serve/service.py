@@ -65,7 +65,7 @@ class ServiceOptions:
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond parallel (then 429)
     wire_dtype: str = "f32"
     threads: int | None = None
-    gpu_layers: int = 0
+    gpu_layers: int = -1                # engine.offload.GPU_LAYERS_AUTO
     aliases: tuple[str, ...] = ()
     wait_peers: float = 30.0            # seconds to wait for peers a plan needs
     spec_cli: object | None = None      # meshnode.spec.strategy.CliSpecOptions
@@ -331,7 +331,8 @@ class ModelService:
             draft_spec = str(base / cand) if not cand.is_absolute() and (base / cand).exists() else spec.draft_model
             dref = await asyncio.to_thread(resolve_model, draft_spec, self.node.paths)
             await asyncio.to_thread(check_vocab, ref.path, dref.path)
-            return await asyncio.to_thread(DraftModelProposer, dref.path, n_threads=self.options.threads)
+            return await asyncio.to_thread(DraftModelProposer, dref.path, n_threads=self.options.threads,
+                                           gpu_layers=self.options.gpu_layers)
         except Exception as exc:  # noqa: BLE001 - never a failed start for a draft
             log.warning("draft model %r disabled: %s; serving without it", spec.draft_model, exc)
             return None

@@ -3,7 +3,7 @@
 Each stage's share of the bar is filled with a glyph for its state (█ ready, ▓ loading,
 ▒ preparing, ░ assigned, ╳ failed, · stopped) and carries its label, so the map reads
 without colour; uncovered layers show as ``-``. A ruler under the bar marks the stage
-boundaries, and a legend lists each stage with its range, node and state.
+boundaries, and a legend lists each stage with its range, node, state and backend.
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ class StageMap(Widget):
             legend.append(f"[{s.layer_start},{s.layer_end})".ljust(10))
             legend.append(f"{printable(s.node_name, 64):<12} ")
             legend.append(s.state.value, style=style)
+            if s.backend:
+                legend.append(f" on {printable(s.backend, 16)}")
             if s.detail:
                 legend.append(f"  {printable(s.detail)}", style="dim")
             lines.append("\n")

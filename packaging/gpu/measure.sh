@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# GPU measurements for docs/benchmarks.md ("GPU nodes"), on the lent GPU machine with the kit
+# of ../shared/gpu copied to .gpukit (see its README). Two parts, each under 10 minutes, run
+# back to back on one warm machine (part 1 builds llama.cpp with CUDA and writes the models
+# into /tmp/gpumodels; part 2 reuses both):
+#
+#   . .gpukit/device-setup.sh && bash packaging/gpu/measure.sh 1 "$OUT"
+#   . .gpukit/device-setup.sh && bash packaging/gpu/measure.sh 2 "$OUT"
+#
+# Every step has its own time limit and appends to $OUT/part<N>.log; a failed step is
+# reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
+# (a check of the script itself, not a measurement).
+set -u
+PART=${1:?part 1 or 2}
+OUT=${2:?output folder}
+M=${MEASURE_MODELS:-/tmp/gpumodels}
+HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
+LOG="$OUT/part$PART.log"
+mkdir -p "$M" "$HOME_DIR" "$OUT"
+export MESHNODE_HOME="$HOME_DIR" MESHNODE_KEYRING=file PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+mn() { "$PY" -m meshnode "$@"; }
+KIT=$(cd "$(dirname "$0")/../.." && pwd)/.gpukit
+DRY=${MEASURE_DRY:-0}
+
+step() {   # step SECONDS TITLE CMD...: run with a limit, log output and wall time
+  local limit=$1 title=$2; shift 2
+  echo "=== $title" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $title: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+schedule() {   # schedule MODEL LABEL [ENV=V ...] -- [certify flags]: one batch-schedule check
+  local model=$1 label=$2; shift 2
+  local envs=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  step 100 "schedule $label" env "${envs[@]}" "$PY" -m meshnode models certify "$model" --schedule \
+    --gpu-layers all "$@"
+}
+
+if [ "$PART" = 1 ]; then
+  step 30 "devices" "$PY" - <<'PY'
+from meshnode.engine.offload import gpu_devices, backend_summary
+print(gpu_devices()); print(backend_summary())
+from meshnode.mesh.local_caps import local_capabilities
+print(local_capabilities())
+PY
+  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv >>"$LOG" 2>&1
+  if [ "$DRY" = 1 ]; then
+    step 120 "write 1b (dry: tiny)" "$PY" "$KIT/mkmodels.py" tiny "$M/l1b.gguf"
+    step 120 "write 8b (dry: tiny)" "$PY" "$KIT/mkmodels.py" tiny "$M/l8b.gguf"
+  else
+    step 200 "write 8b Q4_0" "$PY" "$KIT/mkmodels.py" 8b "$M/l8b.gguf" Q4_0
+    step 120 "write 1b f16" "$PY" "$KIT/mkmodels.py" 1b "$M/l1b.gguf"
+  fi
+  # one-row steps against windows on the GPU: llama.cpp's defaults, then the candidates
+  # that are settable at run time (the MMQ/cuBLAS choice is a build option of ggml-cuda)
+  schedule "$M/l1b.gguf" "l1b default" -- --json
+  schedule "$M/l1b.gguf" "l1b flash-attn off" -- --flash-attn off --json
+  schedule "$M/l1b.gguf" "l1b no CUDA graphs, flash-attn off" GGML_CUDA_DISABLE_GRAPHS=1 -- --flash-attn off --json
+fi
+
+if [ "$PART" = 2 ]; then
+  TOK=64; ROUNDS=3
+  [ "$DRY" = 1 ] && { TOK=8; ROUNDS=1; }
+  step 60 "certify 1b split 4,8 on the GPU" "$PY" -m meshnode models certify "$M/l1b.gguf" --splits 4,8 \
+    --gpu-layers all --json
+  step 90 "bench engine 8b, all layers on the GPU, 2 stages" "$PY" -m meshnode bench engine "$M/l8b.gguf" --splits 16 \
+    --gpu-layers all --tokens $TOK --reps 3
+  step 200 "bench serve 8b: 1 vs 2 stages on one GPU" "$PY" -m meshnode bench serve --model "$M/l8b.gguf" --stages 1,2 \
+    --concurrency 1 --tokens $TOK --rounds $ROUNDS --gpu-layers all --threads 4 --json
+  step 150 "bench spec 1b on the GPU" "$PY" -m meshnode bench spec --model "$M/l1b.gguf" --quick \
+    --strategies baseline,ngram_auto --gpu-layers all --threads 4 --delay-ms 0 --json
+fi
+if [ "$PART" = 3 ]; then   # the GPU defaults (one-row steps padded to 2 rows, flash attention off)
+  [ -f "$M/l8b.gguf" ] || step 200 "write 8b Q4_0" "$PY" "$KIT/mkmodels.py" 8b "$M/l8b.gguf" Q4_0
+  [ -f "$M/l1b.gguf" ] || step 120 "write 1b f16" "$PY" "$KIT/mkmodels.py" 1b "$M/l1b.gguf"
+  schedule "$M/l8b.gguf" "l8b GPU defaults, windows 2-4" -- --windows 2,3,4 --json
+  schedule "$M/l8b.gguf" "l8b GPU defaults, windows 2-32" -- --json
+  schedule "$M/l1b.gguf" "l1b GPU defaults, windows 2-16" -- --windows 2,4,8,16 --json
+  step 80 "bench spec 1b on the GPU, windows <= 4 rows" "$PY" -m meshnode bench spec --model "$M/l1b.gguf" --quick \
+    --strategies baseline,ngram_auto --gpu-layers all --threads 4 --delay-ms 0 --draft-max 3 --json
+  step 110 "bench spec 8b on the GPU, windows <= 4 rows" "$PY" -m meshnode bench spec --model "$M/l8b.gguf" --quick \
+    --strategies baseline,ngram_auto --gpu-layers all --threads 4 --delay-ms 0 --draft-max 3 --json
+  step 120 "bench serve 8b with the GPU defaults" "$PY" -m meshnode bench serve --model "$M/l8b.gguf" --stages 1,2 \
+    --concurrency 1 --tokens 64 --rounds 3 --gpu-layers all --threads 4 --json
+fi
+grep "^===" "$LOG" > "$OUT/part$PART.summary"

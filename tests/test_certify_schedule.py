@@ -1,0 +1,57 @@
+"""``certify --schedule``: verify windows against one-row steps (what exact speculation
+needs), and the one-row padding GPU nodes use, checked on CPU with real llama.cpp.
+
+On the GPU the same check runs by hand (packaging/gpu/measure.sh); here it runs on
+SmolLM2 with one thread, where llama.cpp's CPU kernels are batch-invariant.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from meshnode.certify import schedule_check
+from meshnode.engine import EngineConfig, Segment, StageEngine
+from nodeproc import env, meshnode_argv
+
+pytestmark = pytest.mark.slow
+
+
+def test_windows_reproduce_one_row_steps_on_cpu(smollm2):
+    rep = schedule_check(smollm2.path, contexts=(16, 100), windows=(2, 4, 8), n_steps=8, n_threads=1)
+    assert rep.backend == "cpu" and rep.gpu_layers == 0
+    assert [(c.context, c.window) for c in rep.cases] == [(16, 2), (16, 4), (16, 8), (100, 2), (100, 4), (100, 8)]
+    assert rep.exact, rep.to_json()
+
+
+def test_a_padded_one_row_step_is_the_first_row_of_a_two_row_window(smollm2):
+    """What GPU nodes do by default: a one-row call runs as 2 rows, the copy rolled back."""
+    toks = np.arange(10, 30, dtype=np.int32)
+    cfg = dict(n_ctx=64, n_seq_max=1, n_threads=1)
+    with StageEngine(EngineConfig(smollm2.path, pad_one_row=True, **cfg)) as eng:
+        eng.run_session(0, 0, toks, n_logits=1)
+        one = eng.forward([Segment(0, 20, tokens=np.asarray([7], np.int32), n_logits=1)])[0]
+        assert one.shape == (1, eng.n_vocab) and eng.next_pos(0) == 21   # the copy is gone
+        eng.rollback(0, 20)
+        window = eng.forward([Segment(0, 20, tokens=np.asarray([7, 8], np.int32), n_logits=2)])[0]
+    assert np.array_equal(one[0], window[0])
+
+
+def test_the_certify_command_reports_the_schedule_as_json(smollm2):
+    r = subprocess.run(meshnode_argv("models", "certify", str(smollm2.path), "--schedule", "--contexts", "16",
+                                     "--windows", "2,4", "--threads", "1", "--json"),
+                       capture_output=True, text=True, env=env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["exact"] is True and out["schedule"]["exact"] is True
+    assert [c["window"] for c in out["schedule"]["cases"]] == [2, 4]
+
+
+def test_bad_schedule_options_are_one_line_errors(smollm2):
+    r = subprocess.run(meshnode_argv("models", "certify", str(smollm2.path), "--schedule", "--windows", "1,64"),
+                       capture_output=True, text=True, env=env(), timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--windows must be numbers in 2..32" in r.stderr
