@@ -468,9 +468,13 @@ class MeshClient:
             else:
                 hit = self.share.directory.route(m.name)
                 created = hit[1].created if hit is not None else 0
+            # what a model supports is known for this node's own model only (the mesh's
+            # directory does not carry it)
             out.append(ModelCard(id=m.name, created=created,
                                  n_ctx=m.n_ctx or None, coordinator_id=m.coordinator_id,
-                                 coordinator_name=m.coordinator_name, local=m.local))
+                                 coordinator_name=m.coordinator_name, local=m.local,
+                                 capabilities=card.capabilities if card is not None else (),
+                                 unsupported=card.unsupported if card is not None else ()))
         return out
 
     def generate(self, request: GenerationRequest):  # -> AsyncIterator[GenerationEvent]
