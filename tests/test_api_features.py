@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import httpx
+import jsonschema_rs
 import pytest
 
 from tests.nodeproc import start_node
@@ -141,34 +142,113 @@ def test_models_report_context_and_capabilities(single):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"   # --parallel 2
 
 
-@pytest.mark.parametrize("fixture", sorted(p.name for p in COMPAT.glob("*.json")))
-def test_editor_request_bodies(single, fixture):
-    """Each body as the editor sends it (model name filled in; a request without a token
-    limit gets max_tokens 8, so that it ends in seconds on 2 cores)."""
-    node, _ = single
-    port = node.info["http_port"]
-    case = json.loads((COMPAT / fixture).read_text())
+FIXTURES = sorted(p.name for p in COMPAT.glob("*.json"))
+TOKEN_CAP = 8          # text answers: enough to see the stream's shape
+FORCED_CAP = 48        # a forced call: room for a short call, cut short otherwise
+
+
+def _body(case: dict, port: int, cap: int) -> dict:
+    """The editor's body with the model name filled in and every token limit capped
+    (the editors ask for 4096 or leave it to the context; 2 cores must end in seconds)."""
     body = json.loads(json.dumps(case["body"]).replace('"MODEL"', json.dumps(_model(port))))
-    if not {"max_tokens", "max_completion_tokens", "n_predict"} & body.keys():
-        body["max_tokens"] = 8
+    if "n_predict" in body:
+        body["n_predict"] = min(body["n_predict"], cap)
+    elif "max_completion_tokens" in body:
+        body["max_completion_tokens"] = min(body["max_completion_tokens"], cap)
+    else:
+        body["max_tokens"] = min(body.get("max_tokens", cap), cap)
+    return body
+
+
+def _stream_shape(chunks: list[dict], obj: str) -> tuple[dict[int, dict], str | None]:
+    """Checks what every OpenAI streaming client relies on; returns the calls
+    reassembled from their deltas (by index) and the finish reason."""
+    assert chunks and {c["object"] for c in chunks} == {obj}
+    assert len({c["id"] for c in chunks}) == 1
+    calls: dict[int, dict] = {}
+    finish = None
+    for c in chunks:
+        for ch in c["choices"]:
+            if ch["finish_reason"] is not None:
+                assert finish is None, "one finish_reason per choice"
+                finish = ch["finish_reason"]
+            for d in (ch.get("delta") or {}).get("tool_calls") or []:
+                if d["index"] not in calls:
+                    # Zed, Cline (AI SDK) and Continue take the id and name from the
+                    # first delta of an index and fail or drop the call without them
+                    assert d["id"] and d["type"] == "function" and d["function"]["name"], d
+                    calls[d["index"]] = {"id": d["id"], "name": d["function"]["name"], "arguments": ""}
+                else:
+                    assert "id" not in d and "name" not in d["function"], d
+                calls[d["index"]]["arguments"] += d["function"].get("arguments") or ""
+    assert sorted(calls) == list(range(len(calls)))
+    return calls, finish
+
+
+def _check_calls(calls: dict[int, dict], finish: str | None, tools: list[dict], forced: bool) -> None:
+    names = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if calls:
+        assert finish in ("tool_calls", "length")
+    if forced:
+        assert calls or finish == "length"
+    complete = calls if finish == "tool_calls" else {i: c for i, c in calls.items() if i < len(calls) - 1}
+    for c in complete.values():
+        assert c["name"] in names
+        jsonschema_rs.validate(names[c["name"]], json.loads(c["arguments"]))
+
+
+def _replay(port: int, case: dict, *, force: bool) -> None:
+    expect = case["expect"]
+    body = _body(case, port, FORCED_CAP if force or expect.get("forced") else TOKEN_CAP)
+    if force:
+        body["tool_choice"] = "required"
     r = _post(port, case["path"], body)
-    expect = case.get("expect_without_fim")
-    if expect is not None:   # SmolLM2 declares no FIM tokens
+    if "status" in expect:      # SmolLM2 declares no FIM tokens
         assert r.status_code == expect["status"], r.text
         assert r.json()["error"]["param"] == expect["param"]
         return
     assert r.status_code == 200, r.text
+    obj = expect.get("object", "chat.completion")
+    forced = force or bool(expect.get("forced"))
     if body.get("stream"):
+        assert r.headers["content-type"].startswith("text/event-stream")
         chunks, done = _sse(r)
-        assert done and chunks
-        assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
-        assert any(ch["finish_reason"] in ("stop", "length") for c in chunks for ch in c["choices"])
+        assert done
         if (body.get("stream_options") or {}).get("include_usage"):
-            assert chunks[-1]["usage"]["completion_tokens"] >= 1
-    else:
-        answer = r.json()
-        assert answer["object"] == "chat.completion"
-        assert isinstance(answer["choices"][0]["message"]["content"], str)
+            *chunks, usage = chunks
+            assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+        calls, finish = _stream_shape(chunks, obj + ".chunk" if obj == "chat.completion" else obj)
+        assert finish in ("stop", "length", "tool_calls")
+        if obj == "chat.completion":
+            assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
+        _check_calls(calls, finish, body.get("tools") or [], forced)
+        return
+    answer = r.json()
+    assert answer["object"] == obj
+    choice = answer["choices"][0]
+    msg = choice["message"]
+    assert msg["role"] == "assistant" and (msg["content"] is None or isinstance(msg["content"], str))
+    calls = {i: {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for i, c in enumerate(msg.get("tool_calls") or [])}
+    if calls:
+        assert choice["finish_reason"] == "tool_calls"
+        assert all(c["id"].startswith("call_") for c in calls.values())
+    _check_calls(calls, choice["finish_reason"], body.get("tools") or [], forced)
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_editor_request_bodies(single, fixture):
+    """Each body as the editor sends it (tests/compat/*.json names the client source it
+    was read from), with token limits capped; where the client sends tools, once more
+    with tool_choice "required", so that a call is made against the client's own tool
+    schemas and its deltas reach the client's parser."""
+    node, _ = single
+    case = json.loads((COMPAT / fixture).read_text())
+    assert case["source"] and all(s["repo"] and s["path"] for s in case["source"])
+    port = node.info["http_port"]
+    _replay(port, case, force=False)
+    if case["expect"].get("tools") and not case["expect"].get("forced"):
+        _replay(port, case, force=True)
 
 
 def test_split_equals_single_node(smollm2, single, tmp_path):

@@ -1,5 +1,5 @@
 """Tools and structured output against real nodes (real llama.cpp on SmolLM2, real HTTP,
-the official openai client and langchain-openai): every tool call and every structured
+the official openai client, langchain-openai and litellm): every tool call and every structured
 answer parses and validates against its schema, streamed and not; constrained greedy
 output is the same with n-gram speculation on and off, and on a 2-stage split (masks
 computed at stage 0, applied at the final stage) as on one node.
@@ -11,6 +11,7 @@ what is checked is the protocol."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import jsonschema_rs
@@ -222,13 +223,51 @@ def _constrained_outputs(c) -> list[str]:
     stream = c.chat.completions.create(model=model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=80,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                        stream=True)
-    out.append("".join(d.function.arguments or "" for ch in stream if ch.choices
-                       for d in ch.choices[0].delta.tool_calls or []))
+    deltas = [d for ch in stream if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    # the streamed call: named once in its first delta, its argument pieces reassemble
+    # into arguments that parse and match the schema
+    assert deltas and deltas[0].index == 0 and deltas[0].id and deltas[0].function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema_rs.validate(WEATHER_PARAMS, json.loads(arguments))
+    out.append(arguments)
     return out
 
 
-def test_constrained_output_is_the_same_without_speculation_and_on_a_split(smollm2, client, tmp_path):
+def _litellm_call(node, *, stream: bool) -> dict:
+    """A named tool call through litellm's OpenAI-compatible provider, as aider sends it
+    (``openai/<model>`` with ``api_base``); returns the call's parsed arguments."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")   # no fetch of its price list at import
+    import litellm
+
+    model = _client(node).models.list().data[0].id
+    kwargs = dict(model=f"openai/{model}", api_base=f"http://127.0.0.1:{node.info['http_port']}/v1",
+                  api_key="none", messages=ASK, tools=TOOLS, temperature=0, max_tokens=80, num_retries=0,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if not stream:
+        r = litellm.completion(**kwargs)
+        assert r.choices[0].finish_reason == "tool_calls"
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and call.id
+        arguments = call.function.arguments
+    else:
+        chunks = list(litellm.completion(**kwargs, stream=True))
+        r = litellm.stream_chunk_builder(chunks, messages=ASK)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and call.id
+        arguments = call.function.arguments
+    args = json.loads(arguments)
+    jsonschema_rs.validate(WEATHER_PARAMS, args)
+    return args
+
+
+def test_litellm_makes_a_tool_call(node):
+    assert _litellm_call(node, stream=False) == _litellm_call(node, stream=True)
+
+
+def test_constrained_output_is_the_same_without_speculation_and_on_a_split(smollm2, node, client, tmp_path):
     with_spec = _constrained_outputs(client)
+    litellm_args = _litellm_call(node, stream=True)
     for text in with_spec[:2]:
         json.loads(text)
     root = tmp_path
@@ -252,6 +291,8 @@ def test_constrained_output_is_the_same_without_speculation_and_on_a_split(smoll
         _wait_ready(coord)
         assert [s["state"] for s in coord.status()["stages"]] == ["ready", "ready"]
         assert _constrained_outputs(_client(coord)) == with_spec
+        # litellm (aider's client) streaming a call through the split
+        assert _litellm_call(coord, stream=True) == litellm_args
     except BaseException:
         for n in (coord, helper):
             if n is not None:
