@@ -390,3 +390,29 @@ def test_the_model_server_fails_only_the_request_whose_sampling_failed(monkeypat
     assert good == alone
     assert isinstance(bad, StepFailedError) and "poisoned on purpose" in str(bad)
     assert error_spec(bad).status == 500
+
+
+def test_after_a_session_copy_neither_session_overtakes_it_on_the_fast_lane():
+    """n > 1 prefills the prompt once, copies it, then feeds each choice's last token as a
+    one-row step: lane material. Sent on the lane, such a step could reach the stage before
+    the prefill and the copy (both on the ordered stream) and find no KV there."""
+
+    class _LaneFabric(_Stage0Fabric):
+        def lane_ready(self, node) -> bool:
+            return True
+
+    class _CopyWorker:
+        async def copy(self, src, dst, n_pos) -> None:
+            pass
+
+    async def main():
+        f = _LaneFabric()
+        sent: list = []
+        f.host = type("H", (), {"accept": lambda self, peer, m: sent.append(m)})()
+        pipe = MeshPipeline(_CopyWorker(), f, ["final"], reply_timeout=10.0)
+        await pipe.copy_session(GOOD, BAD, 3)
+        return [pipe._lane_eligible([Step(s, 3, _tok(1))]) for s in (GOOD, BAD, OTHER)], sent
+
+    eligible, sent = asyncio.run(main())
+    assert eligible == [False, False, True]
+    assert [type(m).__name__ for m in sent] == ["SessionCopy"]

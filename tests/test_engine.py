@@ -331,6 +331,27 @@ def test_session_slots_run_out(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("keep", [None, 5])
+def test_copied_session_continues_like_a_fresh_one(smollm2, prompts, keep):
+    """SessionCopy (requests with n > 1): with one KV stream per session llama.cpp copies
+    only whole streams, so the engine copies all and trims; the copy then decodes exactly
+    what a session prefilled from scratch does."""
+    prompt = prompts[0]
+    n = len(prompt) if keep is None else keep
+    with StageEngine(EngineConfig(smollm2.path, **COMMON)) as eng:
+        eng.forward([Segment(1, 0, tokens=prompt)])
+        eng.copy(1, 2, n)
+        got = eng.forward([Segment(2, n, tokens=_toks(42, 43), n_logits=2)])[0]
+        eng.forward([Segment(3, 0, tokens=prompt[:n])])
+        ref = eng.forward([Segment(3, n, tokens=_toks(42, 43), n_logits=2)])[0]
+        assert np.array_equal(got, ref)
+        with pytest.raises(EngineInputError):
+            eng.copy(1, 2, n)            # dst in use
+        with pytest.raises(EngineInputError):
+            eng.copy(1, 4, len(prompt) + 1)   # more than src holds
+
+
+@pytest.mark.slow
 def test_engine_refuses_a_text_file(tmp_path):
     junk = tmp_path / "notes.gguf"
     junk.write_text("this is a text file, not a model\n" * 100)

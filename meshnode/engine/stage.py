@@ -315,7 +315,15 @@ class StageEngine:
                                    f"(it holds {self._next_pos[src]})")
         seq = self._seq(dst)
         if n_pos:
-            llama_cpp.llama_memory_seq_cp(self._mem, src_seq, seq, 0, n_pos)
+            if self.config.kv_unified:
+                llama_cpp.llama_memory_seq_cp(self._mem, src_seq, seq, 0, n_pos)
+            else:
+                # One KV stream per session: llama.cpp copies only a whole stream across
+                # streams (a partial range aborts the process), so copy it all and drop
+                # what lies past n_pos.
+                llama_cpp.llama_memory_seq_cp(self._mem, src_seq, seq, -1, -1)
+                if n_pos < self._next_pos[src]:
+                    llama_cpp.llama_memory_seq_rm(self._mem, seq, n_pos, -1)
         self._next_pos[dst] = n_pos
 
     def drop(self, session: int) -> None:

@@ -385,9 +385,10 @@ class MeshPipeline:
         except EngineError as exc:
             raise PipelineFailedError(f"stage 0: copying session {src:x}: {exc}") from exc
         # Behind the prefill on the same stream, relayed stage to stage (StageHost), so
-        # every stage copies after it computed the prefill. The first step of ``dst``
-        # must not overtake it on the fast lane: it waits until ``dst`` saw a reply.
-        self._fresh.add(dst)
+        # every stage copies after it computed the prefill. The next steps of ``src`` and
+        # ``dst`` (one row each: lane material) must not overtake the prefill and the copy
+        # on the fast lane: they wait until their session saw a reply.
+        self._fresh.update((src, dst))
         await self._send(wire.SessionCopy(ref=0, src=src, dst=dst, n_pos=n_pos), False)
 
     async def end_session(self, session: int) -> None:

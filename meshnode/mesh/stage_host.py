@@ -211,7 +211,9 @@ class StageHost:
         A failed copy is logged; the copied session's first step then fails on this
         stage (its positions are missing) and its request with it."""
         if dst in self._ended or src in self._ended:
+            log.debug("SessionCopy %x -> %x skipped: a session already ended", src, dst)
             return
+        log.debug("SessionCopy %x -> %x of %d positions", src, dst, n_pos)
         try:
             await self.worker.copy(src, dst, n_pos)
             self.sessions.add(dst)
