@@ -156,11 +156,8 @@ def test_concurrent_requests_and_disconnect_free_every_stage(smollm2, single_nod
 
         with ThreadPoolExecutor(len(PROMPTS)) as ex:
             answers = list(ex.map(ask, PROMPTS))
-        same = sum(a == b for a, b in zip(answers, single_node_outputs))
-        print(f"\nconcurrent: {same}/{len(PROMPTS)} answers identical to the sequential single node")
-        assert all(answers)
-        # Sessions interleave their KV cells; greedy answers must still agree at the start.
-        assert all(a[:8] == b[:8] for a, b in zip(answers, single_node_outputs))
+        # one KV stream per session: an answer does not depend on what runs beside it
+        assert answers == single_node_outputs
 
         body = {"model": model, "messages": [{"role": "user", "content": "Tell a very long story."}],
                 "max_tokens": 400, "temperature": 0, "stream": True}
@@ -174,6 +171,7 @@ def test_concurrent_requests_and_disconnect_free_every_stage(smollm2, single_nod
                         break  # leaving the block closes the connection mid-stream
         wait_for(lambda: any(q["status"] == "cancelled" for q in coord.status()["requests"]), 15)
         wait_for(lambda: helpers[0].status().get("stage_sessions") == [], 15)
+        wait_for(lambda: coord.status().get("model_sessions") == 0, 15)
     finally:
         for n in [coord, *helpers]:
             n.stop()

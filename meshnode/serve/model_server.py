@@ -532,6 +532,11 @@ class ModelServer:
         self.route.restored()
 
     @property
+    def sessions_held(self) -> int:
+        """Sessions whose KV stage 0 holds (each until every stage was told to free it)."""
+        return len(self._sessions)
+
+    @property
     def in_flight(self) -> int:
         """Requests admitted and not finished (running or waiting for a slot)."""
         return self._admitted

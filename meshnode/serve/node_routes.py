@@ -66,6 +66,9 @@ async def status(request: Request) -> dict[str, Any]:
     stage_server = getattr(node, "stage_server", None)
     if stage_server is not None:
         data["stage_sessions"] = stage_server.sessions()
+    server = getattr(getattr(node, "service", None), "server", None)
+    if server is not None:   # KV held for the model this node coordinates (stage 0)
+        data["model_sessions"] = server.sessions_held
     share = getattr(node, "mesh_share", None)
     if share is not None:   # requests carried to members, and members' served here
         data["mesh_requests"] = dict(share.counters)
