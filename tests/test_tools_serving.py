@@ -18,7 +18,8 @@ import jsonschema_rs
 import pytest
 
 from meshnode.bench.cluster import link_model
-from tests.nodeproc import meshnode_cmd, start_node, wait_for
+from tests.nodeproc import meshnode_cmd, start_node
+from tests.test_split_serving import _wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.net]
 
@@ -47,15 +48,6 @@ def _home(root: Path, name: str, model: Path) -> Path:
     home = root / name
     link_model(home, model)
     return home
-
-
-def _wait_ready(node, timeout: float = 120.0) -> None:
-    def ready() -> bool:
-        model = node.get("/health").get("model") or {}
-        if model.get("state") == "failed":
-            raise AssertionError(f"model failed: {model}\n{node.log()[-3000:]}")
-        return model.get("state") == "ready"
-    wait_for(ready, timeout, interval=0.25)
 
 
 def _client(node):

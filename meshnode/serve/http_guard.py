@@ -190,7 +190,7 @@ class HttpGuard:
             except _Refused as r:
                 await _refuse(r.error, scope, receive, send)
                 return
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay_body(body, receive), send)
         finally:
             self.in_flight -= 1
 
@@ -278,7 +278,7 @@ def _client_is_loopback(scope: Scope) -> bool:
     return bool(client) and is_loopback_host(str(client[0]))
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
     """A receive that hands the already-read body over once, then the real one (whose next
     message is ``http.disconnect``, which the routes watch for)."""
     sent = False

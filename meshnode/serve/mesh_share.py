@@ -51,6 +51,7 @@ from meshnode.mesh.served_models import ServedModels
 from meshnode.serve.client import EngineClient, GenerationRequest, ModelCard
 from meshnode.serve.errors import EngineUnavailableError, ServerBusyError, UnknownModelError, error_body
 from meshnode.serve.sse import DONE, sse_data
+from meshnode.serve.http_guard import replay_body
 from meshnode.state import MeshModel, PeerInfo, printable
 from meshnode.wire import (
     API_PATHS,
@@ -497,7 +498,7 @@ class MeshForwardMiddleware:
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
-        replay = _replay(body, receive)
+        replay = replay_body(body, receive)
         model = await _model_of(body) if share.directory else None
         target = share.route(model) if model is not None else None
         if target is not None:
@@ -523,19 +524,6 @@ async def _read_body(receive: Receive) -> bytes:
         if not message.get("more_body", False):
             break
     return b"".join(parts)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> AsgiMessage:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 async def _model_of(body: bytes) -> str | None:
