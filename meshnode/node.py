@@ -288,7 +288,7 @@ class Node:
             spec=server.spec_stats() if server is not None else (),
             telemetry=tuple(self._telemetry),
             models=svc.model_infos() if svc is not None else (),
-            transfers=svc.transfers() if svc is not None else (),
+            transfers=(svc.transfers() if svc is not None else ()) + self.share.progress(),
             status=svc.state if svc is not None else ModelStatus.NO_MODEL,
             status_detail=svc.detail if svc is not None else "",
             mesh_models=self.mesh_share.mesh_models(),

@@ -145,7 +145,7 @@ class TransferInfo:
     name: str
     done_bytes: int
     total_bytes: int
-    what: str = "download"  # download | slice | load | transfer
+    what: str = "download"  # download | slice | load | transfer | pull (from a peer)
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,3 +191,16 @@ def test_bulk_server_bounds_connections(tmp_path, monkeypatch):
         extra.close()
     finally:
         server.close()
+
+
+def test_pulls_in_progress_are_the_snapshots_transfers(tmp_path):
+    """What the TUI's transfers table and `status` show of a pull: name, range, bytes."""
+    from meshnode.mesh.share import TransferInfo, TransferProgress
+
+    svc = ShareService(None, NodePaths.resolve(tmp_path))
+    svc.transfers[("a",)] = TransferInfo("smol", "ab" * 32, "model", ["n1"],
+                                         TransferProgress(10, 40, 5.0, 6.0))
+    svc.transfers[("b",)] = TransferInfo("smol", "ab" * 32, "layers [10, 20)", ["n1", "n2"])
+    rows = svc.progress()
+    assert [(r.name, r.done_bytes, r.total_bytes, r.what) for r in rows] == [
+        ("smol", 10, 40, "pull"), ("smol layers [10, 20)", 0, 0, "pull")]

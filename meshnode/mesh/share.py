@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshnode import wire
+from meshnode import state, wire
 from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.runtime import find_held_model
@@ -121,6 +121,15 @@ class ShareService:
         self._tasks: set[asyncio.Task] = set()
         self._pulls: dict[tuple, asyncio.Task] = {}
         self.transfers: dict[tuple, TransferInfo] = {}
+
+    def progress(self) -> tuple[state.TransferInfo, ...]:
+        """Pulls in progress as the snapshot's transfers (the TUI's transfers table)."""
+        out = []
+        for t in self.transfers.values():
+            p = t.progress
+            name = t.name if t.what == "model" else f"{t.name} {t.what}"
+            out.append(state.TransferInfo(name, p.done if p else 0, p.total if p else 0, what="pull"))
+        return tuple(out)
 
     # ---- lifecycle -----------------------------------------------------------------
 
