@@ -494,7 +494,7 @@ def test_sixteen_sessions_together_equal_each_alone(smol_chains, layout):
     prompts = [rng.integers(100, 40000, int(rng.integers(6, 30))).astype(np.int32) for _ in range(N_SESSIONS)]
     runs = []
     for together in (False, True):
-        chain = Chain(smol_chains[layout], n_ctx=256, n_seq_max=N_SESSIONS, n_threads=None)
+        chain = Chain(smol_chains[layout], n_ctx=256, n_batch=256, n_seq_max=N_SESSIONS, n_threads=None)
         try:
             runs.append(_greedy(chain, prompts, together, steps=16))
             assert all(not eng.sessions() for eng in chain.stages)
