@@ -221,6 +221,12 @@ class StageEngine:
             # llama.cpp quantizes the V cache only with flash attention; a GPU stage runs
             # without it (exact one-row steps there), so it keeps its KV in f16.
             kv_type = "f16"
+        n_head = max(1, llama_cpp.llama_model_n_head(model))
+        if kv_type == "q8_0" and (self.n_embd // n_head) % 32:
+            # q8_0 packs blocks of 32 values: a head narrower than that (small test models)
+            # cannot be stored so, and llama.cpp refuses the context. Every stage of a split
+            # has the same heads, so they all make the same choice.
+            kv_type = "f16"
         self.kv_type = kv_type
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
         cparams.swa_full = True   # exact rollback inside sliding-window layers
