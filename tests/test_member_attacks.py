@@ -141,7 +141,8 @@ def _garbage(rng: random.Random, a_id: str, b_id: str) -> list[tuple[str, str, o
     seg = wire.Segment(session=rng.choice([SESSION, rng.getrandbits(64)]), pos=rng.choice([0, 5, 2**31]),
                        n_rows=2, n_logits=rng.randint(0, 2), drafts=tuple(rng.getrandbits(32) for _ in range(rng.randint(0, 3))),
                        temperature=rng.choice([0.0, 1.0, float("nan"), float("inf")]), top_k=rng.randint(-5, 2**31 - 1),
-                       top_p=rng.choice([1.0, -1.0, float("nan")]), seed=rng.getrandbits(64), flags=rng.getrandbits(8))
+                       top_p=rng.choice([1.0, -1.0, float("nan")]), seed=rng.getrandbits(64),
+                       flags=rng.choice([0, wire.SEG_LANE, wire.SEG_MASKED, wire.logprob_flags(rng.randint(0, 20))]))
     act = np.full((2, rng.choice([N_EMBD, 7])), rng.choice([0.0, 1e30, float("nan")]), dtype=np.float32)
     term = rng.choice([0, 1, 2**64 - 1])
     good = wire.encode(wire.Forward(0, rng.getrandbits(64), 0, (seg,), act))

@@ -23,6 +23,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from meshnode.mesh.share import ShareService
+from meshnode.paths import NodePaths
 from meshnode.serve.app import create_app
 from inproc import serve_app
 from test_http_security import StubNode
@@ -34,9 +36,29 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance]
 
 
+class _NoPeers:
+    """A fabric with no members yet: model sharing's routes answer from it."""
+
+    node_id = "stub"
+    capabilities: dict = {}
+
+    def peers(self) -> list:
+        return []
+
+
+class _SharingStubNode(StubNode):
+    def __init__(self, home, **kw) -> None:
+        super().__init__(**kw)
+        self.fabric = _NoPeers()
+        self.share = ShareService(self.fabric, NodePaths.resolve(home))
+
+    def advertise_models(self) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def api_url() -> Iterator[str]:
-    yield from serve_app(create_app(StubNode(n_ctx=64)))
+def api_url(tmp_path_factory) -> Iterator[str]:
+    yield from serve_app(create_app(_SharingStubNode(tmp_path_factory.mktemp("home"), n_ctx=64)))
 
 
 @pytest.fixture(scope="module")

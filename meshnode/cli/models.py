@@ -131,6 +131,8 @@ def _node_request(paths, route: str, body: dict | None = None, timeout: float = 
     except urllib.error.HTTPError as exc:
         try:
             message = json.loads(exc.read()).get("error")
+            if isinstance(message, dict):      # the OpenAI-shaped error object
+                message = message.get("message")
         except (ValueError, AttributeError):
             message = None
         raise MeshnodeError(str(message or exc)) from None

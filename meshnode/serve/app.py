@@ -21,9 +21,10 @@ from pydantic.json_schema import models_json_schema
 
 from meshnode import __version__
 from meshnode.serve.http_guard import HttpGuard, HttpSecurity
+from meshnode.serve.node_routes import PullRequest, RefreshRequest
 from meshnode.serve.schemas import ChatCompletionRequest, CompletionRequest, InfillRequest
 
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, InfillRequest)
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, InfillRequest, PullRequest, RefreshRequest)
 
 
 def create_app(node: Any, security: HttpSecurity | None = None) -> FastAPI:

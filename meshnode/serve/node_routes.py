@@ -11,9 +11,34 @@ import dataclasses
 import enum
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
 
-from meshnode.serve.openai_routes import error_responses
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from meshnode.serve.openai_routes import POST_ERRORS, error_responses
+
+
+class PullRequest(BaseModel):
+    """``POST /mesh/pull``: a model the members share, by name or sha256."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model: str = Field(max_length=128)
+    from_: str | None = Field(default=None, alias="from", max_length=128)   # one holder's name or id
+    layers: list[int] | None = Field(default=None, min_length=2, max_length=2)   # [a, b): a layer package
+
+
+class RefreshRequest(BaseModel):
+    """``POST /mesh/refresh``: no fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _post(model: type, ok: str, media: str = "application/json") -> dict[str, Any]:
+    """A node route's POST documentation: its JSON body and every error it can answer."""
+    return dict(responses={200: {"description": ok, "content": {media: {"schema": {"type": "object"}}}},
+                           **error_responses(POST_ERRORS)},
+                openapi_extra={"requestBody": {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}})
 
 router = APIRouter()
 
@@ -78,24 +103,32 @@ async def status(request: Request) -> dict[str, Any]:
     return data
 
 
-@router.get("/mesh/models", responses=error_responses((401, 403, 500)))
+def _sharing_node(request: Request) -> Any:
+    """The node, when it runs model sharing (503 otherwise: an embedding without it)."""
+    node = request.app.state.node
+    if getattr(node, "share", None) is None or getattr(node, "fabric", None) is None:
+        raise HTTPException(503, "model sharing is not running on this node")
+    return node
+
+
+@router.get("/mesh/models", responses=error_responses((401, 403, 500, 503)))
 async def mesh_models_route(request: Request) -> dict[str, Any]:
     """Models the members share (``meshnode models list --mesh``)."""
     from meshnode.mesh.share import mesh_models
 
-    node = request.app.state.node
+    node = _sharing_node(request)
     transfers = [t.as_dict() for t in node.share.transfers.values()]
     return {"models": mesh_models(node.fabric), "transfers": transfers}
 
 
-@router.post("/mesh/refresh", responses=error_responses((401, 403, 500)))
+@router.post("/mesh/refresh", **_post(RefreshRequest, "advertised again"))
 async def mesh_refresh_route(request: Request) -> dict[str, Any]:
     """Advertise the store again (after ``meshnode models share|unshare|rm``)."""
-    request.app.state.node.advertise_models()
+    _sharing_node(request).advertise_models()
     return {"ok": True}
 
 
-@router.post("/mesh/pull", responses=error_responses((400, 401, 403, 500)))
+@router.post("/mesh/pull", **_post(PullRequest, "progress lines, then the result", "application/x-ndjson"))
 async def mesh_pull_route(request: Request) -> Any:
     """Pull a shared model into this node's store (``meshnode models pull``), or with
     ``"layers": [a, b]`` the layer package of blocks [a, b) into the slice cache: one JSON
@@ -109,16 +142,18 @@ async def mesh_pull_route(request: Request) -> Any:
     from meshnode.mesh.share import resolve_mesh_model
     from meshnode.models.transfer import TransferError
 
-    node = request.app.state.node
+    node = _sharing_node(request)
     try:
-        body = await request.json()
-        query, source = str(body.get("model", ""))[:128], body.get("from")
-        entry, sources = resolve_mesh_model(node.fabric, query, str(source)[:128] if source else None)
-        layers = body.get("layers")
+        body = PullRequest.model_validate(await request.json())
+        entry, sources = resolve_mesh_model(node.fabric, body.model, body.from_)
+        layers = body.layers
         if layers is not None:
-            start, end = (int(x) for x in layers)
+            start, end = layers
             if not 0 <= start < end <= entry["n_layers"]:
                 raise TransferError(f"layers [{start}, {end}) are outside the model's {entry['n_layers']} layers")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        return _line_error(f"bad request: {'.'.join(map(str, first['loc'])) or 'body'}: {first['msg']}")
     except (ValueError, AttributeError, TypeError) as exc:
         return _line_error(f"bad request: {exc}")
     except TransferError as exc:
@@ -165,6 +200,8 @@ async def mesh_pull_route(request: Request) -> Any:
 
 
 def _line_error(message: str) -> Any:
+    """A refused pull, as every route's errors are (OpenAI's error object)."""
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": message}, status_code=400)
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                   "code": None}}, status_code=400)
