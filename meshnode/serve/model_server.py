@@ -230,7 +230,8 @@ class ModelServer:
         info = RequestInfo(rid, self.settings.name, RequestStatus.QUEUED, len(prompt), 0, 0.0, None, time.time(),
                            strategy=self._decoder.telemetry.strategy)
         ar = ActiveRequest(rid, new_session_id(self._sessions), prompt, sampling, max_tokens,
-                           StopMatcher(tuple(req.stop) + tuple(template_stops)), info, constraint=constraint)
+                           StopMatcher(tuple(req.stop) + tuple(template_stops)), info, constraint=constraint,
+                           client=req.client)
         self._active[rid] = ar
         self._update(ar)
         events: asyncio.Queue = asyncio.Queue()
@@ -296,6 +297,7 @@ class ModelServer:
                 ar.pos += len(pending)  # last + accepted drafts entered the KV
             if tail := ar.tail():
                 events.put_nowait(TextDelta(tail, ()))
+            decoder.remember(ar)
             decode_s = time.perf_counter() - t_decode
             counters, now = decoder.telemetry.counters(ar.id), decoder.telemetry.snapshot()
             self._finish(ar, RequestStatus.DONE)

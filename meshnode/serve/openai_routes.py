@@ -216,7 +216,7 @@ def make_openai_router(
     async def _serve(
         request: Request, body: ChatCompletionRequest | CompletionRequest, chunks: _Chunks, prompt_param: str
     ) -> Response:
-        gen_request = body.to_generation_request(chunks.id)
+        gen_request = replace(body.to_generation_request(chunks.id), client=_caller(request))
         client = get_client()
         # The engine client decides which names it serves (ids, aliases, file names) and
         # raises UnknownModelError before its first event.
@@ -250,6 +250,17 @@ def make_openai_router(
 
 class _ClientGone(Exception):
     pass
+
+
+def _caller(request: Request) -> str:
+    """Who sent ``request``, for drafting from the same caller's recent requests: a hash
+    of its API key when it sent one (the key itself is not kept), else its address."""
+    import hashlib
+
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer " and auth[7:].strip():
+        return "key:" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
+    return "addr:" + (request.client.host if request.client else "")
 
 
 def _json(model: Any) -> JSONResponse:

@@ -28,7 +28,7 @@ from meshnode.engine.tokenizer import Tokenizer
 from meshnode.serve.client import StopMatcher, TextDelta
 from meshnode.mesh.final import Sampling
 from meshnode.mesh.pipeline import Step
-from meshnode.spec.ngram import NGramProposer
+from meshnode.spec.suffix import SuffixProposer
 from meshnode.state import RequestInfo
 
 
@@ -96,10 +96,11 @@ class ActiveRequest:
     finish: str = "length"       # OpenAI's finish_reason once done
     done: bool = False
     # speculation state, driven by meshnode.serve.speculation
-    ngram: NGramProposer | None = None   # the whole context: prompt + every generated token
+    ngram: SuffixProposer | None = None  # the whole context: prompt + every generated token
     ahead: SentStep | None = None        # a lookahead window in flight
     # grammar-constrained sampling (meshnode.serve.structured.Constraint), or None
     constraint: Any = None
+    client: str = ""              # whose recent texts it drafts from (meshnode.spec.suffix)
     _utf8: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder, repr=False)
 
     @property

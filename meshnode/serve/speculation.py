@@ -39,7 +39,7 @@ from meshnode.serve.request import ActiveRequest, SentStep
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.spec.cost_model import CostModel
 from meshnode.spec.lookahead import LookaheadGate
-from meshnode.spec.ngram import NGramProposer
+from meshnode.spec.suffix import RecentTexts, SuffixProposer
 from meshnode.spec.policy import AutoPolicy
 from meshnode.spec.stats import SpecTelemetry
 from meshnode.spec.strategy import Proposer, SpecConfig
@@ -79,10 +79,14 @@ class SpeculativeDecoder:
         self.draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft") if draft else None
         self.draft_lock = asyncio.Lock()
         self.gate = LookaheadGate()
+        # the same client's recent texts, drafted from (only where n-gram drafting runs)
+        self.recent = RecentTexts() if strategy == "ngram" else None
+        self._remembering: set[asyncio.Future] = set()
 
     async def start(self, req: ActiveRequest, first: int) -> None:
         """The request's prefill gave ``first``: the proposers take its context."""
-        req.ngram = NGramProposer(req.prompt)
+        history = None if self.recent is None else self.recent.automaton(req.client, time.monotonic())
+        req.ngram = SuffixProposer(req.prompt, history)
         req.ngram.observe([first])
         self.policy.on_prompt(req.prompt)
         if self.draft is not None:
@@ -161,6 +165,17 @@ class SpeculativeDecoder:
         req.ahead = nxt
         return tokens
 
+    def remember(self, req: ActiveRequest) -> None:
+        """A request finished: its text (prompt + generated) becomes draftable for the
+        same client's next requests. The automaton is rebuilt on a worker thread."""
+        if self.recent is None or not req.client:
+            return
+        text = [*req.prompt, *req.generated]
+        fut = asyncio.get_running_loop().run_in_executor(
+            None, self.recent.add, req.client, text, time.monotonic())
+        self._remembering.add(fut)
+        fut.add_done_callback(self._remembering.discard)
+
     def _send(self, req: ActiveRequest, pos: int, last: int, drafts: list[int], *,
               lookahead: bool = False) -> SentStep:
         mask = req.constraint.masks(drafts) if req.constraint is not None else None
@@ -168,7 +183,7 @@ class SpeculativeDecoder:
                     tuple(drafts), req.sampling, mask)
         return SentStep(step, self.scheduler.enqueue(step), lookahead)
 
-    def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: NGramProposer) -> SentStep | None:
+    def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: SuffixProposer) -> SentStep | None:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is
         the proposer's next token (see :mod:`meshnode.spec.lookahead` for when)."""
         # (a constrained request's masks follow its committed tokens: no guessing ahead)
