@@ -253,14 +253,17 @@ class _ClientGone(Exception):
 
 
 def _caller(request: Request) -> str:
-    """Who sent ``request``, for drafting from the same caller's recent requests: a hash
-    of its API key when it sent one (the key itself is not kept), else its address."""
+    """Who sent ``request``, for drafting from the same caller's recent requests: its
+    address, plus a hash of the API key it sent (the key itself is not kept), so callers
+    behind one address with keys of their own, and users of one shared key at different
+    addresses, stay apart."""
     import hashlib
 
+    addr = request.client.host if request.client else ""
     auth = request.headers.get("authorization", "")
     if auth[:7].lower() == "bearer " and auth[7:].strip():
-        return "key:" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
-    return "addr:" + (request.client.host if request.client else "")
+        return f"{addr}/" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
+    return addr
 
 
 def _json(model: Any) -> JSONResponse:

@@ -100,7 +100,7 @@ class ActiveRequest:
     ahead: SentStep | None = None        # a lookahead window in flight
     # grammar-constrained sampling (meshnode.serve.structured.Constraint), or None
     constraint: Any = None
-    client: str = ""              # whose recent texts it drafts from (meshnode.spec.suffix)
+    client: str = ""             # whose recent texts it drafts from (meshnode.spec.suffix)
     _utf8: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder, repr=False)
 
     @property

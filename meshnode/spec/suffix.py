@@ -21,9 +21,10 @@ once per finished request (the serving loop runs it off the event loop) and swap
 client's automaton in whole, so a request in flight keeps reading the one it started
 with.
 
-"Client" is the caller's API key when the request carried one (``Authorization:
-Bearer``), else its peer address: one editor session is one key or one address, and
-two callers never draft from each other's texts. Bounded: at most ``max_clients``
+"Client" is the caller's peer address plus (a hash of) the API key the request carried
+(``Authorization: Bearer``), if any: one editor session is one address and key, and two
+callers never draft from each other's texts (users of one shared key at different
+addresses neither). Bounded: at most ``max_clients``
 clients, ``max_tokens`` tokens in all (the oldest texts of any client are evicted
 first), texts older than ``max_age_s`` are dropped; a client with none left is
 forgotten. Memory is linear in the kept tokens (about 2 states each).
