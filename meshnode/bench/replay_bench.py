@@ -118,9 +118,8 @@ def run(args: argparse.Namespace) -> int:
                 if k not in known:
                     known[k] = _greedy(engine, p, args.tokens, tok.eog_ids)
                     print(f"    {i + 1}/{len(ps)}", file=sys.stderr, flush=True)
+                    _save(cache, known)   # an interrupted run keeps what it decoded
             answers[w] = [known[k] for k in keys[w]]
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(known))
         print("  measuring step costs", file=sys.stderr, flush=True)
         step_ms = _step_costs(engine, prompts["code_edit"][0], MEASURED_DRAFTS)
     finally:
@@ -161,6 +160,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _save(cache, known: dict) -> None:
+    import json
+    import os
+
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(known))
+    os.replace(tmp, cache)
 
 
 def _answer_key(ref, prompt: list[int], max_tokens: int) -> str:
