@@ -78,3 +78,31 @@ def test_malformed_files_are_refused(tmp_path):
         load("mixed_chat", tmp_path)
     with pytest.raises(ValueError, match="split"):
         select([], "half")
+
+
+def test_serve_breakdown_adds_up():
+    from meshnode.bench.serve_bench import _breakdown
+
+    res = {"1": {"decode_tok_s": 50.0}, "2": {"decode_tok_s": 40.0}}
+    bd = _breakdown(res, [1, 2], {1: [], 2: [1.0, 1.2, 3.0]}, codec_ms=0.2)
+    one, two = bd["1"], bd["2"]
+    assert one == {"token_ms": 20.0, "compute_ms": 20.0, "hop_ms": 0.0, "hops": 0, "codec_ms": 0.0,
+                   "rest_ms": 0.0}
+    assert two["hop_ms"] == 0.6 and two["hops"] == 2 and two["codec_ms"] == 0.2
+    assert abs(two["compute_ms"] + 2 * two["hop_ms"] + two["codec_ms"] + two["rest_ms"] - 25.0) < 0.02
+
+
+def test_spec_bench_by_kind_compares_fastest_rounds():
+    from meshnode.bench.prompt_sets import BenchPrompt
+    from meshnode.bench.spec_bench import _by_kind
+
+    def run(wall, n=0, acc=0):
+        return {"wall_s": wall, "timings": {"draft_n": n, "draft_n_accepted": acc}}
+
+    prompts = [BenchPrompt("a", "code_edit", "rename", "heldout", (("user", "x"),)),
+               BenchPrompt("b", "code_edit", "fix_bug", "heldout", (("user", "y"),))]
+    base = [[run(4.0), run(3.0)], [run(2.0)]]
+    ngram = [[run(2.0, 10, 8), run(1.5, 10, 8)], [run(2.5, 4, 0)]]
+    got = _by_kind(ngram, base, prompts)
+    assert got["rename"] == {"prompts": 1, "wall_speedup": 2.0, "acceptance": 0.8}
+    assert got["fix_bug"] == {"prompts": 1, "wall_speedup": 0.8, "acceptance": 0.0}
