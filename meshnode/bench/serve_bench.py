@@ -187,9 +187,60 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
                     got[n]["aggregate_tok_s"][str(c)] = _aggregate(*ends[n], args.tokens, c)
             rounds.append(got)
         rtts = {n: _peer_rtts(coords[n]) for n in stage_counts}
+        layers = {n: _stage_layers(coords[n]) for n in stage_counts}
     out = _summarize(rounds, stage_counts, concurrency)
-    out["breakdown"] = _breakdown(out, stage_counts, rtts, _codec_ms(model_ref))
+    from meshnode.paths import NodePaths
+
+    paths = NodePaths.resolve(args.home).ensure()
+    compute = {n: _stage_compute_ms(model_ref, layers[n], args.threads, paths) for n in stage_counts}
+    out["breakdown"] = _breakdown(out, stage_counts, rtts, _codec_ms(model_ref), compute, layers)
     return out
+
+
+def _stage_layers(coord) -> list[tuple[int, int]]:
+    """The layer ranges of the coordinator's stages, from /status."""
+    try:
+        stages = coord.get("/status").get("stages") or []
+    except (OSError, ValueError):
+        return []
+    return [(int(s["layers"][0]), int(s["layers"][1])) for s in sorted(stages, key=lambda s: s["index"])]
+
+
+def _stage_compute_ms(model_ref, ranges: list[tuple[int, int]], threads: int, paths,
+                      steps: int = 24) -> list[float]:
+    """Median ms of one decode step of each stage's layers, run here in process (the same
+    slices the split serves, chained as the pipeline chains them; no network)."""
+    import numpy as np
+
+    from meshnode.engine import EngineConfig, Segment, StageEngine
+    from meshnode.models.slicer import SliceCache
+
+    if not ranges:
+        return []
+    cache = SliceCache(paths)
+    last = len(ranges) - 1
+    files = [model_ref.path if (a, b) == (0, model_ref.n_layers) else cache.get(model_ref, a, b)
+             for a, b in ranges]
+    engines = [StageEngine(EngineConfig(f, takes_tokens=i == 0, has_head=i == last, n_ctx=64 + steps,
+                                        n_batch=64, n_seq_max=1, n_threads=threads))
+               for i, f in enumerate(files)]
+    times: list[list[float]] = [[] for _ in engines]
+    try:
+        for step in range(4 + steps):
+            h = None
+            for i, eng in enumerate(engines):
+                rows = np.arange(1, 17, dtype=np.int32) if step == 0 else np.asarray([5], dtype=np.int32)
+                pos = 0 if step == 0 else 15 + step
+                seg = (Segment(0, pos, tokens=rows, n_logits=0) if i == 0
+                       else Segment(0, pos, hidden=h, n_logits=1 if i == last else 0))
+                t0 = time.perf_counter()
+                h = eng.forward([seg])[0]
+                if step >= 4:
+                    times[i].append(time.perf_counter() - t0)
+    finally:
+        for eng in engines:
+            eng.close()
+    return [1e3 * statistics.median(t) for t in times]
 
 
 def _peer_rtts(coord) -> list[float]:
@@ -226,24 +277,26 @@ def _codec_ms(model_ref) -> float:
     return 1e3 * (time.perf_counter() - t0) / n
 
 
-def _breakdown(res: dict, stage_counts: list[int], rtts: dict[int, list[float]], codec_ms: float) -> dict:
-    """Where a decode token's time goes on each split, against one node: the one node's
-    per-token time is the model's compute (plus one node's scheduler); each of the n
-    hops of a step (n-1 Forwards, one TokenReturn) costs its one-way latency (half the
-    QUIC RTT the coordinator measured to its peers) and the codec (one encode and one
-    decode per hop, measured here); the rest is the split's scheduling and messaging
-    in the nodes' event loops (the remainder)."""
-    base = stage_counts[0]
-    one = 1e3 / res[str(base)]["decode_tok_s"] if res[str(base)]["decode_tok_s"] else 0.0
+def _breakdown(res: dict, stage_counts: list[int], rtts: dict[int, list[float]], codec_ms: float,
+               compute: dict[int, list[float]], layers: dict[int, list[tuple[int, int]]]) -> dict:
+    """Where a decode token's time goes on each configuration: each stage's compute (its
+    layers' one-row step, measured in process by :func:`_stage_compute_ms`); each of the
+    n hops of a step (n-1 Forwards, one TokenReturn) costs its one-way latency (half the
+    QUIC RTT the coordinator measured to its peers, /status) and the codec (one encode
+    and one decode per hop, measured here); the rest is scheduling and messaging in the
+    nodes' event loops, and whatever the nodes' compute lost to a busy machine (the
+    remainder)."""
     out = {}
     for n in stage_counts:
         tok_ms = 1e3 / res[str(n)]["decode_tok_s"] if res[str(n)]["decode_tok_s"] else 0.0
         hop = statistics.median(rtts[n]) / 2 if rtts[n] else 0.0
         hops = n if n > 1 else 0
         codec = codec_ms / 2 * hops   # codec_ms covers a Forward and a TokenReturn
-        out[str(n)] = {"token_ms": round(tok_ms, 2), "compute_ms": round(one, 2),
+        stages = compute.get(n) or []
+        out[str(n)] = {"token_ms": round(tok_ms, 2), "stage_ms": [round(x, 2) for x in stages],
+                       "layers": [list(r) for r in layers.get(n) or []],
                        "hop_ms": round(hop, 3), "hops": hops, "codec_ms": round(codec, 3),
-                       "rest_ms": round(tok_ms - one - hops * hop - codec, 2)}
+                       "rest_ms": round(tok_ms - sum(stages) - hops * hop - codec, 2)}
     return out
 
 
@@ -289,11 +342,12 @@ def _print(name: str, res: dict, stage_counts: list[int], concurrency: list[int]
             f"@{c}: {r['aggregate_over_ceiling'][str(c)]:.2f}" for c in concurrency))
     bd = res.get("breakdown") or {}
     if bd:
-        print("per decode token, ms: total = compute (one node's token) + hops x one-way "
-              "(half the QUIC RTT) + codec + rest (scheduling, messaging)")
+        print("per decode token, ms: total = compute of each stage (in process) + hops x one-way "
+              "(half the QUIC RTT) + codec + rest (scheduling, messaging, load)")
         for n in stage_counts:
             b = bd[str(n)]
-            print(f"  {n} stage(s): {b['token_ms']:.1f} = {b['compute_ms']:.1f} + {b['hops']} x "
+            stages = " + ".join(f"{ms:.1f} [{a},{e})" for ms, (a, e) in zip(b["stage_ms"], b["layers"]))
+            print(f"  {n} stage(s): {b['token_ms']:.1f} = {stages or '?'} + {b['hops']} x "
                   f"{b['hop_ms']:.2f} + {b['codec_ms']:.2f} + {b['rest_ms']:.1f}")
 
 
