@@ -7,7 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from starlette.requests import Request
 
+from meshnode.serve.openai_routes import _caller   # imported at collection (ifaddr runs ldconfig)
 from meshnode.spec.ngram import NGramProposer
 from meshnode.spec.suffix import RecentTexts, SuffixAutomaton, SuffixProposer
 
@@ -105,3 +107,16 @@ def test_no_history_is_the_ngram_proposer():
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError):
         RecentTexts(max_tokens=0)
+
+
+def test_a_client_is_its_address_and_a_hash_of_its_key():
+    def req(host, auth=None):
+        headers = [(b"authorization", auth.encode())] if auth else []
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": headers,
+                        "client": (host, 5000)})
+
+    assert _caller(req("10.0.0.5")) == "10.0.0.5"
+    a, b = _caller(req("10.0.0.5", "Bearer k1")), _caller(req("10.0.0.5", "Bearer k2"))
+    assert a != b and a.startswith("10.0.0.5/") and "k1" not in a
+    assert _caller(req("10.0.0.6", "Bearer k1")) != a      # one shared key, two callers
+    assert _caller(req("10.0.0.5", "bearer k1")) == a
