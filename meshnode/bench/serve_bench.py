@@ -167,6 +167,12 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
             coords[n] = coord
         ceiling = _Ceiling(model_ref.path, args.threads, max(concurrency))
         stack.callback(ceiling.close)
+        from meshnode.paths import NodePaths
+
+        paths = NodePaths.resolve(args.home).ensure()
+        layers = {n: _stage_layers(coords[n]) for n in stage_counts}
+        clocks = {n: stack.enter_context(_StageClock(model_ref, layers[n], args.threads, paths))
+                  for n in stage_counts}
         for base, model, inside in ends.values():
             _stream(base, model, "Hello", 4, inside)  # warm-up
         rounds: list[dict] = []
@@ -177,7 +183,8 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
                 base, model, inside = ends[n]
                 one = _stream(base, model, STORY, args.tokens, inside)
                 pre = _stream(base, model, LONG_PROMPT, 1, inside)
-                got[n] = {"decode_tok_s": one["timings"].get("predicted_per_second", 0.0),
+                got[n] = {"stage_ms": clocks[n].measure(),   # in the same spell of the machine
+                          "decode_tok_s": one["timings"].get("predicted_per_second", 0.0),
                           "ttft_ms": 1e3 * (one["ttft_s"] or 0.0),
                           "prefill_tok_s": pre["timings"].get("prompt_per_second", 0.0),
                           "prefill_tokens": pre["timings"].get("prompt_n", 0), "aggregate_tok_s": {}}
@@ -187,12 +194,9 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
                     got[n]["aggregate_tok_s"][str(c)] = _aggregate(*ends[n], args.tokens, c)
             rounds.append(got)
         rtts = {n: _peer_rtts(coords[n]) for n in stage_counts}
-        layers = {n: _stage_layers(coords[n]) for n in stage_counts}
     out = _summarize(rounds, stage_counts, concurrency)
-    from meshnode.paths import NodePaths
-
-    paths = NodePaths.resolve(args.home).ensure()
-    compute = {n: _stage_compute_ms(model_ref, layers[n], args.threads, paths) for n in stage_counts}
+    compute = {n: [statistics.median(ms) for ms in zip(*(g[n]["stage_ms"] for g in rounds))]
+               for n in stage_counts}
     out["breakdown"] = _breakdown(out, stage_counts, rtts, _codec_ms(model_ref), compute, layers)
     return out
 
@@ -206,41 +210,53 @@ def _stage_layers(coord) -> list[tuple[int, int]]:
     return [(int(s["layers"][0]), int(s["layers"][1])) for s in sorted(stages, key=lambda s: s["index"])]
 
 
-def _stage_compute_ms(model_ref, ranges: list[tuple[int, int]], threads: int, paths,
-                      steps: int = 24) -> list[float]:
-    """Median ms of one decode step of each stage's layers, run here in process (the same
-    slices the split serves, chained as the pipeline chains them; no network)."""
-    import numpy as np
+class _StageClock:
+    """Each stage's layers as the split serves them (the same slices, chained as the
+    pipeline chains them, no network), loaded once in this process; :meth:`measure` is
+    the median ms of one decode step per stage, taken in every round beside the split's
+    own numbers so that both see the same spell of a shared machine."""
 
-    from meshnode.engine import EngineConfig, Segment, StageEngine
-    from meshnode.models.slicer import SliceCache
+    def __init__(self, model_ref, ranges: list[tuple[int, int]], threads: int, paths, steps: int = 16) -> None:
+        from meshnode.engine import EngineConfig, StageEngine
+        from meshnode.models.slicer import SliceCache
 
-    if not ranges:
-        return []
-    cache = SliceCache(paths)
-    last = len(ranges) - 1
-    files = [model_ref.path if (a, b) == (0, model_ref.n_layers) else cache.get(model_ref, a, b)
-             for a, b in ranges]
-    engines = [StageEngine(EngineConfig(f, takes_tokens=i == 0, has_head=i == last, n_ctx=64 + steps,
-                                        n_batch=64, n_seq_max=1, n_threads=threads))
-               for i, f in enumerate(files)]
-    times: list[list[float]] = [[] for _ in engines]
-    try:
-        for step in range(4 + steps):
+        cache = SliceCache(paths)
+        last = len(ranges) - 1
+        files = [model_ref.path if (a, b) == (0, model_ref.n_layers) else cache.get(model_ref, a, b)
+                 for a, b in ranges]
+        self.steps = steps
+        self.engines = [StageEngine(EngineConfig(f, takes_tokens=i == 0, has_head=i == last,
+                                                 n_ctx=32 + steps, n_batch=64, n_seq_max=1, n_threads=threads))
+                        for i, f in enumerate(files)]
+
+    def measure(self) -> list[float]:
+        import numpy as np
+
+        from meshnode.engine import Segment
+
+        times: list[list[float]] = [[] for _ in self.engines]
+        last = len(self.engines) - 1
+        for step in range(2 + self.steps):
             h = None
-            for i, eng in enumerate(engines):
+            for i, eng in enumerate(self.engines):
                 rows = np.arange(1, 17, dtype=np.int32) if step == 0 else np.asarray([5], dtype=np.int32)
                 pos = 0 if step == 0 else 15 + step
                 seg = (Segment(0, pos, tokens=rows, n_logits=0) if i == 0
                        else Segment(0, pos, hidden=h, n_logits=1 if i == last else 0))
                 t0 = time.perf_counter()
                 h = eng.forward([seg])[0]
-                if step >= 4:
+                if step >= 2:
                     times[i].append(time.perf_counter() - t0)
-    finally:
-        for eng in engines:
+        for eng in self.engines:
+            eng.drop(0)
+        return [1e3 * statistics.median(t) for t in times]
+
+    def __enter__(self) -> "_StageClock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for eng in self.engines:
             eng.close()
-    return [1e3 * statistics.median(t) for t in times]
 
 
 def _peer_rtts(coord) -> list[float]:
@@ -280,7 +296,7 @@ def _codec_ms(model_ref) -> float:
 def _breakdown(res: dict, stage_counts: list[int], rtts: dict[int, list[float]], codec_ms: float,
                compute: dict[int, list[float]], layers: dict[int, list[tuple[int, int]]]) -> dict:
     """Where a decode token's time goes on each configuration: each stage's compute (its
-    layers' one-row step, measured in process by :func:`_stage_compute_ms`); each of the
+    layers' one-row step, measured in process by :class:`_StageClock`); each of the
     n hops of a step (n-1 Forwards, one TokenReturn) costs its one-way latency (half the
     QUIC RTT the coordinator measured to its peers, /status) and the codec (one encode
     and one decode per hop, measured here); the rest is scheduling and messaging in the
