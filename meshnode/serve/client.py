@@ -102,8 +102,8 @@ class GenerationRequest:
     # the model, and what its output must be (None: free text).
     tools: tuple[Any, ...] = ()             # tools.ToolSpec
     structure: Any = None                   # tools.Structure
-    # Who asked (a hash of the API key, else the peer address): speculation drafts from
-    # the same client's recent requests (meshnode.spec.suffix). Empty: nobody's.
+    # Who asked (the peer address, plus a hash of the API key it sent): speculation drafts
+    # from the same client's recent requests (meshnode.spec.suffix). Empty: nobody's.
     client: str = ""
 
     def __post_init__(self) -> None:

@@ -13,7 +13,9 @@ own state (position, n-gram proposer, the lookahead in flight) lives on its
 
 A step sends ``[last]`` (plain) or ``[last, d1..dk]`` (a verify window; drafts from the
 n-gram proposer or the draft model, ``k`` from the window controller, capped by the
-tokens and context left) to the scheduler. The final stage returns the accepted drafts
+tokens and context left) to the scheduler. N-gram drafts come from the request's own
+text and the same client's recent requests (:mod:`meshnode.spec.suffix`; each finished
+request is remembered by :meth:`SpeculativeDecoder.remember`). The final stage returns the accepted drafts
 plus one bonus token; rejected rows are dropped by every stage when the next step starts
 at an earlier position. Every outcome feeds the policy, the window, the cost model, the
 gate and the telemetry. On a split, a lone greedy n-gram stream may send the next window
