@@ -22,6 +22,10 @@ import pytest
     ["bench", "replay", "--max-n", "0,4"],
     ["bench", "replay", "--max-n", "four"],
     ["bench", "replay", "--hop-ms", "-3"],
+    ["bench", "replay", "--proposers", "ngram,oracle"],
+    ["bench", "replay", "--set", "half"],
+    ["bench", "spec", "--set", "everything"],
+    ["bench", "spec", "--ctx", "0"],
     ["bench", "net", "--iters", "0"],
     ["bench", "net", "--bulk-rows", "x"],
 ])

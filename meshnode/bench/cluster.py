@@ -4,11 +4,14 @@ Each node gets its own home under a temporary folder (identity, secret, store), 
 model is hard-linked into every store (no copy of the bytes), all homes join one mesh,
 and nodes talk over loopback: by mDNS, or — when a :class:`~meshnode.bench.relay.UdpDelayRelay`
 emulates LAN latency — only through the relay (discovery off, the coordinator dials the
-relay, which forwards to the stage node).
+relay, which forwards to the stage node). With ``netns`` (a :class:`~meshnode.bench.netns.Netns`)
+node ``i`` runs in namespace ``i`` at its own address on a bridge instead; its HTTP
+endpoint is on that namespace's loopback, reached from inside (:meth:`LocalNode.inside`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,6 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,8 +45,23 @@ class LocalNode:
     proc: subprocess.Popen
     log_path: Path
     info: dict = field(default_factory=dict)
+    netns: object = None      # the Netns it runs in (None: this namespace)
+    index: int = 0
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """The calling thread in this node's namespace (HTTP clients made here stay there)."""
+        if self.netns is None:
+            yield
+        else:
+            with self.netns.inside(self.index):
+                yield
 
     def get(self, path: str) -> dict:
+        with self.inside():
+            return self._get(path)
+
+    def _get(self, path: str) -> dict:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # loopback: no proxy
         with opener.open(f"http://127.0.0.1:{self.info['http_port']}{path}", timeout=5) as r:
             return json.loads(r.read())
@@ -114,8 +133,9 @@ def cpu_flags(index: int, n_nodes: int, threads: int, *, pin: bool) -> tuple[str
 class LocalCluster:
     """``with LocalCluster(model, n_nodes) as c: c.start(...)``; everything stops on exit."""
 
-    def __init__(self, model: Path, n_nodes: int, *, root: Path | None = None) -> None:
+    def __init__(self, model: Path, n_nodes: int, *, root: Path | None = None, netns=None) -> None:
         self.model = Path(model)
+        self.netns = netns
         self._tmp = None if root else tempfile.mkdtemp(prefix="meshnode-bench-")
         self.root = Path(root or self._tmp)
         self.homes = [self.root / f"node{i}" for i in range(n_nodes)]
@@ -131,13 +151,16 @@ class LocalCluster:
     def start(self, index: int, *flags: str, log_level: str = "info") -> LocalNode:
         home = self.homes[index]
         log_path = home / "node.log"
+        net = self.netns
+        argv = [sys.executable, "-m", "meshnode", "serve", "--headless", "--home", str(home),
+                "--port", "0", "--interface", "127.0.0.1" if net is None else net.ip(index),
+                "--name", f"node{index}", "--log-level", log_level, *flags]
         with open(log_path, "ab") as f:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "meshnode", "serve", "--headless", "--home", str(home),
-                 "--port", "0", "--interface", "127.0.0.1", "--name", f"node{index}",
-                 "--log-level", log_level, *flags],
-                env=_env(), stdout=f, stderr=subprocess.STDOUT)
-        node = LocalNode(f"node{index}", home, proc, log_path)
+            if net is None:
+                proc = subprocess.Popen(argv, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+            else:
+                proc = net.popen(index, argv, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        node = LocalNode(f"node{index}", home, proc, log_path, netns=net, index=index)
         self.nodes.append(node)
         return node.wait_up()
 

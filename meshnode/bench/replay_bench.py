@@ -1,15 +1,23 @@
-"""`meshnode bench replay`: the n-gram proposer and window policy, replayed offline.
+"""`meshnode bench replay`: proposers and the window policy, replayed offline.
 
 A live `meshnode bench spec` run takes minutes and its ratios move by 0.1 between runs on
 a shared machine, which hides the effect of a proposer change. This benchmark takes the
-noise out: it decodes the spec benchmark's prompts greedily once, in process (whole
-model, no network), measures what a step of ``k`` drafts costs on this machine's engine,
-and then replays every answer through :class:`~meshnode.spec.ngram.NGramProposer` and
-:class:`~meshnode.spec.window.AdaptiveWindow` for each ``--max-n`` asked for. A replay is
-deterministic: the answer is known, so a window's accepted prefix is counted, not
-sampled.
+noise out: it decodes the prompt sets' prompts (:mod:`meshnode.bench.prompt_sets`,
+``--set``) greedily once, in process (whole model, no network; answers cached by model,
+prompt and ``--tokens``), measures what a step of ``k`` drafts costs on this machine's
+engine, and then replays every answer through each proposer asked for and
+:class:`~meshnode.spec.window.AdaptiveWindow`. A replay is deterministic: the answer is
+known, so a window's accepted prefix is counted, not sampled.
 
-Per workload and ``max_n`` it prints the pipeline steps needed for the answers (plain
+Proposers (``--proposers``): ``ngram`` (:class:`~meshnode.spec.ngram.NGramProposer`, the
+request's own prompt and answer) and ``suffix``
+(:class:`~meshnode.spec.suffix.SuffixProposer`: the same plus the same client's recent
+requests, replayed in order with one client per prompt and one per editor sequence, as
+`bench spec` sends them), each for every ``--max-n``; ``suffix`` also for every
+``--history-min``. Proposers are judged by **accepted tokens per verify round**
+(``accepted / windows``) and acceptance; per kind of prompt too.
+
+Per workload and proposer it prints the pipeline steps needed for the answers (plain
 steps and verify windows), the drafts proposed and accepted, and the *predicted* speedup
 of drafting over plain decoding: ``sum over steps of cost(k)`` against ``tokens x
 cost(0)``, where ``cost(k) = --hop-ms + engine time of k + 1 rows``. ``--hop-ms`` stands
@@ -18,10 +26,10 @@ each way plus ~3 ms of messaging between two stages on loopback).
 
 What it leaves out, on purpose: the auto policy (drafting is on for the whole answer,
 as in its ENABLED state) and lookahead windows (their overlap depends on timing), so
-the predicted numbers are below what the live benchmark reaches on code editing and
-are a comparison between proposer settings, not a forecast. `--json`: the last line is
-``{workload: {max_n: {steps, plain_steps, drafts, accepted, acceptance, tokens,
-predicted_speedup}}}`` plus ``step_ms`` (the measured engine cost by drafts).
+the predicted numbers are a comparison between proposers, not a forecast. `--json`:
+the last line is ``{workload: {proposer: {steps, plain_steps, windows, drafts, accepted,
+acceptance, accepted_per_window, tokens, predicted_speedup, kinds: {kind: {...}}}}}``
+plus ``step_ms`` (the measured engine cost by drafts).
 """
 
 from __future__ import annotations
@@ -31,16 +39,24 @@ import argparse
 from meshnode.argtypes import non_negative_float, positive_int
 
 MEASURED_DRAFTS = (0, 1, 2, 3, 4, 6, 8, 12, 16)   # the cost model interpolates between them
-HELP = "replay the spec benchmark's answers through the n-gram proposer, offline (deterministic)"
+HELP = "replay the prompt sets' answers through the proposers, offline (deterministic)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name, path or sha256 (default: the default model)")
     p.add_argument("--tokens", type=positive_int, default=160, help="max tokens per answer (default 160)")
     p.add_argument("--prompts", type=positive_int, default=None,
-                   help="prompts per workload (default: all of `bench spec`'s)")
-    p.add_argument("--max-n", type=_max_ns, default=[4, 12], metavar="N,N,...",
-                   help="proposer max_n values to compare (default 4,12)")
+                   help="prompts per workload (an editor sequence counts as one; default all)")
+    p.add_argument("--set", dest="split", choices=("tune", "heldout", "all"), default="all",
+                   help="which half of the prompt sets (default all)")
+    p.add_argument("--quick", action="store_true", help="only the prompt sets' quick subset")
+    p.add_argument("--proposers", type=_proposers, default=["ngram", "suffix"], metavar="P,P",
+                   help="proposers to compare: ngram, suffix (default both)")
+    p.add_argument("--max-n", type=_max_ns, default=[12], metavar="N,N,...",
+                   help="proposer max_n values to compare (default 12)")
+    p.add_argument("--history-min", type=_max_ns, default=None, metavar="N,N,...",
+                   help="suffix proposer: shortest match drafted from recent requests "
+                        "(default: the built-in one)")
     p.add_argument("--hop-ms", type=non_negative_float, default=13.0,
                    help="time a split adds to every step, in ms (default 13)")
     p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads (default 1)")
@@ -57,32 +73,53 @@ def _max_ns(text: str) -> list[int]:
     return values
 
 
+def _proposers(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or any(n not in ("ngram", "suffix") for n in names):
+        raise argparse.ArgumentTypeError(f"want ngram and/or suffix separated by commas, got {text!r}")
+    return names
+
+
 def run(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from meshnode.bench.spec_bench import CODE_EDIT, MIXED_CHAT
+    from meshnode.bench import prompt_sets
     from meshnode.engine import EngineConfig, StageEngine
     from meshnode.engine.tokenizer import Tokenizer
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
     from meshnode.spec.ngram import MIN_NGRAM_MATCH
     from meshnode.spec.cost_model import CostModel
+    from meshnode.spec.suffix import HISTORY_MIN_MATCH
 
     paths = NodePaths.resolve(args.home).ensure()
     ref = resolve_model(args.model, paths)
-    workloads = {"code_edit": CODE_EDIT[: args.prompts], "mixed_chat": MIXED_CHAT[: args.prompts]}
+    chosen = {w: prompt_sets.select(prompt_sets.load(w), args.split, quick=args.quick, limit=args.prompts)
+              for w in prompt_sets.WORKLOADS}
 
     tok = Tokenizer(ref.path)
-    prompts = {w: [tok.apply_chat_template([{"role": "user", "content": p}])[0] for p in ps]
-               for w, ps in workloads.items()}
+    prompts = {w: [tok.apply_chat_template(p.chat())[0] for p in ps] for w, ps in chosen.items()}
+    cache = paths.cache / "bench" / "replay-answers.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    keys = {w: [_answer_key(ref, t, args.tokens) for t in ps] for w, ps in prompts.items()}
     n_ctx = max(len(t) for ps in prompts.values() for t in ps) + args.tokens + MEASURED_DRAFTS[-1] + 8
     engine = StageEngine(EngineConfig(ref.path, n_ctx=n_ctx, n_batch=64, n_seq_max=1, n_threads=args.threads))
     answers: dict[str, list[list[int]]] = {}
     try:
         for w, ps in prompts.items():
-            print(f"  {w}: decoding {len(ps)} greedy answer(s)", file=sys.stderr, flush=True)
-            answers[w] = [_greedy(engine, p, args.tokens, tok.eog_ids) for p in ps]
+            todo = sum(k not in known for k in keys[w])
+            print(f"  {w}: {len(ps)} prompt(s), decoding {todo} greedy answer(s) (others cached)",
+                  file=sys.stderr, flush=True)
+            for i, (p, k) in enumerate(zip(ps, keys[w])):
+                if k not in known:
+                    known[k] = _greedy(engine, p, args.tokens, tok.eog_ids)
+                    print(f"    {i + 1}/{len(ps)}", file=sys.stderr, flush=True)
+                    _save(cache, known)   # an interrupted run keeps what it decoded
+            answers[w] = [known[k] for k in keys[w]]
         print("  measuring step costs", file=sys.stderr, flush=True)
         step_ms = _step_costs(engine, prompts["code_edit"][0], MEASURED_DRAFTS)
     finally:
@@ -92,22 +129,55 @@ def run(args: argparse.Namespace) -> int:
     cost = CostModel(step_s=step_ms[0] / 1000)
     for k, ms in step_ms.items():
         cost.observe(k, (args.hop_ms + ms) / 1000)
-    print(f"replay: {ref.name}, {args.threads} thread(s), hop {args.hop_ms:g} ms, "
-          f"min match {MIN_NGRAM_MATCH}; step ms by drafts "
+    print(f"replay: {ref.name}, set {args.split}{' (quick)' if args.quick else ''}, {args.threads} "
+          f"thread(s), hop {args.hop_ms:g} ms, min match {MIN_NGRAM_MATCH}; step ms by drafts "
           + " ".join(f"{k}:{1000 * cost.seconds(k):.1f}" for k in (0, 1, 2, 4, 8, 16)))
-    print(f"{'workload':11s} {'max_n':>5s} {'steps':>6s} {'plain':>6s} {'drafts':>7s} "
-          f"{'accepted':>8s} {'accept':>7s} {'predicted':>10s}")
+    configs = []
+    for name in args.proposers:
+        for max_n in args.max_n:
+            for hmin in ((args.history_min or [HISTORY_MIN_MATCH]) if name == "suffix" else [None]):
+                label = f"{name}/{max_n}" + (f"/h{hmin}" if hmin is not None else "")
+                configs.append((label, name, max_n, hmin))
+    print(f"{'workload':11s} {'proposer':16s} {'steps':>6s} {'plain':>6s} {'windows':>7s} {'drafts':>7s} "
+          f"{'accepted':>8s} {'accept':>7s} {'acc/win':>7s} {'predicted':>10s}")
     result: dict = {"step_ms": {str(k): round(v, 3) for k, v in step_ms.items()}}
     for w in prompts:
         result[w] = {}
-        for max_n in args.max_n:
-            r = replay(prompts[w], answers[w], max_n, cost, MIN_NGRAM_MATCH)
-            result[w][str(max_n)] = r
-            print(f"{w:11s} {max_n:5d} {r['steps']:6d} {r['plain_steps']:6d} {r['drafts']:7d} "
-                  f"{r['accepted']:8d} {r['acceptance']:7.2f} {r['predicted_speedup']:9.3f}x")
+        for label, name, max_n, hmin in configs:
+            r = replay(prompts[w], answers[w], max_n, cost, MIN_NGRAM_MATCH,
+                       clients=[p.client for p in chosen[w]] if name == "suffix" else None,
+                       kinds=[p.kind for p in chosen[w]], history_min=hmin)
+            result[w][label] = r
+            print(f"{w:11s} {label:16s} {r['steps']:6d} {r['plain_steps']:6d} {r['windows']:7d} "
+                  f"{r['drafts']:7d} {r['accepted']:8d} {r['acceptance']:7.2f} "
+                  f"{r['accepted_per_window']:7.2f} {r['predicted_speedup']:9.3f}x")
+        kinds = sorted(result[w][configs[0][0]]["kinds"])
+        print(f"  {w} by kind, accepted tokens per verify round (acceptance): "
+              + "; ".join(f"{k}: " + " / ".join(
+                  f"{result[w][c[0]]['kinds'][k]['accepted_per_window']:.2f} "
+                  f"({result[w][c[0]]['kinds'][k]['acceptance']:.2f})" for c in configs) for k in kinds)
+              + f"  [{' / '.join(c[0] for c in configs)}]")
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _save(cache, known: dict) -> None:
+    import json
+    import os
+
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(known))
+    os.replace(tmp, cache)
+
+
+def _answer_key(ref, prompt: list[int], max_tokens: int) -> str:
+    import hashlib
+
+    h = hashlib.sha256(f"{ref.name}|{ref.path.stat().st_size}|{max_tokens}|".encode())
+    h.update(",".join(map(str, prompt)).encode())
+    return h.hexdigest()[:32]
 
 
 def _greedy(engine, prompt: list[int], max_tokens: int, eog: set[int]) -> list[int]:
@@ -153,18 +223,30 @@ def _step_costs(engine, prompt: list[int], drafts: tuple[int, ...]) -> dict[int,
     return {k: 1000 * float(np.median(t)) for k, t in times.items()}
 
 
-def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost, min_match: int) -> dict:
-    """Replay known greedy ``answers`` through the n-gram proposer and the serving loop's
-    default window (one window and ``cost`` model for all prompts, as in one server):
-    what drafting would do, and what it would cost by ``cost`` (a CostModel)."""
+def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost, min_match: int, *,
+           clients: list[str] | None = None, kinds: list[str] | None = None,
+           history_min: int | None = None) -> dict:
+    """Replay known greedy ``answers`` through a proposer and the serving loop's default
+    window (one window and ``cost`` model for all prompts, as in one server): what
+    drafting would do, and what it would cost by ``cost`` (a CostModel). ``clients``
+    (one per prompt): use the suffix proposer, each prompt drafting also from the
+    earlier texts of its client, as a server remembers them; None: the n-gram proposer."""
     from meshnode.spec.ngram import NGramProposer
+    from meshnode.spec.suffix import HISTORY_MIN_MATCH, RecentTexts, SuffixProposer
     from meshnode.spec.window import WindowPolicy, make_window
 
     window = make_window(WindowPolicy(), cost)
-    steps = plain = drafts = accepted = tokens = 0
-    spent = 0.0
-    for prompt, answer in zip(prompts, answers):
-        ngram = NGramProposer(prompt, max_n=max_n)
+    recent = RecentTexts(max_clients=1 << 20, max_age_s=1e18) if clients is not None else None
+    total = _Tally()
+    by_kind: dict[str, _Tally] = {}
+    for j, (prompt, answer) in enumerate(zip(prompts, answers)):
+        if recent is not None:
+            assert clients is not None
+            ngram = SuffixProposer(prompt, recent.automaton(clients[j], float(j)), max_n=max_n,
+                                   history_min=history_min or HISTORY_MIN_MATCH)
+        else:
+            ngram = NGramProposer(prompt, max_n=max_n)
+        mine = by_kind.setdefault(kinds[j] if kinds else "all", _Tally())
         i = 0
         while i < len(answer):
             proposal = ngram.propose(window.next_window(), min_match=min_match)
@@ -176,12 +258,34 @@ def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost,
             new = answer[i:i + n + 1]
             ngram.observe(new)
             i += len(new)
-            steps += 1
-            plain += not proposal
-            drafts += len(proposal)
-            accepted += n
-            spent += cost.seconds(len(proposal))
-        tokens += len(answer)
-    return {"steps": steps, "plain_steps": plain, "drafts": drafts, "accepted": accepted,
-            "acceptance": round(accepted / drafts, 3) if drafts else 0.0, "tokens": tokens,
-            "predicted_speedup": round(tokens * cost.seconds(0) / spent, 3) if spent else 1.0}
+            for t in (total, mine):
+                t.add(len(proposal), n, cost.seconds(len(proposal)))
+        for t in (total, mine):
+            t.tokens += len(answer)
+        if recent is not None:
+            recent.add(clients[j], [*prompt, *answer], float(j))
+    out = total.summary(cost)
+    out["kinds"] = {k: t.summary(cost) for k, t in sorted(by_kind.items())}
+    return out
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.steps = self.plain = self.windows = self.drafts = self.accepted = self.tokens = 0
+        self.spent = 0.0
+
+    def add(self, k: int, n: int, seconds: float) -> None:
+        self.steps += 1
+        self.plain += not k
+        self.windows += bool(k)
+        self.drafts += k
+        self.accepted += n
+        self.spent += seconds
+
+    def summary(self, cost) -> dict:
+        return {"steps": self.steps, "plain_steps": self.plain, "windows": self.windows,
+                "drafts": self.drafts, "accepted": self.accepted,
+                "acceptance": round(self.accepted / self.drafts, 3) if self.drafts else 0.0,
+                "accepted_per_window": round(self.accepted / self.windows, 3) if self.windows else 0.0,
+                "tokens": self.tokens,
+                "predicted_speedup": round(self.tokens * cost.seconds(0) / self.spent, 3) if self.spent else 1.0}

@@ -1,9 +1,13 @@
-"""Single node vs 2- and 3-stage splits on loopback, through the real HTTP endpoint.
+"""Single node vs 2- and 3-stage splits, through the real HTTP endpoint.
 
 Every configuration runs in this one invocation, so the ratios compare like with like:
-real node processes (own homes, real mDNS + QUIC on loopback), speculation off, the same
-llama.cpp thread count on every stage. Also measured here: the ceiling for concurrency,
-i.e. what the same engine reaches decoding one batch of B sessions directly in-process.
+real node processes (own homes, real mDNS + QUIC), speculation off, the same llama.cpp
+thread count on every stage. Placement: loopback (default), or with ``--netns`` every
+node in a network namespace of its own on a bridge (:mod:`meshnode.bench.netns`: its own
+address, 1500-byte MTU, real mDNS across the bridge; each configuration its own bridge);
+without root that mode is refused with the reason. Also measured here: the ceiling for
+concurrency, i.e. what the same engine reaches decoding one batch of B sessions directly
+in-process, and a per-token breakdown of each split (:func:`_breakdown`).
 """
 
 from __future__ import annotations
@@ -39,12 +43,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,4,8", help="concurrent streams (default 1,4,8)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="interleaved rounds over all configurations (default 3; medians reported)")
+    p.add_argument("--netns", action="store_true",
+                   help="every node in a network namespace of its own on a bridge (own address, "
+                        "real mDNS; needs root) instead of loopback")
     p.add_argument("--quick", action="store_true", help="fewer tokens and rounds")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
 
 
-def _stream(base: str, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed chat completion: TTFT, tokens, timings."""
+def _stream(base: str, model: str, prompt: str, max_tokens: int, inside=None) -> dict:
+    """One streamed chat completion: TTFT, tokens, timings. ``inside``: a context manager
+    putting this thread in the node's namespace (``--netns``) for the request."""
+    import contextlib
+
+    with (inside or contextlib.nullcontext)():
+        return _stream_here(base, model, prompt, max_tokens)
+
+
+def _stream_here(base: str, model: str, prompt: str, max_tokens: int) -> dict:
     import httpx
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -73,12 +88,12 @@ def _stream(base: str, model: str, prompt: str, max_tokens: int) -> dict:
             "tokens": (usage or {}).get("completion_tokens", 0), "timings": timings or {}}
 
 
-def _aggregate(base: str, model: str, tokens: int, c: int) -> float:
+def _aggregate(base: str, model: str, inside, tokens: int, c: int) -> float:
     """Aggregate decode tokens/s of ``c`` concurrent streams in the steady state: text
     chunks (~tokens) that arrive while every stream is decoding, i.e. between the last
     stream's first token and the first stream's end, over that window."""
     with ThreadPoolExecutor(c) as ex:
-        results = list(ex.map(lambda _: _stream(base, model, STORY, tokens), range(c)))
+        results = list(ex.map(lambda _: _stream(base, model, STORY, tokens, inside), range(c)))
     lo = max(r["t_first"] for r in results)
     hi = min(r["stamps"][-1] if r["stamps"] else r["t_end"] for r in results)
     n = sum(sum(1 for t in r["stamps"] if lo < t <= hi) for r in results)
@@ -134,30 +149,44 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
     gl = ("--gpu-layers", str(args.gpu_layers))
     flags = (*gl, "--threads", str(args.threads), "--parallel", str(max(concurrency)), "--ctx", "1024",
              "--batch", "64", "--spec-mode", "off", "--model", str(model_ref.path))
-    ends: dict[int, tuple[str, str]] = {}
+    ends: dict[int, tuple] = {}
+    coords = {}
     with contextlib.ExitStack() as stack:
         for n in stage_counts:
             print(f"  {model_ref.name}: starting {n} stage(s) ...", file=sys.stderr, flush=True)
-            cluster = stack.enter_context(LocalCluster(model_ref.path, n))
+            net = None
+            if args.netns:
+                from meshnode.bench.netns import Netns
+
+                net = stack.enter_context(Netns(n))
+            cluster = stack.enter_context(LocalCluster(model_ref.path, n, netns=net))
             for i in range(1, n):
                 cluster.start(i, "--no-model", *gl, "--threads", str(args.threads), "--parallel",
                               str(max(concurrency)), *cpu_flags(i, n, args.threads, pin=args.pin))
             coord = cluster.start(0, *flags, "--split", str(n),
                                   *cpu_flags(0, n, args.threads, pin=args.pin)).wait_model()
-            ends[n] = (coord.base_url, coord.get("/v1/models")["data"][0]["id"])
+            ends[n] = (coord.base_url, coord.get("/v1/models")["data"][0]["id"], coord.inside)
+            coords[n] = coord
         ceiling = _Ceiling(model_ref.path, args.threads, max(concurrency), args.gpu_layers)
         stack.callback(ceiling.close)
-        for base, model in ends.values():
-            _stream(base, model, "Hello", 4)  # warm-up
+        from meshnode.paths import NodePaths
+
+        paths = NodePaths.resolve(args.home).ensure()
+        layers = {n: _stage_layers(coords[n]) for n in stage_counts}
+        clocks = {n: stack.enter_context(_StageClock(model_ref, layers[n], args.threads, paths))
+                  for n in stage_counts}
+        for base, model, inside in ends.values():
+            _stream(base, model, "Hello", 4, inside)  # warm-up
         rounds: list[dict] = []
         for r in range(args.rounds):
             print(f"  {model_ref.name}: round {r + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
             got: dict = {"ceiling": {}}
             for n in _rotated(stage_counts, r):
-                base, model = ends[n]
-                one = _stream(base, model, STORY, args.tokens)
-                pre = _stream(base, model, LONG_PROMPT, 1)
-                got[n] = {"decode_tok_s": one["timings"].get("predicted_per_second", 0.0),
+                base, model, inside = ends[n]
+                one = _stream(base, model, STORY, args.tokens, inside)
+                pre = _stream(base, model, LONG_PROMPT, 1, inside)
+                got[n] = {"stage_ms": clocks[n].measure(),   # in the same spell of the machine
+                          "decode_tok_s": one["timings"].get("predicted_per_second", 0.0),
                           "ttft_ms": 1e3 * (one["ttft_s"] or 0.0),
                           "prefill_tok_s": pre["timings"].get("prompt_per_second", 0.0),
                           "prefill_tokens": pre["timings"].get("prompt_n", 0), "aggregate_tok_s": {}}
@@ -166,7 +195,127 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
                 for n in _rotated(stage_counts, r):
                     got[n]["aggregate_tok_s"][str(c)] = _aggregate(*ends[n], args.tokens, c)
             rounds.append(got)
-    return _summarize(rounds, stage_counts, concurrency)
+        rtts = {n: _peer_rtts(coords[n]) for n in stage_counts}
+    out = _summarize(rounds, stage_counts, concurrency)
+    compute = {n: [statistics.median(ms) for ms in zip(*(g[n]["stage_ms"] for g in rounds))]
+               for n in stage_counts}
+    out["breakdown"] = _breakdown(out, stage_counts, rtts, _codec_ms(model_ref), compute, layers)
+    return out
+
+
+def _stage_layers(coord) -> list[tuple[int, int]]:
+    """The layer ranges of the coordinator's stages, from /status."""
+    try:
+        stages = coord.get("/status").get("stages") or []
+    except (OSError, ValueError):
+        return []
+    return [(int(s["layers"][0]), int(s["layers"][1])) for s in sorted(stages, key=lambda s: s["index"])]
+
+
+class _StageClock:
+    """Each stage's layers as the split serves them (the same slices, chained as the
+    pipeline chains them, no network), loaded once in this process; :meth:`measure` is
+    the median ms of one decode step per stage, taken in every round beside the split's
+    own numbers so that both see the same spell of a shared machine."""
+
+    def __init__(self, model_ref, ranges: list[tuple[int, int]], threads: int, paths, steps: int = 16) -> None:
+        from meshnode.engine import EngineConfig, StageEngine
+        from meshnode.models.slicer import SliceCache
+
+        cache = SliceCache(paths)
+        last = len(ranges) - 1
+        files = [model_ref.path if (a, b) == (0, model_ref.n_layers) else cache.get(model_ref, a, b)
+                 for a, b in ranges]
+        self.steps = steps
+        self.engines = [StageEngine(EngineConfig(f, takes_tokens=i == 0, has_head=i == last,
+                                                 n_ctx=32 + steps, n_batch=64, n_seq_max=1, n_threads=threads))
+                        for i, f in enumerate(files)]
+
+    def measure(self) -> list[float]:
+        import numpy as np
+
+        from meshnode.engine import Segment
+
+        times: list[list[float]] = [[] for _ in self.engines]
+        last = len(self.engines) - 1
+        for step in range(2 + self.steps):
+            h = None
+            for i, eng in enumerate(self.engines):
+                rows = np.arange(1, 17, dtype=np.int32) if step == 0 else np.asarray([5], dtype=np.int32)
+                pos = 0 if step == 0 else 15 + step
+                seg = (Segment(0, pos, tokens=rows, n_logits=0) if i == 0
+                       else Segment(0, pos, hidden=h, n_logits=1 if i == last else 0))
+                t0 = time.perf_counter()
+                h = eng.forward([seg])[0]
+                if step >= 2:
+                    times[i].append(time.perf_counter() - t0)
+        for eng in self.engines:
+            eng.drop(0)
+        return [1e3 * statistics.median(t) for t in times]
+
+    def __enter__(self) -> "_StageClock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for eng in self.engines:
+            eng.close()
+
+
+def _peer_rtts(coord) -> list[float]:
+    """QUIC round-trip times (ms) the coordinator measured to its peers (/status)."""
+    try:
+        peers = coord.get("/status").get("peers") or []
+    except (OSError, ValueError):
+        return []
+    return [float(p["rtt_ms"]) for p in peers if p.get("rtt_ms") is not None]
+
+
+def _codec_ms(model_ref) -> float:
+    """ms to encode and decode one decode step's Forward (one row of the model's width,
+    float16 as on the wire) and its TokenReturn: the codec's share of a hop."""
+    import numpy as np
+
+    from meshnode import wire
+    from meshnode.models.gguf_info import read_model_info
+
+    try:
+        width = int(read_model_info(model_ref.path).n_embd)
+    except Exception:   # the breakdown only: a model we cannot read here costs nothing
+        width = 4096
+    fwd = wire.Forward(ref=0, batch_id=1, step=1,
+                       segments=(wire.Segment(session=1, pos=100, n_rows=1, n_logits=1, drafts=(),
+                                              temperature=0.0, top_k=0, top_p=1.0, seed=0, flags=0),),
+                       act=np.zeros((1, width), dtype=np.float16))
+    ret = wire.TokenReturn(ref=0, batch_id=1, results=(wire.SegmentResult(session=1, tokens=(7,), n_accepted=0, n_drafted=0),))
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        wire.decode(wire.encode(fwd))
+        wire.decode(wire.encode(ret))
+    return 1e3 * (time.perf_counter() - t0) / n
+
+
+def _breakdown(res: dict, stage_counts: list[int], rtts: dict[int, list[float]], codec_ms: float,
+               compute: dict[int, list[float]], layers: dict[int, list[tuple[int, int]]]) -> dict:
+    """Where a decode token's time goes on each configuration: each stage's compute (its
+    layers' one-row step, measured in process by :class:`_StageClock`); each of the
+    n hops of a step (n-1 Forwards, one TokenReturn) costs its one-way latency (half the
+    QUIC RTT the coordinator measured to its peers, /status) and the codec (one encode
+    and one decode per hop, measured here); the rest is scheduling and messaging in the
+    nodes' event loops, and whatever the nodes' compute lost to a busy machine (the
+    remainder)."""
+    out = {}
+    for n in stage_counts:
+        tok_ms = 1e3 / res[str(n)]["decode_tok_s"] if res[str(n)]["decode_tok_s"] else 0.0
+        hop = statistics.median(rtts[n]) / 2 if rtts[n] else 0.0
+        hops = n if n > 1 else 0
+        codec = codec_ms / 2 * hops   # codec_ms covers a Forward and a TokenReturn
+        stages = compute.get(n) or []
+        out[str(n)] = {"token_ms": round(tok_ms, 2), "stage_ms": [round(x, 2) for x in stages],
+                       "layers": [list(r) for r in layers.get(n) or []],
+                       "hop_ms": round(hop, 3), "hops": hops, "codec_ms": round(codec, 3),
+                       "rest_ms": round(tok_ms - sum(stages) - hops * hop - codec, 2)}
+    return out
 
 
 def _summarize(rounds: list[dict], stage_counts: list[int], concurrency: list[int]) -> dict:
@@ -209,6 +358,15 @@ def _print(name: str, res: dict, stage_counts: list[int], concurrency: list[int]
         r = res[str(n)]
         print(f"  {n} stage(s) aggregate / ceiling: " + ", ".join(
             f"@{c}: {r['aggregate_over_ceiling'][str(c)]:.2f}" for c in concurrency))
+    bd = res.get("breakdown") or {}
+    if bd:
+        print("per decode token, ms: total = compute of each stage (in process) + hops x one-way "
+              "(half the QUIC RTT) + codec + rest (scheduling, messaging, load)")
+        for n in stage_counts:
+            b = bd[str(n)]
+            stages = " + ".join(f"{ms:.1f} [{a},{e})" for ms, (a, e) in zip(b["stage_ms"], b["layers"]))
+            print(f"  {n} stage(s): {b['token_ms']:.1f} = {stages or '?'} + {b['hops']} x "
+                  f"{b['hop_ms']:.2f} + {b['codec_ms']:.2f} + {b['rest_ms']:.1f}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,8 +391,16 @@ def run(args: argparse.Namespace) -> int:
               "integers, e.g. --stages 1,2 --concurrency 1,4", file=sys.stderr)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
+    if args.netns:
+        from meshnode.bench.netns import unavailable
+
+        why = unavailable()
+        if why:
+            print(f"meshnode bench serve: --netns is not available here: {why}", file=sys.stderr)
+            return 2
     paths = NodePaths.resolve(args.home).ensure()
-    print(f"serve benchmark: loopback, {args.threads} thread(s) per stage, speculation off, "
+    place = "network namespaces on a bridge (own addresses, 1500-byte MTU)" if args.netns else "loopback"
+    print(f"serve benchmark: {place}, {args.threads} thread(s) per stage, speculation off, "
           f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
     out = {}
     ref = resolve_model(args.model, paths)

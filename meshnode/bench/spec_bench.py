@@ -1,29 +1,41 @@
-"""Speculative decoding over a 2-stage split with emulated LAN latency.
+"""Speculative decoding over a 2-stage split with emulated LAN latency, by wall clock.
 
 Topology (all on this machine, real node processes with their own homes)::
 
     coordinator A (stage 0) --QUIC--> UdpDelayRelay (+delay each way) --> node B (stage 1)
 
-B runs with ``--no-discovery --quic-port P``; the relay listens on R and forwards to
-127.0.0.1:P; A runs with ``--no-discovery --peer 127.0.0.1:R --split 2``, so every
-packet between the stages crosses the relay. Kernels without netem are
-common (docs/testing.md), so the relay is the latency emulation; the output says so.
+B runs with ``--no-discovery --quic-port P``; the relay listens on R and forwards to P;
+A runs with ``--no-discovery --peer R --split 2``, so every packet between the stages
+crosses the relay. Kernels without netem are common (docs/testing.md), so the relay is
+the latency emulation; the output says so. ``--netns``: A and B run in network
+namespaces of their own on a bridge (:mod:`meshnode.bench.netns`, 1500-byte MTU, each
+its own address), the relay in A's namespace forwarding to B's address, so the stages'
+packets cross a real link; without root that mode is refused with the reason.
 
 Strategies, each on a split of its own (all up for the whole run): ``baseline``
 (``--spec-mode off``), ``ngram_auto`` (``--spec ngram --spec-mode auto``) and ``draft``
 (``--draft-model D``, where D is the target requantized to Q4_0 with llama.cpp's
 quantizer, or with ``--draft-layers N`` its first N layers plus the head; made once and
-cached). Workloads: ``code_edit`` (code given in the prompt, asked to be renamed or
-refactored: the answer copies most of it) and ``mixed_chat`` (open questions, stories,
-explanations). Every prompt is answered by every strategy back to back, in an order
-rotated per prompt and round, so the machine's drift hits the strategies alike (on this
-shared VM a plain step's speed moves by 5-10% over minutes). Decode tokens/s is the
-response's ``timings.predicted_per_second`` averaged over prompts; acceptance is
-``sum(draft_n_accepted) / sum(draft_n)``; speedup is against that workload's baseline
-in the same invocation. Where the time went, from the responses' ``timings`` summed
-over every round: verify windows and their mean time, plain (one-token) steps and
-theirs, lookahead windows used / sent. Greedy decoding throughout, so every strategy
-must produce the same text (checked and reported).
+cached). Workloads and prompts: the prompt sets of :mod:`meshnode.bench.prompt_sets`
+(``code_edit``: files of 50-210 lines with edits of seven kinds, editor sequences
+included; ``mixed_chat``: questions, stories, summaries, multi-turn chats), the half
+``--set`` names (default ``heldout``). Every prompt is answered by every strategy back
+to back, in an order rotated per prompt and round, so the machine's drift hits the
+strategies alike (on this shared VM a plain step's speed moves by 5-10% over minutes).
+Each request carries an API key of its own per round (``r<round>-<prompt>``), one per
+editor sequence, so a node's recent-texts proposer drafts only from what a real client
+would have sent before (never from the same prompt's earlier round).
+
+Requests are streamed. What the user feels: **wall-clock tokens/s** (completion tokens
+over the request's whole time, prefill included; per prompt the fastest round, then
+total tokens over total seconds) and **time to first token** (median over prompts);
+``wall x`` is the wall-clock speedup against that workload's baseline in the same
+invocation, also per kind of prompt. Beside it, the server's decode tokens/s
+(``timings.predicted_per_second`` averaged over prompts, and its speedup), acceptance
+``sum(draft_n_accepted) / sum(draft_n)``, and where the time went, from the responses'
+``timings`` summed over every round: verify windows and their mean time, plain
+(one-token) steps and theirs, lookahead windows used / sent. Greedy decoding throughout,
+so every strategy must produce the same text (checked and reported).
 """
 
 from __future__ import annotations
@@ -43,122 +55,6 @@ HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model o
 STRATEGIES = ("baseline", "ngram_auto", "draft")
 WORKLOADS = ("code_edit", "mixed_chat")
 
-_CODE = [
-    ("Rename the function `calc` to `compute_total` and the variable `lst` to `items`. "
-     "Return the whole code, nothing else.",
-     '''def calc(lst, tax):
-    total = 0
-    for x in lst:
-        if x.price > 0:
-            total += x.price * x.quantity
-        else:
-            print("skipping", x.name)
-    total = total * (1 + tax)
-    return round(total, 2)
-
-
-def report(lst, tax):
-    value = calc(lst, tax)
-    print("items:", len(lst))
-    print("total:", value)
-    return value
-
-
-def cheapest(lst):
-    best = None
-    for x in lst:
-        if best is None or x.price < best.price:
-            best = x
-    return best
-'''),
-    ("Refactor this class: rename `Stack` to `LifoQueue` and `data` to `items`. "
-     "Give the full code.",
-     '''class Stack:
-    def __init__(self):
-        self.data = []
-
-    def push(self, value):
-        self.data.append(value)
-
-    def pop(self):
-        if not self.data:
-            raise IndexError("pop from empty stack")
-        return self.data.pop()
-
-    def peek(self):
-        if not self.data:
-            return None
-        return self.data[-1]
-
-    def size(self):
-        return len(self.data)
-
-    def is_empty(self):
-        return len(self.data) == 0
-'''),
-    ("Rename the variable `n` to `count` everywhere in this code. Return the whole code.",
-     '''def repeat(word, n):
-    result = []
-    for i in range(n):
-        result.append(word)
-    return result
-
-
-def join_words(words, sep):
-    text = ""
-    for i, w in enumerate(words):
-        if i > 0:
-            text += sep
-        text += w
-    return text
-
-
-def shout(word, n):
-    words = repeat(word.upper(), n)
-    return join_words(words, " ")
-'''),
-    ("Rewrite this JavaScript to use `const` instead of `var` and rename `arr` to `values`. "
-     "Output the whole code.",
-     '''function sum(arr) {
-    var total = 0;
-    for (var i = 0; i < arr.length; i++) {
-        total += arr[i];
-    }
-    return total;
-}
-
-function average(arr) {
-    var n = arr.length;
-    if (n === 0) {
-        return 0;
-    }
-    return sum(arr) / n;
-}
-
-function maximum(arr) {
-    var best = arr[0];
-    for (var i = 1; i < arr.length; i++) {
-        if (arr[i] > best) {
-            best = arr[i];
-        }
-    }
-    return best;
-}
-'''),
-]
-
-CODE_EDIT = [f"{ask}\n\n```\n{code}```" for ask, code in _CODE]
-
-MIXED_CHAT = [
-    "Write a short story about a fox who learns to swim.",
-    "Why is the sky blue? Explain it to a ten-year-old.",
-    "What are three good habits for staying healthy while working from home?",
-    "Explain what a hash table is and when you would use one.",
-    "Describe a perfect autumn day in a small mountain village.",
-    "What should I consider when choosing my first programming language?",
-]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF or store name (default: the default model)")
     p.add_argument("--threads", type=positive_int, default=1,
@@ -176,8 +72,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="latency added by the relay, each way (default 5 ms)")
     p.add_argument("--tokens", type=positive_int, default=None,
                    help="max tokens per completion (default 160, --quick 96)")
+    p.add_argument("--ctx", type=positive_int, default=4096,
+                   help="context per node (default 4096: the longest prompt is ~2600 tokens)")
     p.add_argument("--prompts", type=positive_int, default=None,
-                   help="prompts per workload (default all, --quick 2)")
+                   help="prompts per workload, an editor sequence counting as one (default: all "
+                        "of the --set, --quick its quick subset)")
+    p.add_argument("--set", dest="split", choices=("tune", "heldout", "all"), default="heldout",
+                   help="which half of the prompt sets: tune (what settings are settled on), "
+                        "heldout (what is reported) or all (default heldout)")
+    p.add_argument("--netns", action="store_true",
+                   help="run the stages in network namespaces of their own on a bridge (each its "
+                        "own address; needs root), the relay in the coordinator's namespace")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated subset of {','.join(STRATEGIES)}")
     p.add_argument("--draft-quant", default="Q4_0", type=_quant_type,
@@ -209,15 +114,24 @@ def _quant_type(name: str) -> str:
 
 
 class _RelayThread:
-    def __init__(self, target_port: int, delay_s: float) -> None:
+    """The relay on a thread of its own, in namespace ``netns_index`` of ``net`` when given
+    (listening on ``listen``, forwarding to ``target``)."""
+
+    def __init__(self, target: tuple[str, int], delay_s: float, *, listen: str = "127.0.0.1",
+                 net=None, netns_index: int = 0) -> None:
         import asyncio
         import threading
 
         from meshnode.bench.relay import UdpDelayRelay
 
         self._loop = asyncio.new_event_loop()
-        self.relay = UdpDelayRelay(("127.0.0.1", 0), ("127.0.0.1", target_port), delay_s)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="relay", daemon=True)
+        self.relay = UdpDelayRelay((listen, 0), target, delay_s)
+
+        def serve() -> None:
+            with contextlib.nullcontext() if net is None else net.inside(netns_index):
+                self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, name="relay", daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self.relay.start(), self._loop).result(10)
 
@@ -236,25 +150,50 @@ class _RelayThread:
 # ---- one completion -----------------------------------------------------------------
 
 
-def _complete(base: str, model: str, prompt: str, max_tokens: int) -> dict:
+def _complete(base: str, model: str, messages: list[dict], max_tokens: int, key: str,
+              inside=contextlib.nullcontext) -> dict:
+    """One streamed chat completion as a client sees it: text, tokens, the server's
+    ``timings``, time to first token and the whole request's wall time."""
     import httpx
 
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0}
-    r = httpx.post(f"{base}/chat/completions", json=body, timeout=600, trust_env=False)  # loopback: no proxy
-    r.raise_for_status()
-    data = r.json()
-    return {"text": data["choices"][0]["message"]["content"],
-            "tokens": data["usage"]["completion_tokens"], "timings": data.get("timings") or {}}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    parts: list[str] = []
+    usage = timings = None
+    ttft = None
+    # --netns: the node's HTTP endpoint is on its namespace's loopback; this thread
+    # works in there for the request (sockets are made when it connects)
+    with inside(), httpx.Client(timeout=600, trust_env=False) as client:   # loopback: no proxy
+        t0 = time.perf_counter()
+        with client.stream("POST", f"{base}/chat/completions", json=body,
+                           headers={"Authorization": f"Bearer {key}"}) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"HTTP {r.status_code} from the node: {r.text[:300]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    parts.append(chunk["choices"][0]["delta"]["content"])
+                usage = chunk.get("usage") or usage
+                timings = chunk.get("timings") or timings
+        wall = time.perf_counter() - t0
+    return {"text": "".join(parts), "tokens": (usage or {}).get("completion_tokens", 0),
+            "timings": timings or {}, "ttft_s": ttft if ttft is not None else wall, "wall_s": wall}
 
 
 def _summary(runs_by_prompt: list[list[dict]]) -> dict:
-    """Per prompt, the fastest of its rounds; then the mean over prompts.
+    """Per prompt, the fastest of its rounds; then over prompts.
 
     Other processes on a shared machine only ever slow a run down, so the fastest round
-    is the least disturbed one. Draft counters are summed over every round.
+    is the least disturbed one (by decode rate for the server's figure, by wall time for
+    the client's). Draft counters are summed over every round.
     """
     best = [max(rs, key=lambda r: r["timings"].get("predicted_per_second", 0.0)) for rs in runs_by_prompt]
+    fastest = [min(rs, key=lambda r: r["wall_s"]) for rs in runs_by_prompt]
     every = [r for rs in runs_by_prompt for r in rs]
     def total(key: str) -> float:
         return sum(r["timings"].get(key, 0) for r in every)
@@ -265,12 +204,17 @@ def _summary(runs_by_prompt: list[list[dict]]) -> dict:
     verify_ms = total("draft_verify_ms")
     # decode time not spent verifying is plain steps (plus the per-token bookkeeping)
     plain_ms = total("predicted_ms") - verify_ms
+    wall_s = sum(r["wall_s"] for r in fastest)
     return {
         "tok_s": statistics.mean(r["timings"].get("predicted_per_second", 0.0) for r in best),
+        "wall_tok_s": sum(r["tokens"] for r in fastest) / wall_s if wall_s else 0.0,
+        "wall_s": wall_s,
+        "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in fastest),
         "acceptance": accepted / draft_n if draft_n else 0.0,
         "draft_n": int(draft_n),
         "draft_n_accepted": int(accepted),
         "windows": int(windows),
+        "accepted_per_window": accepted / windows if windows else 0.0,
         "ms_per_window": verify_ms / windows if windows else 0.0,
         "plain_steps": int(plain),
         "ms_per_plain_step": plain_ms / plain if plain else 0.0,
@@ -338,29 +282,37 @@ def _strategy_flags(name: str, draft_path) -> tuple[str, ...]:
 
 
 def _start_split(stack: contextlib.ExitStack, strategy: str, target, draft_path, common: tuple,
-                 args: argparse.Namespace) -> tuple[str, str, _RelayThread]:
+                 args: argparse.Namespace, net=None) -> tuple[str, str, _RelayThread, object]:
     """One 2-stage split serving ``strategy``: stage 1, the relay in front of it, and a
-    warmed-up coordinator; all torn down by ``stack``. Returns (base URL, model, relay)."""
+    warmed-up coordinator; all torn down by ``stack``. ``net``: each node in a namespace
+    of its own (node 0 in namespace 0, node 1 in 1), the relay in namespace 0.
+    Returns (base URL, model, relay, coordinator)."""
     from meshnode.bench.cluster import LocalCluster, cpu_flags, free_udp_port
 
     print(f"  starting the {strategy} split ...", file=sys.stderr, flush=True)
-    cluster = stack.enter_context(LocalCluster(target, 2))
-    quic_port = free_udp_port()
+    cluster = stack.enter_context(LocalCluster(target, 2, netns=net))
+    quic_port = free_udp_port()   # free here; a fresh namespace has every port free
     cluster.start(1, "--no-model", "--no-discovery", "--quic-port", str(quic_port), *common,
                   *cpu_flags(1, 2, args.threads, pin=args.pin))
-    relay = _RelayThread(quic_port, args.delay_ms / 1000.0)
+    if net is None:
+        relay = _RelayThread(("127.0.0.1", quic_port), args.delay_ms / 1000.0)
+    else:
+        relay = _RelayThread((net.ip(1), quic_port), args.delay_ms / 1000.0, listen=net.ip(0), net=net)
     stack.callback(relay.stop)
-    coord = cluster.start(0, "--no-discovery", "--peer", f"127.0.0.1:{relay.port}", "--split", "2",
+    peer = f"{'127.0.0.1' if net is None else net.ip(0)}:{relay.port}"
+    coord = cluster.start(0, "--no-discovery", "--peer", peer, "--split", "2",
                           "--model", str(target), *common, *_strategy_flags(strategy, draft_path),
                           *cpu_flags(0, 2, args.threads, pin=args.pin)).wait_model()
     if strategy == "draft" and "serving without it" in coord.log_tail(100_000):
         print("  warning: the draft model was disabled (see the node log)", file=sys.stderr)
     model = coord.get("/v1/models")["data"][0]["id"]
-    _complete(coord.base_url, model, "Hello", 4)  # warm-up
-    return coord.base_url, model, relay
+    _complete(coord.base_url, model, [{"role": "user", "content": "Hello"}], 4, "warm-up",
+              coord.inside)
+    return coord.base_url, model, relay, coord
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshnode.bench import prompt_sets
     from meshnode.bench.serve_bench import _rotated
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
@@ -373,9 +325,16 @@ def run(args: argparse.Namespace) -> int:
         if s not in STRATEGIES:
             print(f"meshnode bench spec: unknown strategy {s!r}", file=sys.stderr)
             return 2
+    if args.netns:
+        from meshnode.bench.netns import unavailable
+
+        why = unavailable()
+        if why:
+            print(f"meshnode bench spec: --netns is not available here: {why}", file=sys.stderr)
+            return 2
     max_tokens = args.tokens or (96 if args.quick else 160)
-    n_prompts = args.prompts or (2 if args.quick else None)
-    workloads = {"code_edit": CODE_EDIT[:n_prompts], "mixed_chat": MIXED_CHAT[:n_prompts]}
+    workloads = {w: prompt_sets.select(prompt_sets.load(w), args.split, quick=args.quick, limit=args.prompts)
+                 for w in WORKLOADS}
     paths = NodePaths.resolve(getattr(args, "home", None)).ensure()
     ref = resolve_model(args.model, paths)
     if args.draft_layers is not None and args.draft_layers >= ref.n_layers:
@@ -385,64 +344,105 @@ def run(args: argparse.Namespace) -> int:
     draft_path = (_derived(ref, paths, args.draft_quant, "draft", args.draft_layers)
                   if "draft" in strategies else None)
     target = _derived(ref, paths, args.target_quant, "target") if args.target_quant else ref.path
+    place = ("network namespaces on a bridge (own addresses, 1500-byte MTU)" if args.netns
+             else "loopback")
     latency = (f"latency: emulated by a delaying UDP relay, {args.delay_ms:g} ms each way "
                f"(no netem in this kernel)")
-    print(f"spec benchmark: {target.name}, 2 stages on loopback, {args.threads} thread(s) per stage, "
-          f"greedy, max_tokens {max_tokens}, {len(workloads['code_edit'])} + "
-          f"{len(workloads['mixed_chat'])} prompts, load average {os.getloadavg()[0]:.2f}",
-          file=sys.stderr)
+    print(f"spec benchmark: {target.name}, 2 stages on {place}, {args.threads} thread(s) per stage, "
+          f"greedy, max_tokens {max_tokens}, set {args.split}{' (quick)' if args.quick else ''}: "
+          f"{len(workloads['code_edit'])} + {len(workloads['mixed_chat'])} prompts, "
+          f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
     print(latency, file=sys.stderr, flush=True)
 
-    common = ("--gpu-layers", str(args.gpu_layers), "--threads", str(args.threads), "--ctx", "1024", "--batch", "64", "--parallel", "1",
+    common = ("--gpu-layers", str(args.gpu_layers), "--threads", str(args.threads), "--ctx", str(args.ctx),
+              "--batch", "64", "--parallel", "1",
               *(("--decode-threads", str(args.decode_threads)) if args.decode_threads else ()),
               *(("--draft-max", str(args.draft_max)) if args.draft_max else ()))
     rounds = args.rounds or (2 if args.quick else 3)
     # raw[workload][strategy][prompt index] = one run per round
     raw = {w: {s: [[] for _ in workloads[w]] for s in strategies} for w in WORKLOADS}
     with contextlib.ExitStack() as stack:
-        splits = {s: _start_split(stack, s, target, draft_path, common, args) for s in strategies}
+        net = None
+        if args.netns:
+            from meshnode.bench.netns import Netns
+
+            net = stack.enter_context(Netns(2))
+        splits = {s: _start_split(stack, s, target, draft_path, common, args, net) for s in strategies}
         for rnd in range(rounds):
             t0 = time.perf_counter()
             for w in WORKLOADS:
                 for i, prompt in enumerate(workloads[w]):
                     # every strategy answers this prompt back to back, in an order rotated per
-                    # prompt and round, so a slow spell of the machine hits them alike
+                    # prompt and round, so a slow spell of the machine hits them alike; the key
+                    # makes the prompt (or its editor sequence) one client, new every round
                     for strategy in _rotated(strategies, rnd + i):
-                        base, model, _ = splits[strategy]
-                        raw[w][strategy][i].append(_complete(base, model, prompt, max_tokens))
+                        base, model, _, coord = splits[strategy]
+                        raw[w][strategy][i].append(_complete(
+                            base, model, prompt.chat(), max_tokens, f"r{rnd}-{prompt.client}", coord.inside))
             print(f"  round {rnd + 1}/{rounds}: {time.perf_counter() - t0:.0f} s",
                   file=sys.stderr, flush=True)
-        up = sum(relay.relay.counters.datagrams_up for _, _, relay in splits.values())
-        down = sum(relay.relay.counters.datagrams_down for _, _, relay in splits.values())
+        up = sum(relay.relay.counters.datagrams_up for _, _, relay, _ in splits.values())
+        down = sum(relay.relay.counters.datagrams_down for _, _, relay, _ in splits.values())
     print(f"relays forwarded {up} datagrams up, {down} down", file=sys.stderr)
     results = {w: {s: _summary(raw[w][s]) for s in strategies} for w in WORKLOADS}
+    kinds = {w: {s: _by_kind(raw[w][s], raw[w].get("baseline"), workloads[w]) for s in strategies}
+             for w in WORKLOADS}
     for line in _differences(raw, strategies):
         print(line, file=sys.stderr)
 
     out: dict[str, dict[str, dict]] = {}
-    print(latency)
-    print(f"{'workload':<11} {'strategy':<11} {'tok/s':>7} {'accept':>7} {'drafts':>7} "
-          f"{'windows':>8} {'ms/win':>7} {'plain':>6} {'ms/plain':>9} {'ahead':>9} {'speedup':>8} "
-          f"{'same text':>10}")
+    print(latency + f"; stages on {place}")
+    print(f"{'workload':<11} {'strategy':<11} {'wall t/s':>8} {'wall x':>7} {'TTFT ms':>8} {'tok/s':>7} "
+          f"{'decode x':>8} {'accept':>7} {'acc/win':>7} {'windows':>8} {'ms/win':>7} {'plain':>6} "
+          f"{'ms/plain':>9} {'ahead':>9} {'same text':>10}")
     for w in WORKLOADS:
         base = results[w].get("baseline")
         out[w] = {}
         for s in strategies:
             r = results[w][s]
             speedup = r["tok_s"] / base["tok_s"] if base and base["tok_s"] else float("nan")
+            wall_x = r["wall_tok_s"] / base["wall_tok_s"] if base and base["wall_tok_s"] else float("nan")
             same = "-" if base is None else ("yes" if r["texts"] == base["texts"] and r["stable"] else "NO")
-            print(f"{w:<11} {s:<11} {r['tok_s']:>7.1f} {r['acceptance']:>7.2f} {r['draft_n']:>7d} "
-                  f"{r['windows']:>8d} {r['ms_per_window']:>7.1f} {r['plain_steps']:>6d} "
-                  f"{r['ms_per_plain_step']:>9.1f} {r['lookahead_used']:>4d}/{r['lookahead']:<4d} "
-                  f"{speedup:>7.2f}x {same:>10}")
+            print(f"{w:<11} {s:<11} {r['wall_tok_s']:>8.1f} {wall_x:>6.2f}x {r['ttft_ms']:>8.0f} "
+                  f"{r['tok_s']:>7.1f} {speedup:>7.2f}x {r['acceptance']:>7.2f} "
+                  f"{r['accepted_per_window']:>7.2f} {r['windows']:>8d} {r['ms_per_window']:>7.1f} "
+                  f"{r['plain_steps']:>6d} {r['ms_per_plain_step']:>9.1f} "
+                  f"{r['lookahead_used']:>4d}/{r['lookahead']:<4d} {same:>10}")
             out[w][s] = {"tok_s": round(r["tok_s"], 2), "acceptance": round(r["acceptance"], 3),
-                         "speedup": round(speedup, 3), "draft_n": r["draft_n"],
+                         "speedup": round(speedup, 3),
+                         "wall_tok_s": round(r["wall_tok_s"], 2), "wall_speedup": round(wall_x, 3),
+                         "ttft_ms": round(r["ttft_ms"], 1),
+                         "accepted_per_window": round(r["accepted_per_window"], 3),
+                         "draft_n": r["draft_n"],
                          "draft_n_accepted": r["draft_n_accepted"], "windows": r["windows"],
                          "ms_per_window": round(r["ms_per_window"], 2),
                          "plain_steps": r["plain_steps"],
                          "ms_per_plain_step": round(r["ms_per_plain_step"], 2),
                          "lookahead": r["lookahead"], "lookahead_used": r["lookahead_used"],
-                         "tokens": r["tokens"], "same_text_as_baseline": same != "NO"}
+                         "tokens": r["tokens"], "same_text_as_baseline": same != "NO",
+                         "kinds": kinds[w][s]}
+    if "baseline" in strategies and len(strategies) > 1:
+        print("by kind: wall-clock speedup against baseline (acceptance)")
+        for w in WORKLOADS:
+            for k in sorted(kinds[w]["baseline"]):
+                print(f"  {w:<11} {k:<11} " + "  ".join(
+                    f"{s} {kinds[w][s][k]['wall_speedup']:.2f}x ({kinds[w][s][k]['acceptance']:.2f})"
+                    for s in strategies if s != "baseline"))
     if args.json:
         print(json.dumps(out))
     return 0
+
+
+def _by_kind(runs: list[list[dict]], base_runs: list[list[dict]] | None, prompts) -> dict:
+    """Per kind of prompt: wall-clock speedup against the baseline (total seconds of the
+    fastest rounds) and acceptance (every round)."""
+    out: dict[str, dict] = {}
+    for kind in sorted({p.kind for p in prompts}):
+        idx = [i for i, p in enumerate(prompts) if p.kind == kind]
+        wall = sum(min(r["wall_s"] for r in runs[i]) for i in idx)
+        base = sum(min(r["wall_s"] for r in base_runs[i]) for i in idx) if base_runs else 0.0
+        n = sum(r["timings"].get("draft_n", 0) for i in idx for r in runs[i])
+        acc = sum(r["timings"].get("draft_n_accepted", 0) for i in idx for r in runs[i])
+        out[kind] = {"prompts": len(idx), "wall_speedup": round(base / wall, 3) if wall and base else 0.0,
+                     "acceptance": round(acc / n, 3) if n else 0.0}
+    return out

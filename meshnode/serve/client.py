@@ -138,6 +138,9 @@ class GenerationRequest:
     logprobs: int | None = None
     n: int = 1
     infill: InfillPrompt | None = None
+    # Who asked (the peer address, plus a hash of the API key it sent): speculation drafts
+    # from the same client's recent requests (meshnode.spec.suffix). Empty: nobody's.
+    client: str = ""
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.messages, self.prompt, self.infill)) != 1:

@@ -273,7 +273,7 @@ class ModelServer:
             ar = ActiveRequest(rid, new_session_id(self._sessions), prompt,
                                replace(sampling, seed=(sampling.seed + i) % SEED_SPACE), max_tokens,
                                StopMatcher(tuple(req.stop) + tuple(template_stops)), info, index=i,
-                               constraint=constraints[i])
+                               constraint=constraints[i], client=req.client)
             self._active[rid] = ar
             self._update(ar)
             ars.append(ar)
@@ -402,6 +402,7 @@ class ModelServer:
             ar.pos += len(pending)  # last + accepted drafts entered the KV
         if (tail := ar.tail_delta()) is not None:
             events.put_nowait(tail)
+        decoder.remember(ar)
         decode_s = time.perf_counter() - t_decode
         counters, now = decoder.telemetry.counters(ar.id), decoder.telemetry.snapshot()
         self._finish(ar, RequestStatus.DONE)

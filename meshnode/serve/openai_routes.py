@@ -245,6 +245,7 @@ def make_openai_router(
         request: Request, body: ChatCompletionRequest | CompletionRequest | InfillRequest,
         gen_request: GenerationRequest, chunks: _Chunks, prompt_param: str
     ) -> Response:
+        gen_request = replace(gen_request, client=_caller(request))
         chunks.n = gen_request.n
         chunks.logprobs = gen_request.logprobs is not None
         client = get_client()
@@ -283,6 +284,20 @@ def make_openai_router(
 
 class _ClientGone(Exception):
     pass
+
+
+def _caller(request: Request) -> str:
+    """Who sent ``request``, for drafting from the same caller's recent requests: its
+    address, plus a hash of the API key it sent (the key itself is not kept), so callers
+    behind one address with keys of their own, and users of one shared key at different
+    addresses, stay apart."""
+    import hashlib
+
+    addr = request.client.host if request.client else ""
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer " and auth[7:].strip():
+        return f"{addr}/" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:16]
+    return addr
 
 
 def _json(model: Any) -> JSONResponse:

@@ -29,7 +29,7 @@ from meshnode.serve.client import StopMatcher, TextDelta, TokenLogprob, TopLogpr
 from meshnode.mesh.final import Sampling
 from meshnode.mesh.logprobs import TokenLogprobs
 from meshnode.mesh.pipeline import Step
-from meshnode.spec.ngram import NGramProposer
+from meshnode.spec.suffix import SuffixProposer
 from meshnode.state import RequestInfo
 
 
@@ -98,13 +98,14 @@ class ActiveRequest:
     finish: str = "length"       # OpenAI's finish_reason once done
     done: bool = False
     # speculation state, driven by meshnode.serve.speculation
-    ngram: NGramProposer | None = None   # the whole context: prompt + every generated token
+    ngram: SuffixProposer | None = None  # the whole context: prompt + every generated token
     ahead: SentStep | None = None        # a lookahead window in flight
     # grammar-constrained sampling (meshnode.serve.structured.Constraint), or None
     constraint: Any = None
     index: int = 0                       # the choice this is (requests with n > 1)
     last_logprobs: TokenLogprobs | None = None   # the last step's, when asked for
     _lp_pending: list[TokenLogprob] = field(default_factory=list, repr=False)  # text held back
+    client: str = ""             # whose recent texts it drafts from (meshnode.spec.suffix)
     _utf8: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder, repr=False)
 
     @property

@@ -13,7 +13,9 @@ own state (position, n-gram proposer, the lookahead in flight) lives on its
 
 A step sends ``[last]`` (plain) or ``[last, d1..dk]`` (a verify window; drafts from the
 n-gram proposer or the draft model, ``k`` from the window controller, capped by the
-tokens and context left) to the scheduler. The final stage returns the accepted drafts
+tokens and context left) to the scheduler. N-gram drafts come from the request's own
+text and the same client's recent requests (:mod:`meshnode.spec.suffix`; each finished
+request is remembered by :meth:`SpeculativeDecoder.remember`). The final stage returns the accepted drafts
 plus one bonus token; rejected rows are dropped by every stage when the next step starts
 at an earlier position. Every outcome feeds the policy, the window, the cost model, the
 gate and the telemetry. On a split, a lone greedy n-gram stream may send the next window
@@ -39,7 +41,7 @@ from meshnode.serve.request import ActiveRequest, SentStep
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.spec.cost_model import CostModel
 from meshnode.spec.lookahead import LookaheadGate
-from meshnode.spec.ngram import NGramProposer
+from meshnode.spec.suffix import RecentTexts, SuffixProposer
 from meshnode.spec.policy import AutoPolicy
 from meshnode.spec.stats import SpecTelemetry
 from meshnode.spec.strategy import Proposer, SpecConfig
@@ -79,10 +81,14 @@ class SpeculativeDecoder:
         self.draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft") if draft else None
         self.draft_lock = asyncio.Lock()
         self.gate = LookaheadGate()
+        # the same client's recent texts, drafted from (only where n-gram drafting runs)
+        self.recent = RecentTexts() if strategy == "ngram" else None
+        self._remembering: set[asyncio.Future] = set()
 
     async def start(self, req: ActiveRequest, first: int) -> None:
         """The request's prefill gave ``first``: the proposers take its context."""
-        req.ngram = NGramProposer(req.prompt)
+        history = None if self.recent is None else self.recent.automaton(req.client, time.monotonic())
+        req.ngram = SuffixProposer(req.prompt, history)
         req.ngram.observe([first])
         self.policy.on_prompt(req.prompt)
         if self.draft is not None:
@@ -162,6 +168,17 @@ class SpeculativeDecoder:
         req.last_logprobs = res.logprobs
         return tokens
 
+    def remember(self, req: ActiveRequest) -> None:
+        """A request finished: its text (prompt + generated) becomes draftable for the
+        same client's next requests. The automaton is rebuilt on a worker thread."""
+        if self.recent is None or not req.client:
+            return
+        text = [*req.prompt, *req.generated]
+        fut = asyncio.get_running_loop().run_in_executor(
+            None, self.recent.add, req.client, text, time.monotonic())
+        self._remembering.add(fut)
+        fut.add_done_callback(self._remembering.discard)
+
     def _send(self, req: ActiveRequest, pos: int, last: int, drafts: list[int], *,
               lookahead: bool = False) -> SentStep:
         mask = req.constraint.masks(drafts) if req.constraint is not None else None
@@ -169,7 +186,7 @@ class SpeculativeDecoder:
                     tuple(drafts), req.sampling, mask)
         return SentStep(step, self.scheduler.enqueue(step, req.epoch), lookahead)
 
-    def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: NGramProposer) -> SentStep | None:
+    def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: SuffixProposer) -> SentStep | None:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is
         the proposer's next token (see :mod:`meshnode.spec.lookahead` for when)."""
         # (a constrained request's masks follow its committed tokens: no guessing ahead)
