@@ -87,7 +87,11 @@ class SpeculativeDecoder:
 
     async def start(self, req: ActiveRequest, first: int) -> None:
         """The request's prefill gave ``first``: the proposers take its context."""
-        history = None if self.recent is None else self.recent.automaton(req.client, time.monotonic())
+        # Only greedy requests draft from other requests' texts: a sampled request's random
+        # draws depend on its drafts, so a seeded request must see the same drafts every
+        # time (its own context only) to be reproducible.
+        history = None if self.recent is None or not req.sampling.greedy else \
+            self.recent.automaton(req.client, time.monotonic())
         req.ngram = SuffixProposer(req.prompt, history)
         req.ngram.observe([first])
         self.policy.on_prompt(req.prompt)
