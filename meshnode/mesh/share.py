@@ -56,7 +56,7 @@ __all__ = ["ShareService", "TransferInfo", "TransferProgress"]
 
 log = logging.getLogger(__name__)
 
-STREAMS = 2                 # connections per source: one verifies a chunk while the other reads
+STREAMS = 4                 # connections per source: their round trips and hashing overlap (1 Gbit link: 2 reached 0.66x of raw TCP, 4 reached 0.92x)
 OFFER_TIMEOUT_S = 600.0     # a holder may have to slice a large model before it answers
 PROGRESS_EVERY_S = 0.25
 SHARE_REF_BIT = 0x80000000
