@@ -95,3 +95,9 @@ def gpu_layers(text: str) -> int:
     if v < 0:
         raise argparse.ArgumentTypeError(f"expected a number of layers >= 0, 'all' or 'auto', got {v}")
     return min(v, 1 << 20)
+
+
+def gpu_layers_flag(value: int) -> str:
+    """The ``--gpu-layers`` text for a value :func:`gpu_layers` parsed (benchmarks pass
+    theirs on to the nodes they start)."""
+    return {-1: "auto", 1 << 20: "all"}.get(value, str(value))

@@ -183,3 +183,10 @@ def test_a_cuda_build_offloads_and_reports_its_backend(synthetic_gguf):
         assert eng.backend != "cpu" and eng.gpu_layers == 5
     backend, free = offload.backend_summary()
     assert backend != "cpu" and free > 0
+
+
+@pytest.mark.parametrize("text", ["auto", "all", "0", "7"])
+def test_benchmarks_pass_the_gpu_layers_on_as_the_nodes_parse_them(text):
+    from meshnode.argtypes import gpu_layers, gpu_layers_flag
+
+    assert gpu_layers(gpu_layers_flag(gpu_layers(text))) == gpu_layers(text)

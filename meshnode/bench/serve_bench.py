@@ -20,7 +20,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from meshnode.argtypes import GPU_LAYERS_HELP, gpu_layers, positive_int
+from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, positive_int
 
 HELP = "serving benchmark: single node vs 2/3-stage splits (decode, TTFT, prefill, concurrency)"
 
@@ -146,7 +146,7 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
 
     from meshnode.bench.cluster import LocalCluster, cpu_flags
 
-    gl = ("--gpu-layers", str(args.gpu_layers))
+    gl = ("--gpu-layers", gpu_layers_flag(args.gpu_layers))
     flags = (*gl, "--threads", str(args.threads), "--parallel", str(max(concurrency)), "--ctx", "1024",
              "--batch", "64", "--spec-mode", "off", "--model", str(model_ref.path))
     ends: dict[int, tuple] = {}

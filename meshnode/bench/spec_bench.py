@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 
-from meshnode.argtypes import GPU_LAYERS_HELP, gpu_layers, positive_int
+from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, positive_int
 
 HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model on a 2-stage split"
 
@@ -354,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
           f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
     print(latency, file=sys.stderr, flush=True)
 
-    common = ("--gpu-layers", str(args.gpu_layers), "--threads", str(args.threads), "--ctx", str(args.ctx),
+    common = ("--gpu-layers", gpu_layers_flag(args.gpu_layers), "--threads", str(args.threads), "--ctx", str(args.ctx),
               "--batch", "64", "--parallel", "1",
               *(("--decode-threads", str(args.decode_threads)) if args.decode_threads else ()),
               *(("--draft-max", str(args.draft_max)) if args.draft_max else ()))
