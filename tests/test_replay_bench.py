@@ -49,8 +49,10 @@ def test_bench_replay_runs_on_the_default_model(smollm2, tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out) == {"step_ms", "code_edit", "mixed_chat"}
     for workload in ("code_edit", "mixed_chat"):
-        for max_n in ("4", "12"):
-            row = out[workload][max_n]
+        # rows per proposer and max_n (the suffix proposer's with its history minimum)
+        assert set(out[workload]) == {"ngram/4", "ngram/12", "suffix/4/h4", "suffix/12/h4"}
+        for key in out[workload]:
+            row = out[workload][key]
             assert 1 <= row["tokens"] <= 12
             assert row["tokens"] <= row["accepted"] + row["steps"] <= row["tokens"] + 1
             assert row["predicted_speedup"] > 0
