@@ -197,3 +197,14 @@ def free_udp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sse_chunks(response) -> Iterator[dict]:
+    """The JSON chunks of a streamed OpenAI answer (an httpx streaming response), after
+    checking its status; ``[DONE]`` and non-data lines are skipped."""
+    if response.status_code != 200:
+        response.read()
+        raise RuntimeError(f"HTTP {response.status_code} from the node: {response.text[:300]}")
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])

@@ -20,6 +20,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from meshnode.bench.cluster import sse_chunks
 from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, positive_int
 
 HELP = "serving benchmark: single node vs 2/3-stage splits (decode, TTFT, prefill, concurrency)"
@@ -69,13 +70,7 @@ def _stream_here(base: str, model: str, prompt: str, max_tokens: int) -> dict:
     stamps: list[float] = []
     usage = timings = None
     with httpx.Client(timeout=600, trust_env=False) as c, c.stream("POST", f"{base}/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"HTTP {r.status_code} from the node: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in sse_chunks(r):
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                 stamps.append(time.perf_counter())
                 if ttft is None:

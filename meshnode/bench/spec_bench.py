@@ -48,6 +48,7 @@ import statistics
 import sys
 import time
 
+from meshnode.bench.cluster import sse_chunks
 from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, positive_int
 
 HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model on a 2-stage split"
@@ -167,13 +168,7 @@ def _complete(base: str, model: str, messages: list[dict], max_tokens: int, key:
         t0 = time.perf_counter()
         with client.stream("POST", f"{base}/chat/completions", json=body,
                            headers={"Authorization": f"Bearer {key}"}) as r:
-            if r.status_code != 200:
-                r.read()
-                raise RuntimeError(f"HTTP {r.status_code} from the node: {r.text[:300]}")
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in sse_chunks(r):
                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                     if ttft is None:
                         ttft = time.perf_counter() - t0
