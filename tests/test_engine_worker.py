@@ -10,8 +10,12 @@ from meshnode.engine.worker import EngineWorker
 
 
 class _Engine:
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 1) -> None:
         self.calls: list[tuple[str, str]] = []   # (what, thread name)
+        self.threads = threads
+
+    def threads_for(self, rows: int) -> int:
+        return self.threads
 
     def work(self, what: str, seconds: float = 0.0) -> str:
         time.sleep(seconds)
@@ -21,11 +25,11 @@ class _Engine:
     def close(self) -> None: ...
 
 
-def _steps(inline_max_s: float, rows: int, seconds: float, n: int = 3):
+def _steps(inline_max_s: float, rows: int, seconds: float, n: int = 3, threads: int = 1):
     """``n`` steps of ``rows`` rows that take ``seconds`` each: (thread of each call, the
     loop's thread, how many ran inline)."""
     async def go():
-        eng = _Engine()
+        eng = _Engine(threads)
         w = EngineWorker(eng, "t", inline_max_s=inline_max_s)
         for i in range(n):
             assert await w.step(rows, eng.work, f"s{i}", seconds) == f"s{i}"
@@ -60,3 +64,21 @@ def test_a_step_never_overtakes_a_queued_thread_job():
         return [what for what, _ in eng.calls]
 
     assert asyncio.run(go()) == ["warm", "rollback", "step"]
+
+
+def test_a_multithreaded_step_never_runs_on_the_loop():
+    # llama.cpp would open a second OpenMP team on the loop's thread (engine/worker.py)
+    threads, loop_thread, inline = _steps(0.05, rows=1, seconds=0.0, threads=2)
+    assert all(t != loop_thread for t in threads) and inline == 0
+
+
+def test_every_engine_of_the_process_computes_on_one_thread():
+    async def go():
+        a, b = _Engine(2), _Engine(2)
+        wa, wb = EngineWorker(a, "a"), EngineWorker(b, "b")
+        await asyncio.gather(*(w.step(r, e.work, "x") for r in (1, 8) for w, e in ((wa, a), (wb, b))))
+        await asyncio.gather(wa.call(a.work, "y"), wb.call(b.work, "y"))
+        return {t for _, t in a.calls + b.calls}
+
+    threads = asyncio.run(go())
+    assert len(threads) == 1 and threads != {threading.main_thread().name}

@@ -212,7 +212,9 @@ class StageEngine:
         cparams.n_ubatch = config.n_batch
         cparams.n_seq_max = config.n_seq_max
         threads = config.n_threads or default_threads()
-        cparams.n_threads = config.decode_threads or threads   # llama.cpp: one-token batches
+        self.n_threads_batch = threads
+        self.n_threads_decode = config.decode_threads or threads
+        cparams.n_threads = self.n_threads_decode   # llama.cpp: one-token batches
         cparams.n_threads_batch = threads
         cparams.kv_unified = config.kv_unified
         flash = config.flash_attn if config.flash_attn is not None else not self.gpu_layers
@@ -291,6 +293,11 @@ class StageEngine:
 
     def next_pos(self, session: int) -> int:
         return self._next_pos.get(session, 0)
+
+    def threads_for(self, rows: int) -> int:
+        """CPU threads llama.cpp computes a call of ``rows`` rows with (a padded one-row
+        call is a two-row batch)."""
+        return self.n_threads_decode if rows == 1 and not self.pad_one_row else self.n_threads_batch
 
     def rollback(self, session: int, pos: int) -> None:
         """Forget positions >= ``pos`` of ``session`` (rejected draft tokens)."""

@@ -1,24 +1,36 @@
-"""Run an engine's blocking calls off the event loop, unless they are known to be short.
+"""Run the engines' blocking calls off the event loop, all on one thread per process.
 
 llama_decode blocks for milliseconds to seconds; on the event loop a long call would
-stall QUIC, HTTP and the TUI, so calls run on one dedicated thread, which also
-serialises access to the llama context (it is not thread-safe).
+stall QUIC, HTTP and the TUI, so calls run on a worker thread, which also serialises
+access to each llama context (it is not thread-safe).
 
-A handoff to that thread and back is not free, though: on a 2-core VM
-the loop -> worker -> loop round trip around a 7 ms call costs ~0.43 ms, because both
-threads sleep and each wake-up of an idle (virtual) CPU is slow. A split decode step
-pays it on every stage, which was a sixth of a SmolLM2 step. So :meth:`EngineWorker.step`
-(decode steps and verify windows: a hot path) runs the call *on the calling thread*
-when the same row count last took at most ``inline_max_s`` (default 20 ms: a loop
-pause nobody notices) and no thread job is queued or running (calls stay in order).
-Anything not yet measured, or slower, goes to the thread as before and is measured
-there, so a big model's steps never block the loop.
+**One compute thread for every engine of the process** (:func:`compute_pool`: the stages
+this node serves, its own stage 0, the draft model). llama.cpp's CPU backend, as built
+by llama-cpp-python on Linux, runs a multi-threaded graph as an OpenMP parallel region,
+and libgomp keeps one team of threads per thread that opens a region. Once the threads
+of all the teams outnumber the CPUs, libgomp throttles its spin-wait (to 100 spins) and
+every barrier of the graph, several per layer, becomes a futex sleep and a wake-up. A
+node that ran decode steps from two threads (the loop and a worker) decoded SmolLM2 at
+32 tok/s with ~45,000 context switches a second on the 2-core VM; from one thread, 85-92
+tok/s. Sharing the thread costs nothing real: engines of one process compete for the
+same cores anyway.
+
+A handoff to that thread and back is not free, though: on a 2-core VM the loop -> worker
+-> loop round trip around a 7 ms call costs ~0.43 ms, because both threads sleep and
+each wake-up of an idle (virtual) CPU is slow. A split decode step pays it on every
+stage. So :meth:`EngineWorker.step` (decode steps and verify windows: a hot path) runs
+the call *on the calling thread* when llama.cpp computes it on one CPU thread (no OpenMP
+team is formed, so nothing above applies), the same row count last took at most
+``inline_max_s`` (default 20 ms: a loop pause nobody notices) and no thread job of the
+engine is queued or running (its calls stay in order). Anything else goes to the compute
+thread and is measured there, so a big model's steps never block the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,14 +45,32 @@ T = TypeVar("T")
 INLINE_MAX_S = 0.020     # longest engine call worth running on the event loop
 _EWMA = 0.3
 
+_compute: ThreadPoolExecutor | None = None
+_compute_lock = threading.Lock()
+
+
+def compute_pool() -> ThreadPoolExecutor:
+    """The process's one llama.cpp compute thread (module docstring). Never shut down:
+    it lives as long as the process and exits with it."""
+    global _compute
+    with _compute_lock:
+        if _compute is None:
+            _compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
+        return _compute
+
+
+async def run_compute(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` on the compute thread (for llama.cpp work outside an EngineWorker)."""
+    return await asyncio.get_running_loop().run_in_executor(compute_pool(), functools.partial(fn, *args))
+
 
 class EngineWorker:
-    """Owns a :class:`StageEngine` and a single worker thread (see the module docstring)."""
+    """Owns a :class:`StageEngine`; runs its calls on the compute thread (module docstring)."""
 
     def __init__(self, engine: StageEngine, name: str = "engine", *,
-                 inline_max_s: float = INLINE_MAX_S, pool: ThreadPoolExecutor | None = None) -> None:
+                 inline_max_s: float = INLINE_MAX_S) -> None:
         self.engine = engine
-        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.name = name
         self.inline_max_s = inline_max_s
         self._queued = 0                        # thread jobs submitted, not yet awaited back
         self._step_s: dict[int, float] = {}    # rows -> EWMA seconds of a step of that size
@@ -48,27 +78,22 @@ class EngineWorker:
 
     @classmethod
     async def load(cls, config: EngineConfig, name: str = "engine", **kwargs) -> "EngineWorker":
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        try:
-            engine = await asyncio.get_running_loop().run_in_executor(pool, StageEngine, config)
-        except BaseException:
-            pool.shutdown(wait=False)
-            raise
-        return cls(engine, name, pool=pool, **kwargs)
+        return cls(await run_compute(StageEngine, config), name, **kwargs)
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
-        """Run ``fn(*args)`` on the worker thread (in submission order)."""
-        loop = asyncio.get_running_loop()
+        """Run ``fn(*args)`` on the compute thread (in submission order)."""
         self._queued += 1
         try:
-            return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+            return await run_compute(fn, *args)
         finally:
             self._queued -= 1
 
     async def step(self, rows: int, fn: Callable[..., T], *args: object) -> T:
-        """Run a step of ``rows`` rows: inline if known to be short, else on the thread."""
+        """Run a step of ``rows`` rows: inline if single-threaded and known to be short,
+        else on the compute thread."""
         est = self._step_s.get(rows)
-        if est is not None and est <= self.inline_max_s and self._queued == 0:
+        if (est is not None and est <= self.inline_max_s and self._queued == 0
+                and self.engine.threads_for(rows) == 1):
             t0 = time.perf_counter()
             try:
                 return fn(*args)
@@ -98,7 +123,6 @@ class EngineWorker:
 
     async def close(self) -> None:
         await self.call(self.engine.close)
-        self._pool.shutdown(wait=False)
 
 
 def _timed(fn: Callable[..., T], args: tuple) -> tuple[T, float]:

@@ -609,7 +609,7 @@ class ModelServer:
     async def close(self) -> None:
         await self.scheduler.close()
         await self.pipeline.close()
-        self._decoder.close()
+        await self._decoder.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -25,6 +25,7 @@ Each re-plan is a :class:`~meshnode.state.FailoverInfo` (``status``, the TUI).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -323,6 +324,7 @@ class ModelService:
         if spec.type != "draft-model" or not spec.draft_model:
             return None
         try:
+            from meshnode.engine.worker import run_compute
             from meshnode.models.store import resolve_model
             from meshnode.spec.draft import DraftModelProposer, check_vocab
 
@@ -331,8 +333,9 @@ class ModelService:
             draft_spec = str(base / cand) if not cand.is_absolute() and (base / cand).exists() else spec.draft_model
             dref = await asyncio.to_thread(resolve_model, draft_spec, self.node.paths)
             await asyncio.to_thread(check_vocab, ref.path, dref.path)
-            return await asyncio.to_thread(DraftModelProposer, dref.path, n_threads=self.options.threads,
-                                           gpu_layers=self.options.gpu_layers)
+            return await run_compute(functools.partial(
+                DraftModelProposer, dref.path, n_threads=self.options.threads,
+                gpu_layers=self.options.gpu_layers))
         except Exception as exc:  # noqa: BLE001 - never a failed start for a draft
             log.warning("draft model %r disabled: %s; serving without it", spec.draft_model, exc)
             return None

@@ -30,11 +30,11 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from meshnode.engine.tokenizer import Tokenizer
+from meshnode.engine.worker import run_compute
 from meshnode.mesh.pipeline import Step
 from meshnode.serve.errors import EngineFailedError
 from meshnode.serve.request import ActiveRequest, SentStep
@@ -78,7 +78,6 @@ class SpeculativeDecoder:
             config.window if config is not None and config.enabled else WindowPolicy(), self.cost)
         self.telemetry = SpecTelemetry(strategy, state=self.policy.state)
         self.draft = draft
-        self.draft_pool = ThreadPoolExecutor(1, thread_name_prefix="draft") if draft else None
         self.draft_lock = asyncio.Lock()
         self.gate = LookaheadGate()
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
@@ -214,13 +213,17 @@ class SpeculativeDecoder:
     async def _draft_call(self, fn, *args):
         async with self.draft_lock:
             try:
-                return await asyncio.get_running_loop().run_in_executor(self.draft_pool, fn, *args)
+                # the process's compute thread, where the target's engine runs too
+                # (engine/worker.py: one OpenMP team per process)
+                return await run_compute(fn, *args)
             except Exception as exc:
                 # The draft model only helps: its failures (its own context overflowing
                 # included) are not the request's fault, whatever their type.
                 log.exception("the draft model failed")
                 raise EngineFailedError(f"generation failed: {exc}") from exc
 
-    def close(self) -> None:
-        if self.draft_pool is not None:
-            self.draft_pool.shutdown(wait=False)
+    async def close(self) -> None:
+        """Free the draft model's engine (on the compute thread, after a call in flight)."""
+        if self.draft is not None:
+            async with self.draft_lock:
+                await run_compute(self.draft.close)
