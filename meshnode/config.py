@@ -14,6 +14,7 @@ the speculative-decoding precedence). docs/config.md lists every option.
     http_port = 8642
     max_memory = "6GB"
     shutdown_grace = 3.0                # seconds requests in flight get at SIGINT/SIGTERM
+    prefix_cache = 3                    # finished sessions kept for prefix reuse (0: off)
 
     [http]                              # the OpenAI endpoint (docs/api.md, Security)
     api_key = "..."                     # required when bound off loopback
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 WINDOW_POLICIES = ("adaptive", "fixed")
 MAX_SHUTDOWN_GRACE = 3600.0     # seconds; a longer wait is a mistake, not a setting
+MAX_PREFIX_CACHE = 4096         # sessions; the node keeps at most --parallel - 1 anyway
 
 
 class ConfigError(MeshnodeError):
@@ -88,6 +90,7 @@ class NodeSettings:
     quic_port: int | None = None
     max_memory: int | None = None       # bytes
     shutdown_grace: float | None = None  # seconds
+    prefix_cache: int | None = None     # sessions kept for prefix reuse (serve/prefix_cache.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,13 +299,15 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
     r.warn_unknown(data, "", ("node", "http", "defaults", "models"))
 
     node_t = r.table(data, "node", "node")
-    r.warn_unknown(node_t, "node.", ("name", "http_port", "quic_port", "max_memory", "shutdown_grace"))
+    r.warn_unknown(node_t, "node.", ("name", "http_port", "quic_port", "max_memory", "shutdown_grace",
+                                   "prefix_cache"))
     node = NodeSettings(
         name=r.str_(node_t, "name", "node.name"),
         http_port=r.int_(node_t, "http_port", "node.http_port", 0, 65535),
         quic_port=r.int_(node_t, "quic_port", "node.quic_port", 0, 65535),
         max_memory=r.size_(node_t, "max_memory", "node.max_memory"),
         shutdown_grace=r.float_(node_t, "shutdown_grace", "node.shutdown_grace", 0, MAX_SHUTDOWN_GRACE),
+        prefix_cache=r.int_(node_t, "prefix_cache", "node.prefix_cache", 0, MAX_PREFIX_CACHE),
     )
 
     http_t = r.table(data, "http", "http")

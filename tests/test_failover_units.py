@@ -228,7 +228,8 @@ def test_a_stream_continues_exactly_on_the_new_route(spec, die_after):
     # and the prompt in the cold prefill's chunks
     prompt_chunks = [(pos, rows) for pos, rows, _ in new.steps if pos < len(CODE)]
     assert prompt_chunks == [(p, min(16, len(CODE) - p)) for p in range(0, len(CODE), 16)]
-    assert not new.kv, "the session was freed on the new route"
+    # the session was freed on the new route, or kept there for prefix reuse
+    assert set(new.kv) <= set(server.prefix.sessions()) and server.prefix.capacity
 
 
 def test_no_route_ends_the_stream_with_the_reason():

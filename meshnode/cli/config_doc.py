@@ -35,6 +35,10 @@ KEYS: dict[str, tuple[str, str, str]] = {
     "node.shutdown_grace": ("seconds 0-3600", "--shutdown-grace",
                             "at SIGINT/SIGTERM, how long requests in flight may still finish before "
                             "they are ended in-band (a second signal exits at once)"),
+    "node.prefix_cache": ("int 0-4096", "--prefix-cache",
+                          "finished requests whose KV is kept on every stage, so a prompt that "
+                          "begins with one's tokens prefills only the rest (docs/api.md, \"Prefix "
+                          "reuse\"); at most `--parallel` - 1; 0: off"),
     "http.api_key": ("string", "--api-key, $MESHNODE_API_KEY",
                      "clients must send `Authorization: Bearer <key>`; a node bound off loopback "
                      "(`--host`) refuses to start without one. Keep the file private (mode 0600)"),
@@ -69,6 +73,7 @@ KEYS: dict[str, tuple[str, str, str]] = {
 _UNSET = {
     "node.name": "none (the host name, shown after authenticating)",
     "node.max_memory": "free RAM",
+    "node.prefix_cache": "`--parallel` - 1",
     "http.api_key": "none",
     "speculative.draft_model": "none (the strategy's)",
 }
@@ -109,6 +114,7 @@ def defaults() -> dict[str, object]:
     return {
         "node.name": kw["name"], "node.http_port": kw["http_port"], "node.quic_port": kw["port"],
         "node.max_memory": kw["max_memory"], "node.shutdown_grace": kw["shutdown_grace"],
+        "node.prefix_cache": kw["service"].prefix_cache if kw["service"] else None,
         "http.api_key": sec.api_key, "http.allowed_hosts": list(sec.allowed_hosts),
         "http.cors_origins": list(sec.cors_origins), "http.max_body": sec.max_body,
         "http.max_queue": kw["service"].max_queue if kw["service"] else _max_queue(args),

@@ -92,6 +92,10 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="prefill chunk in tokens, the same on every stage (default 64)")
     m.add_argument("--parallel", type=positive_int, default=4, metavar="N",
                    help="requests served at once (default 4)")
+    m.add_argument("--prefix-cache", type=non_negative_int, default=None, metavar="N",
+                   help="keep up to N finished requests' KV so a prompt that begins with an "
+                        "earlier one's tokens prefills only the rest (at most --parallel - 1, "
+                        "the default; 0 = off; or [node] prefix_cache)")
     m.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
                    help="hidden states on the wire: f32 (exact, default) or f16 (half the bytes)")
     m.add_argument("--threads", type=positive_int, default=None, metavar="N",
@@ -181,6 +185,7 @@ def _node_kwargs(args: argparse.Namespace, paths) -> dict:
         service = ServiceOptions(
             model=args.model, split=args.split, stages=args.stages, max_memory=max_memory,
             n_ctx=args.ctx, n_batch=args.batch, parallel=args.parallel, wire_dtype=args.wire_dtype,
+            prefix_cache=args.prefix_cache if args.prefix_cache is not None else node_cfg.prefix_cache,
             threads=args.threads, gpu_layers=args.gpu_layers, aliases=tuple(args.alias),
             spec_cli=CliSpecOptions(strategy=strategy, mode=args.spec_mode, draft_model=args.draft_model,
                                     window_policy=args.draft_policy, window_initial=args.draft_initial,

@@ -164,7 +164,8 @@ TimingsJSON = dict[str, float | int | str]   # Timings.to_json(): the responses'
 class Timings:
     """Per-request timings in llama.cpp server's vocabulary (its ``timings`` object).
 
-    ``draft_n`` counts drafted tokens sent for verification, ``draft_n_accepted`` those
+    ``prompt_n`` counts the prompt tokens computed, ``cache_n`` those whose KV was reused
+    from an earlier request (prefix reuse; llama.cpp's meaning of both). ``draft_n`` counts drafted tokens sent for verification, ``draft_n_accepted`` those
     accepted (acceptance rate = accepted / drafted), both 0 without speculation. The
     rest is ours (llama.cpp has no such fields): ``draft_windows`` verify steps taking
     ``draft_verify_ms`` in all, ``plain_steps`` one-token steps, lookahead windows sent
@@ -174,6 +175,7 @@ class Timings:
 
     prompt_n: int = 0
     prompt_ms: float = 0.0
+    cache_n: int = 0
     predicted_n: int = 0
     predicted_ms: float = 0.0
     draft_n: int = 0
@@ -192,6 +194,7 @@ class Timings:
         then the speculation fields (``spec_*`` only when a strategy is known)."""
         out: TimingsJSON = {
             "prompt_n": self.prompt_n,
+            "cache_n": self.cache_n,
             "prompt_ms": self.prompt_ms,
             "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
             "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0,

@@ -86,6 +86,7 @@ from meshnode.serve.errors import (
 from meshnode.serve.fim import fim_reason, infill_tokens
 from meshnode.serve.failover import RouteGate, replay_steps
 from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
+from meshnode.serve.prefix_cache import PrefixCache, Retained
 from meshnode.serve.request import ActiveRequest, new_session_id
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.serve.speculation import SpeculativeDecoder
@@ -134,6 +135,14 @@ class ServeSettings:
     max_queue: int = DEFAULT_MAX_QUEUE   # requests waiting beyond parallel; more get a 429
     aliases: tuple[str, ...] = ()
     spec: SpecConfig | None = None
+    # finished sessions kept for prefix reuse (serve/prefix_cache.py); None: parallel - 1.
+    # At most parallel - 1, so a match always has a free slot to be copied into.
+    prefix_cache: int | None = None
+
+    @property
+    def prefix_sessions(self) -> int:
+        n = self.parallel - 1 if self.prefix_cache is None else self.prefix_cache
+        return max(0, min(n, self.parallel - 1))
 
 
 class ModelServer:
@@ -154,6 +163,11 @@ class ModelServer:
         # Every stage holds parallel sequence slots; requests beyond that queue here.
         self._slots = asyncio.Semaphore(settings.parallel)
         self._multi_slots = asyncio.Lock()   # one request with n > 1 gathers its slots at a time
+        # Finished sessions kept for their KV; each holds one of the slots above until it
+        # is evicted (for a live request that finds no free slot, LRU, or at a re-plan).
+        self.prefix = PrefixCache(settings.prefix_sessions)
+        self._waiting = 0       # requests gathering slots: a finished session is not kept then
+        self._freeing: set[asyncio.Task] = set()
         self._admitted = 0      # requests past the admission check and not yet finished
         self._idle = asyncio.Event()    # set while _admitted == 0 (shutdown waits for it)
         self._idle.set()
@@ -310,37 +324,66 @@ class ModelServer:
                 self._channels.pop(rid, None)
                 self._release(n)
 
-    async def _acquire(self, n: int) -> None:
+    async def _acquire(self, n: int, keep: Retained | None = None) -> None:
         """Take ``n`` sequence slots. One request at a time gathers several, so two
-        requests each holding part of what they need never wait on each other."""
-        if n == 1:
-            await self._slots.acquire()
-            return
-        async with self._multi_slots:
-            taken = 0
-            try:
-                for _ in range(n):
-                    await self._slots.acquire()
-                    taken += 1
-            except BaseException:
-                for _ in range(taken):
-                    self._slots.release()
-                raise
+        requests each holding part of what they need never wait on each other. Retained
+        sessions (but ``keep``, the one this request copies from) give their slots up
+        when none is free: live requests come first."""
+        self._waiting += 1
+        try:
+            if n == 1:
+                await self._take_slot(keep)
+                return
+            async with self._multi_slots:
+                taken = 0
+                try:
+                    for _ in range(n):
+                        await self._take_slot(None)
+                        taken += 1
+                except BaseException:
+                    for _ in range(taken):
+                        self._slots.release()
+                    raise
+        finally:
+            self._waiting -= 1
+
+    async def _take_slot(self, keep: Retained | None) -> None:
+        while self._slots.locked() and (e := self.prefix.evict_one(keep)) is not None:
+            await self._free_retained(e)
+        await self._slots.acquire()
+
+    async def _free_retained(self, e: Retained) -> None:
+        """End a session the prefix cache gave up on every stage, then free its slot
+        (even when the caller is cancelled meanwhile: the slot must come back)."""
+        ends = asyncio.ensure_future(self._end_session(e.session))
+        ends.add_done_callback(lambda _f: self._slots.release())
+        await asyncio.shield(ends)
+
+    def _free_later(self, entries: list[Retained]) -> None:
+        for e in entries:
+            t = asyncio.get_running_loop().create_task(self._free_retained(e))
+            self._freeing.add(t)
+            t.add_done_callback(self._freeing.discard)
 
     async def _produce(self, events: asyncio.Queue, ars: list[ActiveRequest]) -> None:
         """Prefill and decode one request's choices, putting their events on ``events``."""
+        # (n > 1 choices share their prompt among themselves: no lookup, nothing kept)
+        hit = self.prefix.lookup(ars[0].prompt, self.route.epoch) if len(ars) == 1 else None
         try:
-            await self._acquire(len(ars))
+            await self._acquire(len(ars), keep=hit[0] if hit is not None else None)
         except BaseException:
+            if hit is not None:
+                self._unpin(hit[0])
             for ar in ars:
                 self._finish(ar, RequestStatus.CANCELLED)
             raise
+        completed = False
         for ar in ars:
             ar.info = replace(ar.info, status=RequestStatus.PREFILL)
         decoder = self._decoder
         try:
             t_prefill = time.perf_counter()
-            firsts = [await self._prefill_failover(ars[0])] if len(ars) == 1 else await self._prefill_shared(ars)
+            firsts = [await self._prefill_failover(ars[0], hit)] if len(ars) == 1 else await self._prefill_shared(ars)
             for ar, first in zip(ars, firsts):
                 if ar.constraint is not None:
                     ar.constraint.commit([first.tokens[-1]])
@@ -350,6 +393,7 @@ class ModelServer:
             else:
                 await _all_or_none([self._decode(events, ar, first, prefill_s)
                                     for ar, first in zip(ars, firsts)])
+            completed = True
         except asyncio.CancelledError:
             for ar in ars:
                 self._finish(ar, RequestStatus.CANCELLED)
@@ -368,12 +412,37 @@ class ModelServer:
                 ar.withdraw_lookahead()
                 self.scheduler.leave(ar.session)
                 decoder.telemetry.end_request(ar.id)
-            # The slots come back once every stage was told to free the sessions (even
+            # A kept session (and its slot) now belongs to the prefix cache. Otherwise the
+            # slots come back once every stage was told to free the sessions (even
             # when this task is cancelled meanwhile): the next request's steps then
             # reach each stage behind the SessionEnds, never beside KV still held.
-            ends = asyncio.ensure_future(asyncio.gather(*(self._end_session(ar.session) for ar in ars)))
-            ends.add_done_callback(lambda _f, n=len(ars): self._release_slots(n))
-            await asyncio.shield(ends)
+            if not (completed and len(ars) == 1 and self._retain(ars[0])):
+                ends = asyncio.ensure_future(asyncio.gather(*(self._end_session(ar.session) for ar in ars)))
+                ends.add_done_callback(lambda _f, n=len(ars): self._release_slots(n))
+                await asyncio.shield(ends)
+
+    def _retain(self, ar: ActiveRequest) -> bool:
+        """Keep ``ar``'s finished session in the prefix cache; False when it is not kept
+        (cache off, a request waits for a slot, the route changed, shutting down)."""
+        if (not self.prefix.capacity or self._waiting or self._closing
+                or ar.epoch != self.route.epoch):
+            return False
+        # The KV holds positions [0, pos): the prompt and every fed token; the last
+        # sampled token was never fed, and positions past pos (rejected drafts, a
+        # withdrawn lookahead) are cut by the copy.
+        history = [*ar.prompt, *ar.generated][:ar.pos]
+        if len(history) != ar.pos:
+            return False
+        freed = self.prefix.put(ar.session, history, ar.epoch)
+        kept = all(e.session != ar.session for e in freed)
+        self._free_later([e for e in freed if e.session != ar.session])
+        return kept
+
+    def _unpin(self, e: Retained) -> None:
+        self.prefix.unpin(e)
+        if self._waiting and not e.pins and not e.removed:
+            # a request may have found no slot to take while this one was being copied
+            self._free_later([x for x in [self.prefix.evict_one()] if x is not None])
 
     def _release_slots(self, n: int) -> None:
         for _ in range(n):
@@ -408,7 +477,7 @@ class ModelServer:
         self._finish(ar, RequestStatus.DONE)
         n_prompt, n_gen = len(ar.prompt), len(ar.generated)
         events.put_nowait(Finished(ar.finish, Usage(n_prompt, n_gen), Timings(
-            prompt_n=n_prompt, prompt_ms=1e3 * prefill_s, predicted_n=n_gen,
+            prompt_n=n_prompt - ar.cached, cache_n=ar.cached, prompt_ms=1e3 * prefill_s, predicted_n=n_gen,
             predicted_ms=1e3 * decode_s, draft_n=counters.proposed,
             draft_n_accepted=counters.accepted, draft_windows=counters.windows,
             draft_verify_ms=1e3 * counters.verify_s, plain_steps=counters.plain_steps,
@@ -418,12 +487,20 @@ class ModelServer:
 
     # ---- steps --------------------------------------------------------------------------
 
-    async def _prefill(self, ar: ActiveRequest) -> Finalized:
+    async def _prefill(self, ar: ActiveRequest, hit: tuple[Retained, int] | None = None) -> Finalized:
+        """The prompt in chunks of n_batch; with ``hit`` (a retained session and how
+        many of its positions match the prompt) those positions are copied into
+        ``ar``'s session on every stage first and only the rest is computed."""
         nb = self.settings.n_batch
         arr = np.asarray(ar.prompt, dtype=np.int32)
         result = None
         ar.epoch = self.route.epoch
-        for start in range(0, len(arr), nb):
+        begin = 0
+        if hit is not None and hit[0].epoch == ar.epoch and not hit[0].removed:
+            await self.pipeline.copy_session(hit[0].session, ar.session, hit[1])
+            self.prefix.used(*hit)
+            begin = ar.cached = hit[1]
+        for start in range(begin, len(arr), nb):
             chunk = arr[start:start + nb]
             last = start + nb >= len(arr)
             mask = ar.constraint.masks() if last and ar.constraint is not None else None
@@ -454,12 +531,21 @@ class ModelServer:
 
     # ---- failover -------------------------------------------------------------------------
 
-    async def _prefill_failover(self, ar: ActiveRequest) -> Finalized:
-        """The prefill; when the route is lost under it, again on the new route."""
+    async def _prefill_failover(self, ar: ActiveRequest, hit: tuple[Retained, int] | None = None) -> Finalized:
+        """The prefill; when the route is lost under it, again on the new route (in full:
+        a retained session's KV stayed on the old route)."""
+        try:
+            return await self._prefill_routes(ar, hit)
+        finally:
+            if hit is not None:
+                self._unpin(hit[0])
+
+    async def _prefill_routes(self, ar: ActiveRequest, hit: tuple[Retained, int] | None) -> Finalized:
         for attempt in range(MAX_FAILOVERS + 1):
             try:
-                return await self._prefill(ar)
+                return await self._prefill(ar, hit)
             except (PipelineUnavailableError, PipelineFailedError) as exc:
+                hit, ar.cached = None, 0
                 if attempt == MAX_FAILOVERS or not await self._route_lost(ar, exc):
                     raise
                 t0 = time.perf_counter()
@@ -531,11 +617,25 @@ class ModelServer:
         self.pipeline = pipeline
         self.scheduler.set_pipeline(pipeline)
         self.route.restored()
+        # Retained KV was computed on the old route: forgotten (the SessionEnds reach
+        # the stages that survived; the others lost it with their engines).
+        self._free_later(self.prefix.drop_stale(self.route.epoch))
 
     @property
     def sessions_held(self) -> int:
-        """Sessions whose KV stage 0 holds (each until every stage was told to free it)."""
+        """Sessions whose KV stage 0 holds (each until every stage was told to free it),
+        the prefix cache's included."""
         return len(self._sessions)
+
+    def prefix_stats(self) -> dict[str, int]:
+        """The prefix cache's counters and size (``status --json``)."""
+        return {"capacity": self.prefix.capacity, "sessions": len(self.prefix), **self.prefix.stats.as_dict()}
+
+    async def drop_prefix_cache(self) -> None:
+        """Free every retained session on every stage."""
+        await asyncio.gather(*(self._free_retained(e) for e in self.prefix.clear()))
+        if self._freeing:
+            await asyncio.gather(*self._freeing, return_exceptions=True)
 
     @property
     def in_flight(self) -> int:
@@ -593,6 +693,8 @@ class ModelServer:
         an EngineUnavailableError (:data:`ENDED_AT_SHUTDOWN`) after the text they already
         produced. Returns how many were ended; takes at most ``grace`` + :data:`END_WAIT_S`."""
         self._closing = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.drop_prefix_cache(), max(grace, END_WAIT_S))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), grace)
         if self._idle.is_set():

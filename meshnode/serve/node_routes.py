@@ -94,6 +94,7 @@ async def status(request: Request) -> dict[str, Any]:
     server = getattr(getattr(node, "service", None), "server", None)
     if server is not None:   # KV held for the model this node coordinates (stage 0)
         data["model_sessions"] = server.sessions_held
+        data["prefix_cache"] = server.prefix_stats()
     share = getattr(node, "mesh_share", None)
     if share is not None:   # requests carried to members, and members' served here
         data["mesh_requests"] = dict(share.counters)

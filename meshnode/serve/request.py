@@ -94,6 +94,7 @@ class ActiveRequest:
     first_token_t: float | None = None
     pos: int = 0                 # the session's KV holds positions [0, pos)
     epoch: int = 0               # ... on this route (RouteGate.epoch; failover replays it)
+    cached: int = 0              # prompt positions copied from a retained session (prefix reuse)
     generated: list[int] = field(default_factory=list)
     finish: str = "length"       # OpenAI's finish_reason once done
     done: bool = False

@@ -64,6 +64,7 @@ class ServiceOptions:
     n_batch: int = 64                   # prefill chunk, every stage
     parallel: int = 4                   # concurrent requests (sequence slots)
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond parallel (then 429)
+    prefix_cache: int | None = None     # finished sessions kept for prefix reuse (None: parallel - 1)
     wire_dtype: str = "f32"
     threads: int | None = None
     gpu_layers: int = -1                # engine.offload.GPU_LAYERS_AUTO
@@ -162,6 +163,7 @@ class ModelService:
             self._first_plan = serving.plan
             self.server = ModelServer(
                 ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch, parallel=o.parallel, max_queue=o.max_queue,
+                              prefix_cache=o.prefix_cache,
                               aliases=tuple(o.aliases) + (ref.path.name, ref.path.stem), spec=spec),
                 tokenizer, serving.pipeline, publish=self.node.publish, draft=draft)
             self._set(ModelStatus.READY, f"{serving.pipeline.n_stages} stage(s)")
