@@ -1,0 +1,165 @@
+"""Prefix reuse across requests on a 2-stage split: real node processes on loopback (QUIC,
+HTTP), real llama.cpp on SmolLM2, the editor-like sequences of the benchmark prompt set
+(the same file sent again with small edits).
+
+One stage-1 node stays up for the module; the coordinator restarts per configuration.
+Reference: every request prefilled cold (``--prefix-cache 0``). With the cache on, a
+request whose prompt begins with an earlier one's tokens copies that KV on both stages
+(``timings.cache_n``) and its greedy answer is the cold one token for token, speculation
+off and on, one client or two at once; the stage-1 node then holds exactly the sessions
+the coordinator's cache keeps.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from meshnode.bench import prompt_sets
+from meshnode.bench.cluster import free_udp_port, link_model
+from meshnode.serve.prefix_cache import MIN_PREFIX
+from tests.nodeproc import meshnode_cmd, start_node, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.net]
+
+MAX_TOKENS = 24
+PARALLEL = 3            # the cache keeps at most PARALLEL - 1 sessions
+NODE_FLAGS = ("--threads", "1", "--ctx", "1024", "--batch", "64", "--parallel", str(PARALLEL))
+
+
+def _sequences() -> dict[str, list[list[dict[str, str]]]]:
+    """Two editor sequences (each: the same file, a little changed each step)."""
+    seqs: dict[str, list] = {}
+    for p in prompt_sets.load("code_edit"):
+        if p.sequence in ("editor-users", "editor-cache"):
+            seqs.setdefault(p.sequence, []).append(p.chat())
+    assert len(seqs) == 2 and all(len(v) >= 3 for v in seqs.values())
+    return seqs
+
+
+SEQUENCES = _sequences()
+
+
+class Split:
+    def __init__(self, root: Path, model: Path) -> None:
+        self.homes = [root / "n0", root / "n1"]
+        self.model = link_model(self.homes[0], model)
+        link_model(self.homes[1], model)
+        tok = meshnode_cmd("invite", "--home", str(self.homes[0])).stdout.strip().splitlines()[-1]
+        r = meshnode_cmd("join", tok, "--home", str(self.homes[1]))
+        assert r.returncode == 0, r.stderr
+        self.quic_port = free_udp_port()
+        self.stage1 = start_node(self.homes[1], "n1", "--no-model", "--no-discovery",
+                                 "--quic-port", str(self.quic_port), *NODE_FLAGS).wait_up(30)
+        self.coord = None
+
+    def start(self, *flags: str):
+        self.stop_coordinator()
+        self.coord = start_node(self.homes[0], "n0", "--model", str(self.model), "--split", "2",
+                                "--no-discovery", "--peer", f"127.0.0.1:{self.quic_port}",
+                                *NODE_FLAGS, *flags).wait_up(30)
+
+        def ready() -> bool:
+            model = self.coord.get("/health").get("model") or {}
+            if model.get("state") == "failed":
+                raise AssertionError(f"model failed: {model}\n{self.coord.log()[-3000:]}")
+            return model.get("state") == "ready"
+
+        try:
+            wait_for(ready, 180, interval=0.25)
+            assert [s["state"] for s in self.coord.status()["stages"]] == ["ready", "ready"]
+        except BaseException:
+            print(self.coord.log()[-4000:])
+            raise
+        return self.coord
+
+    def run_sequence(self, name: str, steps: slice = slice(None)) -> list[tuple[str, dict]]:
+        """The steps of one editor sequence in order, as one client: (text, timings)."""
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{self.coord.info['http_port']}/v1",
+                        api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        out = []
+        for messages in SEQUENCES[name][steps]:
+            r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
+                                               temperature=0)
+            out.append((r.choices[0].message.content, (r.model_extra or {}).get("timings") or {}))
+        return out
+
+    def sessions_settle(self) -> dict:
+        """Once requests are done: stage 1 holds exactly the sessions the cache keeps."""
+        def settled() -> bool:
+            st = self.coord.status()
+            kept = st["prefix_cache"]["sessions"]
+            return (len(self.stage1.status().get("stage_sessions")) == kept
+                    and st["model_sessions"] == kept)
+        wait_for(settled, 15)
+        return self.coord.status()["prefix_cache"]
+
+    def stop_coordinator(self) -> None:
+        if self.coord is not None:
+            self.coord.stop()
+            self.coord = None
+
+    def close(self) -> None:
+        self.stop_coordinator()
+        self.stage1.stop()
+
+
+@pytest.fixture(scope="module")
+def split(smollm2, tmp_path_factory):
+    s = Split(tmp_path_factory.mktemp("prefix-split"), smollm2.path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def cold(split) -> dict[str, list[str]]:
+    """Every step prefilled in full: the cache off, speculation off."""
+    split.start("--prefix-cache", "0", "--spec-mode", "off")
+    out = {name: split.run_sequence(name) for name in SEQUENCES}
+    assert all(t.get("cache_n") == 0 for steps in out.values() for _, t in steps)
+    assert split.coord.status()["prefix_cache"]["capacity"] == 0
+    split.sessions_settle()
+    assert split.stage1.status()["stage_sessions"] == []
+    return {name: [text for text, _ in steps] for name, steps in out.items()}
+
+
+@pytest.mark.parametrize("spec", [("--spec-mode", "off"), ("--spec", "ngram", "--spec-mode", "on")],
+                         ids=["plain", "ngram"])
+def test_warm_answers_equal_cold_answers(split, cold, spec):
+    split.start(*spec)
+    name = "editor-users"
+    out = split.run_sequence(name)
+    assert [text for text, _ in out] == cold[name]
+    # the first step is cold; every later one reused the earlier file's KV
+    assert out[0][1]["cache_n"] == 0
+    for _, t in out[1:]:
+        assert t["cache_n"] >= MIN_PREFIX, t
+    if spec[-1] == "on":
+        assert sum(t["draft_n_accepted"] for _, t in out) > 0
+    # the last step sent again: all of its prompt but the last token is reused
+    [again] = split.run_sequence(name, slice(-1, None))
+    assert again[0] == cold[name][-1]
+    last = out[-1][1]
+    assert again[1]["cache_n"] == last["cache_n"] + last["prompt_n"] - 1 and again[1]["prompt_n"] == 1
+    stats = split.sessions_settle()
+    assert 1 <= stats["sessions"] <= PARALLEL - 1
+    assert stats["hits"] == len(out) and stats["tokens_reused"] == sum(t["cache_n"] for _, t in out) + \
+        again[1]["cache_n"]
+
+
+def test_two_clients_at_once_evict_and_stay_exact(split, cold):
+    split.start("--spec", "ngram", "--spec-mode", "on", "--prefix-cache", "1")
+    with ThreadPoolExecutor(2) as ex:
+        got = dict(zip(SEQUENCES, ex.map(split.run_sequence, SEQUENCES)))
+    for name, steps in got.items():
+        assert [text for text, _ in steps] == cold[name], name
+    stats = split.sessions_settle()
+    # one kept session for two clients: they take it from each other
+    assert stats["capacity"] == 1 and stats["sessions"] == 1 and stats["evicted"] >= 1
