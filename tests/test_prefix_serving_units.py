@@ -1,0 +1,97 @@
+"""The model server's prefix reuse with a fake pipeline (pure logic): the oracle "model"
+answers the true text only from a KV that holds exactly the true text, so a copied KV
+with one wrong position shows in the answer. Slots: retained sessions give way to live
+requests; a re-plan forgets them. Real llama.cpp on a split: tests/test_prefix_serving.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+from meshnode.serve.client import ChatMessage, Finished, GenerationRequest, TextDelta
+from meshnode.serve.model_server import ModelServer, ServeSettings
+from char_tokenizer import CharTokenizer
+from test_lookahead_serving import ANSWER, CODE, OraclePipeline, _spec
+
+TRUTH = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
+
+
+class CountingPipeline(OraclePipeline):
+    def __init__(self, truth, delay: float = 0.002) -> None:
+        super().__init__(truth, delay)
+        self.copies: list[tuple[int, int, int]] = []
+
+    async def copy_session(self, src: int, dst: int, n_pos: int) -> None:
+        self.copies.append((src, dst, n_pos))
+        await super().copy_session(src, dst, n_pos)
+
+
+async def _ask(server: ModelServer, rid: str, max_tokens: int, content: str = CODE):
+    req = GenerationRequest(rid, "m", messages=(ChatMessage("user", content),), max_tokens=max_tokens,
+                            temperature=0.0)
+    text, fin = "", None
+    async for ev in server.generate(req):
+        if isinstance(ev, TextDelta):
+            text += ev.text
+        elif isinstance(ev, Finished):
+            fin = ev
+    return text, fin
+
+
+def test_a_repeated_prompt_reuses_the_kept_kv_exactly():
+    async def main():
+        pipe = CountingPipeline(TRUTH)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=2, spec=_spec("on")), CharTokenizer(), pipe)
+        first = await _ask(server, "a", 30)
+        second = await _ask(server, "b", len(ANSWER))     # same prompt, a longer answer
+        await server.scheduler.close()
+        return pipe, server, first, second
+
+    pipe, server, (t1, f1), (t2, f2) = asyncio.run(main())
+    n_prompt = f1.usage.prompt_tokens
+    assert t1 == ANSWER[:30] and t2 == ANSWER
+    assert f1.timings.cache_n == 0 and f1.timings.prompt_n == n_prompt
+    # all of the prompt but its last token came from the first request's session
+    assert f2.timings.cache_n == n_prompt - 1 and f2.timings.prompt_n == 1
+    assert len(pipe.copies) == 1 and pipe.copies[0][2] == n_prompt - 1
+    # the second request's longer history made the first one useless: only it is kept
+    assert list(pipe.kv) == server.prefix.sessions() and len(server.prefix) == 1
+    assert server.prefix_stats()["hits"] == 1 and server.sessions_held == 1
+
+
+def test_kept_sessions_give_their_slots_to_live_requests():
+    async def main():
+        pipe = CountingPipeline(TRUTH)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=2), CharTokenizer(), pipe)
+        await _ask(server, "a", 10)
+        assert len(server.prefix) == 1
+        # two live requests need both slots: the kept session is freed for one of them
+        other = "x" * 40 + CODE
+        got = await asyncio.wait_for(asyncio.gather(_ask(server, "b", 5, other), _ask(server, "c", 5, "y" * 40)), 10)
+        await server.scheduler.close()
+        return pipe, server, got
+
+    pipe, server, got = asyncio.run(main())
+    assert all(fin is not None for _, fin in got)
+    assert server.prefix.stats.evicted >= 1 and set(pipe.kv) <= set(server.prefix.sessions())
+    assert server.sessions_held == len(server.prefix) <= 1
+
+
+def test_a_replan_forgets_the_kept_sessions():
+    async def main():
+        old = CountingPipeline(TRUTH)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=2), CharTokenizer(), old)
+        await _ask(server, "a", 10)
+        kept = server.prefix.sessions()
+        new = CountingPipeline(TRUTH)
+        server.switch_pipeline(new)
+        await asyncio.sleep(0.05)
+        # the same prompt on the new route: prefilled in full (nothing copied from the
+        # old route's session, which the new pipeline does not hold) and exact
+        text, fin = await _ask(server, "b", 20)
+        await server.scheduler.close()
+        return kept, new, server, text, fin
+
+    kept, new, server, text, fin = asyncio.run(main())
+    assert len(kept) == 1 and kept[0] not in server.prefix.sessions()
+    assert not new.copies and fin.timings.cache_n == 0 and text == ANSWER[:20]
+    assert server.prefix.stats.evicted >= 1
