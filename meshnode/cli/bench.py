@@ -14,6 +14,7 @@ BENCHMARKS = {
     "engine": "engine_bench",
     "flood": "flood_bench",
     "net": "net_bench",
+    "prefix": "prefix_bench",
     "replay": "replay_bench",
     "report": "report",
     "serve": "serve_bench",
