@@ -11,10 +11,14 @@ prompt on the tokenizer's own thread, so the event loop that carries the mesh's
 heartbeats stays free), refuses a prompt that does not fit the context, admits it as an
 :class:`~meshnode.serve.request.ActiveRequest` and runs it in its own task, which
 
-1. waits for one of ``parallel`` sequence slots (every stage holds that many);
-2. **prefills**: the prompt goes through the pipeline in chunks of ``n_batch`` rows;
-   only the last chunk asks for logits, so earlier chunks stream through the stages
-   while stage 0 computes the next one;
+1. looks for a retained session whose tokens begin its prompt
+   (:class:`~meshnode.serve.prefix_cache.PrefixCache`) and waits for one of
+   ``parallel`` sequence slots (every stage holds that many; retained sessions hold
+   slots too and give them up when none is free);
+2. **prefills**: the KV of the shared prefix is copied from the retained session on
+   every stage, then the rest of the prompt goes through the pipeline in chunks of
+   ``n_batch`` rows; only the last chunk asks for logits, so earlier chunks stream
+   through the stages while stage 0 computes the next one;
 3. **decodes**: each step is one call of the model's
    :class:`~meshnode.serve.speculation.SpeculativeDecoder`, which sends ``[last]`` or a
    verify window to the :class:`~meshnode.serve.scheduler.BatchScheduler` (batched with
@@ -28,7 +32,8 @@ heartbeats stays free), refuses a prompt that does not fit the context, admits i
    through it (:func:`~meshnode.serve.failover.replay_steps`) and sends the failed step
    again, so the stream goes on with no token lost or repeated; with no route the request
    ends with the re-plan's reason (a 503);
-6. frees the session on every stage in ``finally``, which also runs when the HTTP
+6. keeps a finished session in the prefix cache (its slot with it), or frees the
+   session on every stage in ``finally``, which also runs when the HTTP
    client goes away. A failure is handed to the consumer as it is when
    :data:`~meshnode.serve.errors.ERROR_TABLE` has a row for its type (a session that
    outgrows its context is a 400, a lost stage a 503); anything else is logged and
