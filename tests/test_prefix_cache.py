@@ -67,7 +67,8 @@ def test_evict_one_keeps_the_entry_a_request_copies_from():
     c = PrefixCache(3)
     c.put(1, [1] * 40, 0)
     c.put(2, [2] * 40, 0)
-    keep = c._entries[1]
+    keep, _ = c.lookup([1] * 41, 0)
+    c.unpin(keep)
     assert c.evict_one(keep).session == 2
     assert c.evict_one(keep) is None
 

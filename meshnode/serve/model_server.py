@@ -373,7 +373,8 @@ class ModelServer:
     async def _produce(self, events: asyncio.Queue, ars: list[ActiveRequest]) -> None:
         """Prefill and decode one request's choices, putting their events on ``events``."""
         # (n > 1 choices share their prompt among themselves: no lookup, nothing kept)
-        hit = self.prefix.lookup(ars[0].prompt, self.route.epoch) if len(ars) == 1 else None
+        hit = (self.prefix.lookup(ars[0].prompt, self.route.epoch)
+               if len(ars) == 1 and self.route.up else None)
         try:
             await self._acquire(len(ars), keep=hit[0] if hit is not None else None)
         except BaseException:
@@ -430,7 +431,7 @@ class ModelServer:
         """Keep ``ar``'s finished session in the prefix cache; False when it is not kept
         (cache off, a request waits for a slot, the route changed, shutting down)."""
         if (not self.prefix.capacity or self._waiting or self._closing
-                or ar.epoch != self.route.epoch):
+                or ar.epoch != self.route.epoch or not self.route.up):
             return False
         # The KV holds positions [0, pos): the prompt and every fed token; the last
         # sampled token was never fed, and positions past pos (rejected drafts, a
@@ -456,7 +457,7 @@ class ModelServer:
     async def _decode(self, events: asyncio.Queue, ar: ActiveRequest, first: Finalized, prefill_s: float) -> None:
         """Decode one choice from its first token to its end; its Finished event last."""
         decoder = self._decoder
-        decoder.telemetry.record_prompt(ar.id, len(ar.prompt), prefill_s)
+        decoder.telemetry.record_prompt(ar.id, len(ar.prompt) - ar.cached, prefill_s)   # evaluated
         ar.first_token_t = time.perf_counter()
         first_token = first.tokens[-1]
         await decoder.start(ar, first_token)
