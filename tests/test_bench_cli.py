@@ -26,6 +26,8 @@ import pytest
     ["bench", "replay", "--set", "half"],
     ["bench", "spec", "--set", "everything"],
     ["bench", "spec", "--ctx", "0"],
+    ["bench", "prefix", "--rounds", "0"],
+    ["bench", "prefix", "--spec-mode", "maybe"],
     ["bench", "net", "--iters", "0"],
     ["bench", "net", "--bulk-rows", "x"],
 ])
