@@ -95,3 +95,17 @@ def test_a_replan_forgets_the_kept_sessions():
     assert len(kept) == 1 and kept[0] not in server.prefix.sessions()
     assert not new.copies and fin.timings.cache_n == 0 and text == ANSWER[:20]
     assert server.prefix.stats.evicted >= 1
+
+
+def test_shutdown_frees_the_kept_sessions_on_every_stage():
+    async def main():
+        pipe = CountingPipeline(TRUTH)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=2), CharTokenizer(), pipe)
+        await _ask(server, "a", 10)
+        kept = len(server.prefix)
+        await server.shutdown(1.0)
+        await server.scheduler.close()
+        return pipe, server, kept
+
+    pipe, server, kept = asyncio.run(main())
+    assert kept == 1 and not pipe.kv and not len(server.prefix) and server.sessions_held == 0

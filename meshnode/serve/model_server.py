@@ -699,10 +699,11 @@ class ModelServer:
         an EngineUnavailableError (:data:`ENDED_AT_SHUTDOWN`) after the text they already
         produced. Returns how many were ended; takes at most ``grace`` + :data:`END_WAIT_S`."""
         self._closing = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.drop_prefix_cache(), max(grace, END_WAIT_S))
+        t0 = time.monotonic()
+        with contextlib.suppress(Exception):   # kept sessions first: nothing will reuse them
+            await asyncio.wait_for(self.drop_prefix_cache(), grace)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), grace)
+            await asyncio.wait_for(self._idle.wait(), max(0.0, grace - (time.monotonic() - t0)))
         if self._idle.is_set():
             return 0
         ended = list(self._channels.values())
