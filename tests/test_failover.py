@@ -175,6 +175,9 @@ def test_kill_of_the_peer_stage_mid_stream_continues_exactly_with_speculation(sm
         assert "resumed on the new route" in coord.log()
         # speculation was in use on both routes, and the replay predicted the same token
         assert s.chunks[-1]["timings"]["draft_n"] > 0, s.chunks[-1].get("timings")
+        # it began from the reference's KV, kept by the prefix cache (the replay rebuilt
+        # it in full on the new route)
+        assert s.chunks[-1]["timings"]["cache_n"] > 0, s.chunks[-1].get("timings")
         assert "the replay on the new route predicts" not in coord.log()
         # later requests are served (and the lost stage's node is out of the plan)
         assert _complete(coord, model)
