@@ -152,6 +152,8 @@ def test_warm_answers_equal_cold_answers(split, cold, spec):
     assert 1 <= stats["sessions"] <= PARALLEL - 1
     assert stats["hits"] == len(out) and stats["tokens_reused"] == sum(t["cache_n"] for _, t in out) + \
         again[1]["cache_n"]
+    shown = meshnode_cmd("status", "--home", str(split.homes[0])).stdout
+    assert f"prefix reuse: {stats['sessions']}/{PARALLEL - 1} sessions kept, {stats['hits']} hits" in shown, shown
 
 
 def test_two_clients_at_once_evict_and_stay_exact(split, cold):

@@ -98,6 +98,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             detail = f"  ({pr(s['detail'])})" if s.get("detail") else ""
             on = f" ({pr(s['backend'])})" if s.get("backend") else ""
             print(f"       stage {s['index']}: layers [{a},{b}) on {pr(s['node'])}{on}: {pr(s['state'])}{detail}")
+    pc = data.get("prefix_cache")
+    if pc and pc.get("capacity"):   # docs/api.md, "Prefix reuse"
+        print(f"       prefix reuse: {pc['sessions']}/{pc['capacity']} sessions kept, {pc['hits']} hits "
+              f"of {pc['lookups']} requests, {pc['tokens_reused']} prompt tokens not prefilled")
     served = data.get("mesh_models") or []
     if served:   # every model ready in the mesh: this node's endpoint takes requests for each
         print("mesh models (any node's /v1 serves them)")
