@@ -109,3 +109,26 @@ def test_shutdown_frees_the_kept_sessions_on_every_stage():
 
     pipe, server, kept = asyncio.run(main())
     assert kept == 1 and not pipe.kv and not len(server.prefix) and server.sessions_held == 0
+
+
+def test_a_request_copying_from_the_only_kept_session_and_another_both_get_a_slot():
+    """parallel 2: one session kept, one slot free; a request that copies from the kept
+    session and another that matches nothing arrive together, in both orders. Neither
+    waits for ever: the copier's source is not evicted under it, and is given up for the
+    other request once copied (or the other request's slot comes back unkept)."""
+    async def main(copier_first: bool):
+        pipe = CountingPipeline(TRUTH)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=2), CharTokenizer(), pipe)
+        await _ask(server, "a", 10)
+        copier = _ask(server, "b", 20)
+        other = _ask(server, "c", 5, "z" * 40)
+        pair = (copier, other) if copier_first else (other, copier)
+        got = await asyncio.wait_for(asyncio.gather(*pair), 10)
+        await server.scheduler.close()
+        return pipe, server, got if copier_first else got[::-1]
+
+    for copier_first in (True, False):
+        pipe, server, ((text, fin), (_, other)) = asyncio.run(main(copier_first))
+        assert text == ANSWER[:20] and other is not None
+        assert fin.timings.cache_n > 0 and len(pipe.copies) == 1
+        assert set(pipe.kv) <= set(server.prefix.sessions()) and server.sessions_held == len(server.prefix)
