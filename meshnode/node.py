@@ -62,6 +62,10 @@ CAPS_REFRESH_S = 30.0
 TELEMETRY_POINTS = 240      # one a second: the last four minutes
 HTTP_CONNECTIONS = 256
 DEFAULT_SHUTDOWN_GRACE = 3.0    # seconds requests in flight get to finish at shutdown
+# A stage session without a step this long belongs to no request in flight (its
+# coordinator keeps it for prefix reuse): shutdown does not wait for it. Longer than any
+# pause between the steps of a live request short of a stage taking 2 s per token.
+STAGE_IDLE_S = 2.0
 # The steps after the grace, each bounded so that a stuck peer or client cannot hold the
 # process: peers' answers to Stop (they answer in milliseconds on a LAN), and responses
 # still being written (after that uvicorn cancels them).
@@ -252,8 +256,10 @@ class Node:
     async def _wait_stage_sessions(self, deadline: float) -> None:
         """Give the requests of peers' models that pass through the stage this node
         serves, and those carried to or from members, until ``deadline`` to end (their
-        coordinators end the sessions)."""
-        while (self.stage_server.sessions() or self.mesh_share.busy()) and time.monotonic() < deadline:
+        coordinators end the sessions). A session without a step for ``STAGE_IDLE_S`` is
+        one its coordinator keeps for prefix reuse, not a request in flight."""
+        while ((self.stage_server.busy_sessions(STAGE_IDLE_S) or self.mesh_share.busy())
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
 
     # ---- NodeAPI ---------------------------------------------------------------

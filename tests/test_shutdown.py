@@ -185,7 +185,7 @@ def _same_mesh(homes: list[Path]) -> None:
         assert r.returncode == 0, r.stderr
 
 
-def _split(smollm2, tmp_path: Path, *coord_flags: str):
+def _split(smollm2, tmp_path: Path, *coord_flags: str, peer_flags: tuple[str, ...] = ()):
     """A coordinator and a peer serving its second stage (found over mDNS on lo)."""
     if not lo_multicast():
         pytest.skip("multicast is off on lo (ip link set lo multicast on)")
@@ -193,7 +193,7 @@ def _split(smollm2, tmp_path: Path, *coord_flags: str):
     for h in homes:
         link_model(h, smollm2.path)
     _same_mesh(homes)
-    peer = start_node(homes[1], "peer", "--no-model", *NODE_FLAGS).wait_up(30)
+    peer = start_node(homes[1], "peer", "--no-model", *peer_flags, *NODE_FLAGS).wait_up(30)
     try:
         coord = start_node(homes[0], "coord", "--model", str(smollm2.path), "--split", "2",
                            *coord_flags, *NODE_FLAGS).wait_up(30)
@@ -250,6 +250,22 @@ def test_a_peer_that_stops_lets_the_answers_through_it_finish(smollm2, tmp_path)
         assert s.text == reference
         peer.proc.wait(10)
         assert peer.proc.returncode == 0
+        _assert_clean_log(peer)
+    finally:
+        for n in (coord, peer):
+            n.stop()
+
+
+def test_a_peer_does_not_wait_for_sessions_kept_for_prefix_reuse(smollm2, tmp_path):
+    """After an answer the coordinator keeps its session (prefix reuse) on both stages;
+    a peer told to stop with a long grace leaves at once: no request is in flight."""
+    coord, peer, model = _split(smollm2, tmp_path, peer_flags=("--shutdown-grace", "30"))
+    try:
+        _post(coord.http_port, model, SHORT, 8)
+        assert peer.status()["stage_sessions"], "the coordinator keeps the session on the peer"
+        peer.proc.send_signal(signal.SIGTERM)
+        took = _exit_time(peer, 30)
+        assert peer.proc.returncode == 0 and took < 5.0, took
         _assert_clean_log(peer)
     finally:
         for n in (coord, peer):

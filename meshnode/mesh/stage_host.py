@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -82,6 +83,10 @@ class StageHost:
         self.batches = 0
         self.skipped = 0                  # stale lookahead windows not computed
         self.sessions: set[int] = set()   # sessions holding KV here (loop thread only)
+        # Per session, when a step or copy for it last came (monotonic s): a session the
+        # coordinator keeps for prefix reuse holds KV here but gets nothing until a new
+        # request copies it; shutdown waits only for sessions in use (busy_sessions).
+        self._last_used: dict[int, float] = {}
         # Final stage: per session, the first position whose token is not verified yet
         # (the bonus of the last window goes there). A window starting past it builds
         # on rejected rows: a lookahead the coordinator will drop (meshnode.spec.lookahead).
@@ -153,6 +158,12 @@ class StageHost:
             pass
         await self.worker.close()
 
+    def busy_sessions(self, idle_s: float, now: float | None = None) -> list[int]:
+        """Sessions holding KV here that had a step or a copy in the last ``idle_s``
+        seconds: those of requests in flight (kept, idle sessions are left out)."""
+        now = time.monotonic() if now is None else now
+        return sorted(s for s in self.sessions if now - self._last_used.get(s, now) < idle_s)
+
     async def _serve(self) -> None:
         while True:
             msg = await self._queue.get()
@@ -170,6 +181,7 @@ class StageHost:
                         await self.worker.rollback(session, pos)
                     case wire.SessionEnd(session=session):
                         self.sessions.discard(session)
+                        self._last_used.pop(session, None)
                         self._verified.pop(session, None)
                         self._newest.pop(session, None)
                         self._ended[session] = None
@@ -217,6 +229,7 @@ class StageHost:
         try:
             await self.worker.copy(src, dst, n_pos)
             self.sessions.add(dst)
+            self._last_used[dst] = self._last_used[src] = time.monotonic()
         finally:
             if not self.is_last:
                 await self._send(self.route.downstream, msg)
@@ -311,9 +324,11 @@ class StageHost:
         masks = self._take_masks(msg) if self.is_last else None
         out = await self.worker.step(len(msg.act), self._compute, msg, masks)
         self.batches += 1
+        now = time.monotonic()
         for s in msg.segments:
             self._newest[s.session] = msg.batch_id
             self.sessions.add(s.session)
+            self._last_used[s.session] = now
         # stage 0 marks the frames that may take the fast lane, with their reply
         lane = all(s.flags & wire.SEG_LANE for s in msg.segments)
         if not self.is_last:

@@ -116,6 +116,11 @@ class StageServerRuntime:
         """Sessions whose KV this node holds for the stage it serves."""
         return sorted(self._host.sessions) if self._host is not None else []
 
+    def busy_sessions(self, idle_s: float) -> list[int]:
+        """Of :meth:`sessions`, those with a step or a copy in the last ``idle_s`` s (a
+        coordinator's kept sessions for prefix reuse are idle: nothing waits for them)."""
+        return self._host.busy_sessions(idle_s) if self._host is not None else []
+
     @property
     def holds_engine(self) -> bool:
         """True while a stage engine is loaded here (False once Stop freed it)."""
