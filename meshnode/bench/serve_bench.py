@@ -187,7 +187,8 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
 
         paths = NodePaths.resolve(args.home).ensure()
         layers = {n: _stage_layers(coords[n]) for n in stage_counts}
-        clocks = {n: stack.enter_context(_StageClock(model_ref, layers[n], args.threads, paths))
+        clocks = {n: stack.enter_context(_StageClock(model_ref, layers[n], args.threads, paths,
+                                                       gpu_layers=args.gpu_layers))
                   for n in stage_counts}
         for base, model, inside in ends.values():
             _stream(base, model, "Hello", 4, inside)  # warm-up
@@ -232,7 +233,8 @@ class _StageClock:
     the median ms of one decode step per stage, taken in every round beside the split's
     own numbers so that both see the same spell of a shared machine."""
 
-    def __init__(self, model_ref, ranges: list[tuple[int, int]], threads: int, paths, steps: int = 16) -> None:
+    def __init__(self, model_ref, ranges: list[tuple[int, int]], threads: int, paths, steps: int = 16,
+                 gpu_layers: int = 0) -> None:
         from meshnode.engine import EngineConfig, StageEngine
         from meshnode.models.slicer import SliceCache
 
@@ -242,7 +244,8 @@ class _StageClock:
                  for a, b in ranges]
         self.steps = steps
         self.engines = [StageEngine(EngineConfig(f, takes_tokens=i == 0, has_head=i == last,
-                                                 n_ctx=32 + steps, n_batch=64, n_seq_max=1, n_threads=threads))
+                                                 n_ctx=32 + steps, n_batch=64, n_seq_max=1, n_threads=threads,
+                                                 gpu_layers=gpu_layers))
                         for i, f in enumerate(files)]
 
     def measure(self) -> list[float]:

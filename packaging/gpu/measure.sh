@@ -92,7 +92,8 @@ fi
 # GPU computes on one CPU thread, inline on the event loop; windows capped at 4 rows by the
 # coordinator). One GPU: part 4 (builds, writes l8b), then part 5 on the same warm machine,
 # with SmolLM2's GGUF carried in two halves (.gpukit/smol/part1 in the first call, part2 in
-# the second; `split -n 2` of the GGUF in the model wheel). Two GPUs: part 6.
+# the second: the GGUF of the model wheel cut at 40,000,000 bytes). Two GPUs: part 6 (carrying
+# part1), then part 5 on the same warm machine.
 SMOLDIR=${MEASURE_SMOL:-/tmp/smol}
 SMOL=$SMOLDIR/SmolLM2-135M-Instruct.Q4_1.gguf
 serve_l8b() {   # serve_l8b TITLE [bench serve flags]: 1 vs 2 stages, l8b, every layer on the GPU
@@ -117,7 +118,6 @@ fi
 if [ "$PART" = 5 ]; then
   mkdir -p "$SMOLDIR" && cp "$KIT"/smol/part2 "$SMOLDIR"/ 2>/dev/null
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
-  serve_l8b "bench serve 8b, one GPU, --threads 4 (steps on the compute thread)" --threads 4
   # n-gram speculation with the GPU defaults and no window flag: the coordinator caps the
   # windows (a CUDA stage); the text must equal plain decoding's
   step 200 "bench spec SmolLM2 on the GPU, 2 stages" "$PY" -m meshnode bench spec --model "$SMOL" --quick \
@@ -126,6 +126,7 @@ if [ "$PART" = 5 ]; then
     --model "$SMOL" --stages 1,2 --concurrency 1 --tokens ${TOK:-64} --rounds ${ROUNDS:-3} --gpu-layers all --json
 fi
 if [ "$PART" = 6 ]; then   # two GPUs of one host: one node process per GPU against one node on one
+  mkdir -p "$SMOLDIR" && cp "$KIT"/smol/part1 "$SMOLDIR"/ 2>/dev/null   # for part 5 after it
   write_l8b
   serve_l8b "bench serve 8b, one node process per GPU (--cuda-devices 0,1)" --cuda-devices 0,1
   serve_l8b "bench serve 8b, both stages on GPU 0 (--cuda-devices 0)" --cuda-devices 0
