@@ -93,7 +93,9 @@ fi
 # coordinator). One GPU: part 4 (builds, writes l8b), then part 5 on the same warm machine,
 # with SmolLM2's GGUF carried in two halves (.gpukit/smol/part1 in the first call, part2 in
 # the second: the GGUF of the model wheel cut at 40,000,000 bytes). Two GPUs: part 6 (carrying
-# part1), then part 5 on the same warm machine.
+# part1), then part 5 on the same warm machine; part 7 compares inline steps with the compute
+# thread. The kit's folder is not carried again after the first call: later calls put
+# /tmp/site on PYTHONPATH and set LD_PRELOAD as device-setup.sh does.
 SMOLDIR=${MEASURE_SMOL:-/tmp/smol}
 SMOL=$SMOLDIR/SmolLM2-135M-Instruct.Q4_1.gguf
 serve_l8b() {   # serve_l8b TITLE [bench serve flags]: 1 vs 2 stages, l8b, every layer on the GPU
@@ -131,5 +133,10 @@ if [ "$PART" = 6 ]; then   # two GPUs of one host: one node process per GPU agai
   serve_l8b "bench serve 8b, one node process per GPU (--cuda-devices 0,1)" --cuda-devices 0,1
   serve_l8b "bench serve 8b, both stages on GPU 0 (--cuda-devices 0)" --cuda-devices 0
   nvidia-smi --query-gpu=name,memory.total --format=csv >>"$LOG" 2>&1
+fi
+if [ "$PART" = 7 ]; then   # inline steps or the compute thread: --threads 4 against 1, one GPU
+  write_l8b
+  serve_l8b "bench serve 8b, one GPU, --threads 4 (steps on the compute thread)" --cuda-devices 0 --threads 4
+  serve_l8b "bench serve 8b, one GPU, --threads 1 (steps inline)" --cuda-devices 0 --threads 1
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
