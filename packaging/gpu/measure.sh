@@ -95,7 +95,14 @@ fi
 # the second: the GGUF of the model wheel cut at 40,000,000 bytes). Two GPUs: part 6 (carrying
 # part1), then part 5 on the same warm machine; part 7 compares inline steps with the compute
 # thread. The kit's folder is not carried again after the first call: later calls put
-# /tmp/site on PYTHONPATH and set LD_PRELOAD as device-setup.sh does.
+# /tmp/site on PYTHONPATH and set LD_PRELOAD as device-setup.sh does. As run (2x H200):
+#   carry [.gpukit, .gpuwt/gpu2]:  . .gpukit/device-setup.sh && cd .gpuwt/gpu2 &&
+#     ln -sfn ../../.gpukit .gpukit && export PYTHONPATH=$PWD:$PYTHONPATH && bash packaging/gpu/measure.sh 6 "$OUT"
+#   carry [.gpuwt/gpu2, .gpuwt/smol]:  export LD_PRELOAD=<system libstdc++.so.6>; cd .gpuwt/gpu2 &&
+#     export PYTHONPATH=$PWD:/tmp/site && cp ../smol/part2 /tmp/smol/ &&
+#     CUDA_VISIBLE_DEVICES=0 bash packaging/gpu/measure.sh 5 "$OUT"
+# (.gpuwt/gpu2: a copy of this checkout's meshnode, packaging, assets and pyproject.toml, for
+# a device call that sends another checkout.)
 SMOLDIR=${MEASURE_SMOL:-/tmp/smol}
 SMOL=$SMOLDIR/SmolLM2-135M-Instruct.Q4_1.gguf
 serve_l8b() {   # serve_l8b TITLE [bench serve flags]: 1 vs 2 stages, l8b, every layer on the GPU
