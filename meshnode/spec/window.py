@@ -17,8 +17,8 @@ Pure logic: no clock, no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from meshnode.limits import MAX_VERIFY_WINDOW
