@@ -117,6 +117,15 @@ def test_the_gpu_layers_reach_llama_cpp_without_a_model_load(monkeypatch, tmp_pa
     assert _passed_gpu_layers(monkeypatch, path, 9) == 9
 
 
+def test_a_stage_wholly_on_the_gpu_defaults_to_one_cpu_thread():
+    from meshnode.engine.stage import default_threads, stage_threads
+
+    assert stage_threads(None, gpu_layers=7, n_layer=6) == 1        # every layer and the head
+    assert stage_threads(None, gpu_layers=6, n_layer=6) == default_threads()   # head on the CPU
+    assert stage_threads(None, gpu_layers=0, n_layer=6) == default_threads()
+    assert stage_threads(3, gpu_layers=7, n_layer=6) == 3            # --threads wins
+
+
 # ---- the planner: VRAM is capacity, and fast ------------------------------------------------
 
 
@@ -181,6 +190,8 @@ def test_a_cuda_build_offloads_and_reports_its_backend(synthetic_gguf):
     path = synthetic_gguf(n_layer=4)
     with StageEngine(EngineConfig(path, gpu_layers=offload.GPU_LAYERS_AUTO, n_ctx=64, n_seq_max=1)) as eng:
         assert eng.backend != "cpu" and eng.gpu_layers == 5
+        # everything offloaded: one CPU thread, so its steps may run inline on the loop
+        assert eng.threads_for(1) == eng.threads_for(2) == 1
     backend, free = offload.backend_summary()
     assert backend != "cpu" and free > 0
 

@@ -65,3 +65,41 @@ def test_fixed_window_and_factory():
 def test_window_policy_validation(args):
     with pytest.raises(ValueError):
         WindowPolicy(*args)
+
+
+# ---- exact windows per backend -------------------------------------------------------
+
+def test_a_gpu_stage_caps_the_routes_windows_at_four_rows():
+    from meshnode.spec.window import cap_for_backends
+
+    wide = WindowPolicy("adaptive", 8, 2, 16)
+    # one CUDA stage anywhere on the route: 3 drafts (a window of 4 rows) at most
+    for route in (["cuda"], ["cpu", "cuda"], ["cuda", "cpu", "cpu"]):
+        assert cap_for_backends(wide, route) == WindowPolicy("adaptive", 3, 2, 3)
+    # a GPU backend nobody measured gets the same bound; CPU and not-yet-known stages none
+    assert cap_for_backends(wide, ["cpu", "metal"]).max == 3
+    assert cap_for_backends(wide, ["cpu", "cpu"]) == wide
+    assert cap_for_backends(wide, ["", "cpu"]) == wide
+    assert cap_for_backends(wide, []) == wide
+
+
+def test_the_cap_keeps_narrower_settings_and_stays_a_valid_policy():
+    from meshnode.spec.window import cap_for_backends
+
+    narrow = WindowPolicy("adaptive", 2, 1, 3)
+    assert cap_for_backends(narrow, ["cuda"]) is narrow
+    fixed = WindowPolicy("fixed", 8, 8, 8)
+    assert cap_for_backends(fixed, ["cuda"]) == WindowPolicy("fixed", 3, 3, 3)
+    make_window(cap_for_backends(WindowPolicy("adaptive", 16, 16, 32), ["cuda"]))   # validates
+
+
+def test_the_strategy_is_capped_when_a_stage_of_the_route_runs_on_cuda():
+    from meshnode.spec.strategy import CliSpecOptions, exact_for_route, resolve_strategy
+
+    spec = resolve_strategy("m", cli=CliSpecOptions(strategy="ngram"))
+    assert spec.enabled and spec.window.max > 3
+    assert exact_for_route(spec, ["cpu", "cuda"]).window.max == 3
+    assert exact_for_route(spec, ["cpu", "cpu"]) is spec
+    off = resolve_strategy("m", cli=CliSpecOptions(mode="off"))
+    assert exact_for_route(off, ["cuda"]) is off
+    assert exact_for_route(None, ["cuda"]) is None

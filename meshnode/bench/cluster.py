@@ -148,18 +148,21 @@ class LocalCluster:
             if r.returncode != 0:
                 raise RuntimeError(f"join failed: {r.stderr}")
 
-    def start(self, index: int, *flags: str, log_level: str = "info") -> LocalNode:
+    def start(self, index: int, *flags: str, log_level: str = "info",
+              env: dict[str, str] | None = None) -> LocalNode:
+        """Start node ``index`` (``env``: variables set for its process alone)."""
         home = self.homes[index]
         log_path = home / "node.log"
         net = self.netns
         argv = [sys.executable, "-m", "meshnode", "serve", "--headless", "--home", str(home),
                 "--port", "0", "--interface", "127.0.0.1" if net is None else net.ip(index),
                 "--name", f"node{index}", "--log-level", log_level, *flags]
+        penv = {**_env(), **(env or {})}
         with open(log_path, "ab") as f:
             if net is None:
-                proc = subprocess.Popen(argv, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+                proc = subprocess.Popen(argv, env=penv, stdout=f, stderr=subprocess.STDOUT)
             else:
-                proc = net.popen(index, argv, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+                proc = net.popen(index, argv, env=penv, stdout=f, stderr=subprocess.STDOUT)
         node = LocalNode(f"node{index}", home, proc, log_path, netns=net, index=index)
         self.nodes.append(node)
         return node.wait_up()

@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", default="1,2,3", help="stage counts to run (default 1,2,3)")
     p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads per stage (default 1)")
     p.add_argument("--gpu-layers", type=gpu_layers, default=-1, metavar="N|all|auto", help=GPU_LAYERS_HELP)
+    p.add_argument("--cuda-devices", type=cuda_device_list, default=[], metavar="LIST",
+                   help="GPUs for the nodes, e.g. 0,1: node i of each configuration sees only "
+                        "device LIST[i mod len] (CUDA_VISIBLE_DEVICES), one node process per GPU "
+                        "(default: every node sees every GPU)")
     p.add_argument("--pin", action="store_true",
                    help="give each node of a configuration CPUs of its own (--cpus), when the "
                         "machine has enough (default: the OS places them)")
@@ -49,6 +53,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "real mDNS; needs root) instead of loopback")
     p.add_argument("--quick", action="store_true", help="fewer tokens and rounds")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
+
+
+def cuda_device_list(text: str) -> list[str]:
+    """``--cuda-devices``: comma-separated device numbers."""
+    devs = [d.strip() for d in text.split(",")]
+    if not all(d.isdigit() and int(d) < 64 for d in devs):
+        raise argparse.ArgumentTypeError(f"want device numbers like 0,1, got {text!r}")
+    return devs
+
+
+def _device_env(devs: list[str], index: int) -> dict[str, str] | None:
+    """The environment that gives node ``index`` its own GPU (``--cuda-devices``)."""
+    return {"CUDA_VISIBLE_DEVICES": devs[index % len(devs)]} if devs else None
 
 
 def _stream(base: str, model: str, prompt: str, max_tokens: int, inside=None) -> dict:
@@ -157,9 +174,11 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
             cluster = stack.enter_context(LocalCluster(model_ref.path, n, netns=net))
             for i in range(1, n):
                 cluster.start(i, "--no-model", *gl, "--threads", str(args.threads), "--parallel",
-                              str(max(concurrency)), *cpu_flags(i, n, args.threads, pin=args.pin))
+                              str(max(concurrency)), *cpu_flags(i, n, args.threads, pin=args.pin),
+                              env=_device_env(args.cuda_devices, i))
             coord = cluster.start(0, *flags, "--split", str(n),
-                                  *cpu_flags(0, n, args.threads, pin=args.pin)).wait_model()
+                                  *cpu_flags(0, n, args.threads, pin=args.pin),
+                                  env=_device_env(args.cuda_devices, 0)).wait_model()
             ends[n] = (coord.base_url, coord.get("/v1/models")["data"][0]["id"], coord.inside)
             coords[n] = coord
         ceiling = _Ceiling(model_ref.path, args.threads, max(concurrency), args.gpu_layers)
@@ -168,7 +187,8 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
 
         paths = NodePaths.resolve(args.home).ensure()
         layers = {n: _stage_layers(coords[n]) for n in stage_counts}
-        clocks = {n: stack.enter_context(_StageClock(model_ref, layers[n], args.threads, paths))
+        clocks = {n: stack.enter_context(_StageClock(model_ref, layers[n], args.threads, paths,
+                                                       gpu_layers=args.gpu_layers))
                   for n in stage_counts}
         for base, model, inside in ends.values():
             _stream(base, model, "Hello", 4, inside)  # warm-up
@@ -213,7 +233,8 @@ class _StageClock:
     the median ms of one decode step per stage, taken in every round beside the split's
     own numbers so that both see the same spell of a shared machine."""
 
-    def __init__(self, model_ref, ranges: list[tuple[int, int]], threads: int, paths, steps: int = 16) -> None:
+    def __init__(self, model_ref, ranges: list[tuple[int, int]], threads: int, paths, steps: int = 16,
+                 gpu_layers: int = 0) -> None:
         from meshnode.engine import EngineConfig, StageEngine
         from meshnode.models.slicer import SliceCache
 
@@ -223,7 +244,8 @@ class _StageClock:
                  for a, b in ranges]
         self.steps = steps
         self.engines = [StageEngine(EngineConfig(f, takes_tokens=i == 0, has_head=i == last,
-                                                 n_ctx=32 + steps, n_batch=64, n_seq_max=1, n_threads=threads))
+                                                 n_ctx=32 + steps, n_batch=64, n_seq_max=1, n_threads=threads,
+                                                 gpu_layers=gpu_layers))
                         for i, f in enumerate(files)]
 
     def measure(self) -> list[float]:
@@ -385,6 +407,8 @@ def run(args: argparse.Namespace) -> int:
         print("meshnode bench serve: --stages and --concurrency take comma-separated positive "
               "integers, e.g. --stages 1,2 --concurrency 1,4", file=sys.stderr)
         return 2
+    if args.cuda_devices:   # the in-process engines (ceiling, stage clocks) are one node: one GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.cuda_devices[0]
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
     if args.netns:
         from meshnode.bench.netns import unavailable

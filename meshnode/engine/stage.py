@@ -153,6 +153,17 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
+def stage_threads(requested: int | None, gpu_layers: int, n_layer: int) -> int:
+    """llama.cpp's CPU threads for a stage: ``requested``, else every core, except that a
+    stage with every layer and its head on the GPU (``gpu_layers > n_layer``) gets 1. The
+    CPU then does little more than the token embedding lookup, and a step computed on one
+    CPU thread runs inline on the event loop instead of paying the hand-off to the
+    compute thread and back (engine/worker.py)."""
+    if requested:
+        return requested
+    return 1 if gpu_layers > n_layer else default_threads()
+
+
 class StageEngine:
     """A loaded slice with its own llama.cpp context. Use as a context manager or close()."""
 
@@ -211,7 +222,7 @@ class StageEngine:
         cparams.n_batch = config.n_batch
         cparams.n_ubatch = config.n_batch
         cparams.n_seq_max = config.n_seq_max
-        threads = config.n_threads or default_threads()
+        threads = stage_threads(config.n_threads, self.gpu_layers, self.n_layer)
         self.n_threads_batch = threads
         self.n_threads_decode = config.decode_threads or threads
         cparams.n_threads = self.n_threads_decode   # llama.cpp: one-token batches

@@ -160,6 +160,7 @@ class ModelService:
                 n_batch=o.n_batch, n_seq_max=o.parallel, wire_dtype=o.wire_dtype)
             serving = await self._plan_and_load(ref, self._base)
             self.serving = serving
+            spec = _exact_windows(spec, serving.stages())
             self._first_plan = serving.plan
             self.server = ModelServer(
                 ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch, parallel=o.parallel, max_queue=o.max_queue,
@@ -369,6 +370,18 @@ class ModelService:
         if self.serving is not None:
             await self.serving.stop(timeout=stage_timeout)
         self._set("stopped", "")
+
+
+def _exact_windows(spec, stages):
+    """``spec`` with its verify windows capped to what every stage of the route computes
+    exactly (spec/strategy.py, ``exact_for_route``), logged when it changes."""
+    from meshnode.spec.strategy import exact_for_route
+
+    capped = exact_for_route(spec, [s.backend for s in stages])
+    if capped is not spec:
+        log.info("speculation: windows of at most %d drafts (a GPU stage: wider windows are not exact there)",
+                 capped.window.max)
+    return capped
 
 
 def _describe(options) -> str:

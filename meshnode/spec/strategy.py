@@ -34,6 +34,7 @@ Model-package input (``model-package.json`` beside a model; this is its one pars
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -41,7 +42,7 @@ from typing import Any, Literal, Protocol
 from meshnode.config import MODES, MeshnodeConfig, SpeculativeSettings, WindowSettings
 from meshnode.errors import MeshnodeError
 from meshnode.limits import MAX_VERIFY_WINDOW
-from meshnode.spec.window import WindowPolicy
+from meshnode.spec.window import WindowPolicy, cap_for_backends
 
 __all__ = [
     "BUILTIN_STRATEGIES",
@@ -300,3 +301,14 @@ def resolve_strategy(
     else:
         raise SpecConfigError(f"window policy must be 'adaptive' or 'fixed', got {kind!r}")
     return SpecConfig(name, typ, mode, draft_model, window, "; ".join(notes))
+
+
+def exact_for_route(spec: SpecConfig | None, backends: Sequence[str]) -> SpecConfig | None:
+    """``spec`` with its verify windows capped to what every stage of the route (its
+    compute ``backends``) computes exactly: a GPU stage takes windows of 4 rows at most
+    (spec/window.py), so greedy text with speculation equals text without it on any mesh
+    without the user sizing windows by hand. ``spec`` itself when nothing changes."""
+    if spec is None or not spec.enabled:
+        return spec
+    window = cap_for_backends(spec.window, backends)
+    return spec if window == spec.window else dataclasses.replace(spec, window=window)

@@ -17,6 +17,7 @@ Pure logic: no clock, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -55,6 +56,34 @@ class WindowPolicy:
             raise ValueError(
                 f"window needs min <= initial <= max, got {self.min} <= {self.initial} <= {self.max}"
             )
+
+
+# The widest verify window (the last token and its drafts) that reproduces one-row steps
+# bit for bit, per compute backend. On CPU every width up to MAX_VERIFY_WINDOW is exact
+# (docs/engine.md, "Batch invariance"). CUDA picks its quantized-matmul kernels by row
+# count: with the GPU defaults (one-row steps padded to 2 rows, flash attention off)
+# windows of 2-4 rows equal one-row steps, wider ones do not on a quantized model
+# (docs/engine.md, "GPU"). Other GPU backends are not measured and choose kernels by
+# batch size too, so they get the same bound.
+EXACT_WINDOW_ROWS: dict[str, int] = {"cuda": 4}
+GPU_EXACT_WINDOW_ROWS = 4
+
+
+def exact_window_rows(backend: str) -> int:
+    """The widest exact verify window on ``backend`` ("" = not known yet: no bound)."""
+    if backend in ("", "cpu"):
+        return MAX_VERIFY_WINDOW
+    return EXACT_WINDOW_ROWS.get(backend, GPU_EXACT_WINDOW_ROWS)
+
+
+def cap_for_backends(policy: WindowPolicy, backends: Iterable[str]) -> WindowPolicy:
+    """``policy`` with at most as many drafts as every stage of the route computes exactly
+    (a window of ``rows`` rows carries ``rows - 1`` drafts): one GPU stage caps the route."""
+    rows = min((exact_window_rows(b) for b in backends), default=MAX_VERIFY_WINDOW)
+    most = max(1, rows - 1)
+    if policy.max <= most:
+        return policy
+    return WindowPolicy(policy.kind, min(policy.initial, most), min(policy.min, most), most)
 
 
 # ---- window controllers -------------------------------------------------------

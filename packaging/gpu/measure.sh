@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU measurements for docs/benchmarks.md ("GPU nodes"), on the lent GPU machine with the kit
-# of ../shared/gpu copied to .gpukit (see its README). Two parts, each under 10 minutes, run
+# of ../shared/gpu copied to .gpukit (see its README). Parts, each under 10 minutes, run
 # back to back on one warm machine (part 1 builds llama.cpp with CUDA and writes the models
 # into /tmp/gpumodels; part 2 reuses both):
 #
@@ -87,5 +87,63 @@ if [ "$PART" = 3 ]; then   # the GPU defaults (one-row steps padded to 2 rows, f
     --strategies baseline,ngram_auto --gpu-layers all --threads 4 --delay-ms 0 --draft-max 3 --json
   step 120 "bench serve 8b with the GPU defaults" "$PY" -m meshnode bench serve --model "$M/l8b.gguf" --stages 1,2 \
     --concurrency 1 --tokens 64 --rounds 3 --gpu-layers all --threads 4 --json
+fi
+# Parts 4-6: the split's speed and speculation with the GPU defaults (a stage wholly on the
+# GPU computes on one CPU thread, inline on the event loop; windows capped at 4 rows by the
+# coordinator). One GPU: part 4 (builds, writes l8b), then part 5 on the same warm machine,
+# with SmolLM2's GGUF carried in two halves (.gpukit/smol/part1 in the first call, part2 in
+# the second: the GGUF of the model wheel cut at 40,000,000 bytes). Two GPUs: part 6 (carrying
+# part1), then part 5 on the same warm machine; part 7 compares inline steps with the compute
+# thread. The kit's folder is not carried again after the first call: later calls put
+# /tmp/site on PYTHONPATH and set LD_PRELOAD as device-setup.sh does. As run (2x H200):
+#   carry [.gpukit, .gpuwt/gpu2]:  . .gpukit/device-setup.sh && cd .gpuwt/gpu2 &&
+#     ln -sfn ../../.gpukit .gpukit && export PYTHONPATH=$PWD:$PYTHONPATH && bash packaging/gpu/measure.sh 6 "$OUT"
+#   carry [.gpuwt/gpu2, .gpuwt/smol]:  export LD_PRELOAD=<system libstdc++.so.6>; cd .gpuwt/gpu2 &&
+#     export PYTHONPATH=$PWD:/tmp/site && cp ../smol/part2 /tmp/smol/ &&
+#     CUDA_VISIBLE_DEVICES=0 bash packaging/gpu/measure.sh 5 "$OUT"
+# (.gpuwt/gpu2: a copy of this checkout's meshnode, packaging, assets and pyproject.toml, for
+# a device call that sends another checkout.)
+SMOLDIR=${MEASURE_SMOL:-/tmp/smol}
+SMOL=$SMOLDIR/SmolLM2-135M-Instruct.Q4_1.gguf
+serve_l8b() {   # serve_l8b TITLE [bench serve flags]: 1 vs 2 stages, l8b, every layer on the GPU
+  local title=$1; shift
+  step 240 "$title" "$PY" -m meshnode bench serve --model "$M/l8b.gguf" --stages 1,2 --concurrency 1 \
+    --tokens ${TOK:-64} --rounds ${ROUNDS:-3} --gpu-layers all --json "$@"
+}
+write_l8b() {
+  if [ "$DRY" = 1 ]; then
+    [ -f "$M/l8b.gguf" ] || step 120 "write 8b (dry: tiny)" "$PY" "$KIT/mkmodels.py" tiny "$M/l8b.gguf"
+  else
+    [ -f "$M/l8b.gguf" ] || step 200 "write 8b Q4_0" "$PY" "$KIT/mkmodels.py" 8b "$M/l8b.gguf" Q4_0
+  fi
+}
+[ "$DRY" = 1 ] && { TOK=8; ROUNDS=1; }
+if [ "$PART" = 4 ]; then
+  mkdir -p "$SMOLDIR" && cp "$KIT"/smol/part1 "$SMOLDIR"/ 2>/dev/null
+  write_l8b
+  serve_l8b "bench serve 8b, one GPU, --threads 1 (steps inline)" --threads 1
+  nvidia-smi --query-gpu=name,memory.total --format=csv >>"$LOG" 2>&1
+fi
+if [ "$PART" = 5 ]; then
+  mkdir -p "$SMOLDIR" && cp "$KIT"/smol/part2 "$SMOLDIR"/ 2>/dev/null
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  # n-gram speculation with the GPU defaults and no window flag: the coordinator caps the
+  # windows (a CUDA stage); the text must equal plain decoding's
+  step 200 "bench spec SmolLM2 on the GPU, 2 stages" "$PY" -m meshnode bench spec --model "$SMOL" --quick \
+    --strategies baseline,ngram_auto --gpu-layers all --delay-ms 0 --json
+  step 150 "bench serve SmolLM2, one GPU (one node's plain decoding)" "$PY" -m meshnode bench serve \
+    --model "$SMOL" --stages 1,2 --concurrency 1 --tokens ${TOK:-64} --rounds ${ROUNDS:-3} --gpu-layers all --json
+fi
+if [ "$PART" = 6 ]; then   # two GPUs of one host: one node process per GPU against one node on one
+  mkdir -p "$SMOLDIR" && cp "$KIT"/smol/part1 "$SMOLDIR"/ 2>/dev/null   # for part 5 after it
+  write_l8b
+  serve_l8b "bench serve 8b, one node process per GPU (--cuda-devices 0,1)" --cuda-devices 0,1
+  serve_l8b "bench serve 8b, both stages on GPU 0 (--cuda-devices 0)" --cuda-devices 0
+  nvidia-smi --query-gpu=name,memory.total --format=csv >>"$LOG" 2>&1
+fi
+if [ "$PART" = 7 ]; then   # inline steps or the compute thread: --threads 4 against 1, one GPU
+  write_l8b
+  serve_l8b "bench serve 8b, one GPU, --threads 4 (steps on the compute thread)" --cuda-devices 0 --threads 4
+  serve_l8b "bench serve 8b, one GPU, --threads 1 (steps inline)" --cuda-devices 0 --threads 1
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
