@@ -144,3 +144,71 @@ async def until(pred, timeout: float, interval: float = 0.02) -> None:
             return
         await asyncio.sleep(interval)
     raise TimeoutError(f"condition not met within {timeout} s")
+
+
+class TwoStageSplit:
+    """A 2-stage split on loopback: stage 1 (a ``--no-model`` node, up for the whole
+    module) and a coordinator restarted per configuration with :meth:`start`. Both run
+    ``node_flags``; the coordinator serves its own hard link of the model, so files
+    written beside it (a model package) concern one test module only."""
+
+    def __init__(self, root: Path, model: Path, node_flags: tuple[str, ...]) -> None:
+        from meshnode.bench.cluster import free_udp_port, link_model
+
+        self.node_flags = node_flags
+        self.homes = [root / "n0", root / "n1"]
+        self.model = link_model(self.homes[0], model)
+        link_model(self.homes[1], model)
+        tok = meshnode_cmd("invite", "--home", str(self.homes[0])).stdout.strip().splitlines()[-1]
+        r = meshnode_cmd("join", tok, "--home", str(self.homes[1]))
+        assert r.returncode == 0, r.stderr
+        self.quic_port = free_udp_port()
+        self.stage1 = start_node(self.homes[1], "n1", "--no-model", "--no-discovery",
+                                 "--quic-port", str(self.quic_port), *node_flags).wait_up(30)
+        self.coord: NodeProc | None = None
+
+    def start(self, *flags: str) -> NodeProc:
+        """(Re)start the coordinator with ``flags``; return it once its model is ready."""
+        self.stop_coordinator()
+        self.coord = start_node(self.homes[0], "n0", "--model", str(self.model), "--split", "2",
+                                "--no-discovery", "--peer", f"127.0.0.1:{self.quic_port}",
+                                *self.node_flags, *flags).wait_up(30)
+
+        def ready() -> bool:
+            model = self.coord.get("/health").get("model") or {}
+            if model.get("state") == "failed":
+                raise AssertionError(f"model failed: {model}\n{self.coord.log()[-3000:]}")
+            return model.get("state") == "ready"
+
+        try:
+            wait_for(ready, 180, interval=0.25)
+            stages = self.coord.status()["stages"]
+            assert [s["state"] for s in stages] == ["ready", "ready"], stages
+        except BaseException:
+            print(self.coord.log()[-4000:])
+            raise
+        return self.coord
+
+    def chats(self, conversations, max_tokens: int) -> list[tuple[str, dict]]:
+        """Greedy answers to ``conversations`` (lists of messages), one after another as
+        one client: (text, timings) each."""
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{self.coord.info['http_port']}/v1",
+                        api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        out = []
+        for messages in conversations:
+            r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                               temperature=0)
+            out.append((r.choices[0].message.content, (r.model_extra or {}).get("timings") or {}))
+        return out
+
+    def stop_coordinator(self) -> None:
+        if self.coord is not None:
+            self.coord.stop()
+            self.coord = None
+
+    def close(self) -> None:
+        self.stop_coordinator()
+        self.stage1.stop()

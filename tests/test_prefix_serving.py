@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 
 from meshnode.bench import prompt_sets
-from meshnode.bench.cluster import free_udp_port, link_model
 from meshnode.serve.prefix_cache import MIN_PREFIX
-from tests.nodeproc import meshnode_cmd, start_node, wait_for
+from tests.nodeproc import TwoStageSplit, meshnode_cmd, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.net]
 
@@ -42,52 +41,13 @@ def _sequences() -> dict[str, list[list[dict[str, str]]]]:
 SEQUENCES = _sequences()
 
 
-class Split:
+class Split(TwoStageSplit):
     def __init__(self, root: Path, model: Path) -> None:
-        self.homes = [root / "n0", root / "n1"]
-        self.model = link_model(self.homes[0], model)
-        link_model(self.homes[1], model)
-        tok = meshnode_cmd("invite", "--home", str(self.homes[0])).stdout.strip().splitlines()[-1]
-        r = meshnode_cmd("join", tok, "--home", str(self.homes[1]))
-        assert r.returncode == 0, r.stderr
-        self.quic_port = free_udp_port()
-        self.stage1 = start_node(self.homes[1], "n1", "--no-model", "--no-discovery",
-                                 "--quic-port", str(self.quic_port), *NODE_FLAGS).wait_up(30)
-        self.coord = None
-
-    def start(self, *flags: str):
-        self.stop_coordinator()
-        self.coord = start_node(self.homes[0], "n0", "--model", str(self.model), "--split", "2",
-                                "--no-discovery", "--peer", f"127.0.0.1:{self.quic_port}",
-                                *NODE_FLAGS, *flags).wait_up(30)
-
-        def ready() -> bool:
-            model = self.coord.get("/health").get("model") or {}
-            if model.get("state") == "failed":
-                raise AssertionError(f"model failed: {model}\n{self.coord.log()[-3000:]}")
-            return model.get("state") == "ready"
-
-        try:
-            wait_for(ready, 180, interval=0.25)
-            assert [s["state"] for s in self.coord.status()["stages"]] == ["ready", "ready"]
-        except BaseException:
-            print(self.coord.log()[-4000:])
-            raise
-        return self.coord
+        super().__init__(root, model, NODE_FLAGS)
 
     def run_sequence(self, name: str, steps: slice = slice(None)) -> list[tuple[str, dict]]:
         """The steps of one editor sequence in order, as one client: (text, timings)."""
-        from openai import OpenAI
-
-        client = OpenAI(base_url=f"http://127.0.0.1:{self.coord.info['http_port']}/v1",
-                        api_key="none", max_retries=0)
-        model = client.models.list().data[0].id
-        out = []
-        for messages in SEQUENCES[name][steps]:
-            r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
-                                               temperature=0)
-            out.append((r.choices[0].message.content, (r.model_extra or {}).get("timings") or {}))
-        return out
+        return self.chats(SEQUENCES[name][steps], MAX_TOKENS)
 
     def sessions_settle(self) -> dict:
         """Once requests are done: stage 1 holds exactly the sessions the cache keeps."""
@@ -98,15 +58,6 @@ class Split:
                     and st["model_sessions"] == kept)
         wait_for(settled, 15)
         return self.coord.status()["prefix_cache"]
-
-    def stop_coordinator(self) -> None:
-        if self.coord is not None:
-            self.coord.stop()
-            self.coord = None
-
-    def close(self) -> None:
-        self.stop_coordinator()
-        self.stage1.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from meshnode.bench.cluster import free_udp_port, link_model
-from tests.nodeproc import meshnode_cmd, start_node, wait_for
+from tests.nodeproc import TwoStageSplit
 
 pytestmark = [pytest.mark.slow, pytest.mark.net]
 
@@ -36,75 +35,22 @@ MAX_TOKENS = 32
 NODE_FLAGS = ("--threads", "1", "--ctx", "1024", "--batch", "64", "--parallel", "1")
 
 
-class Split:
+class Split(TwoStageSplit):
     """Stage 1 (up for the module) and a coordinator restarted per configuration."""
 
     def __init__(self, root: Path, model: Path) -> None:
-        self.homes = [root / "n0", root / "n1"]
-        # The coordinator serves its own hard link of the model, so a model-package.json
-        # written beside it concerns this module only.
-        self.model = link_model(self.homes[0], model)
-        link_model(self.homes[1], model)
-        tok = meshnode_cmd("invite", "--home", str(self.homes[0])).stdout.strip().splitlines()[-1]
-        r = meshnode_cmd("join", tok, "--home", str(self.homes[1]))
-        assert r.returncode == 0, r.stderr
-        self.quic_port = free_udp_port()
-        self.stage1 = start_node(self.homes[1], "n1", "--no-model", "--no-discovery",
-                                 "--quic-port", str(self.quic_port), *NODE_FLAGS).wait_up(30)
-        self.coord = None
+        super().__init__(root, model, NODE_FLAGS)
 
     @property
     def package_file(self) -> Path:
         return self.model.parent / "model-package.json"
 
-    def start(self, *flags: str):
-        """(Re)start the coordinator with ``flags``; return it once its model is ready."""
-        self.stop_coordinator()
-        self.coord = start_node(self.homes[0], "n0", "--model", str(self.model), "--split", "2",
-                                "--no-discovery", "--peer", f"127.0.0.1:{self.quic_port}",
-                                *NODE_FLAGS, *flags).wait_up(30)
-
-        def ready() -> bool:
-            model = self.coord.get("/health").get("model") or {}
-            if model.get("state") == "failed":
-                raise AssertionError(f"model failed: {model}\n{self.coord.log()[-3000:]}")
-            return model.get("state") == "ready"
-
-        try:
-            wait_for(ready, 180, interval=0.25)
-            stages = self.coord.status()["stages"]
-            assert [s["state"] for s in stages] == ["ready", "ready"], stages
-        except BaseException:
-            print(self.coord.log()[-4000:])
-            raise
-        return self.coord
-
     def complete_all(self) -> list[tuple[str, dict]]:
         """Greedy completions of PROMPTS: (text, timings) each."""
-        from openai import OpenAI
-
-        client = OpenAI(base_url=f"http://127.0.0.1:{self.coord.info['http_port']}/v1",
-                        api_key="none", max_retries=0)
-        model = client.models.list().data[0].id
-        out = []
-        for p in PROMPTS:
-            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
-                                               max_tokens=MAX_TOKENS, temperature=0)
-            timings = (r.model_extra or {}).get("timings") or {}
-            out.append((r.choices[0].message.content, timings))
-        return out
+        return self.chats([[{"role": "user", "content": p}] for p in PROMPTS], MAX_TOKENS)
 
     def spec_strategy(self) -> str:
         return self.coord.status()["spec"][0]["strategy"]
-
-    def stop_coordinator(self) -> None:
-        if self.coord is not None:
-            self.coord.stop()
-            self.coord = None
-
-    def close(self) -> None:
-        self.stop_coordinator()
-        self.stage1.stop()
 
 
 @pytest.fixture(scope="module")
