@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -43,6 +44,8 @@ from typing import Any
 
 from meshnode.errors import MeshnodeError
 from meshnode.fsutil import atomic_write
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CHUNK_SIZE", "ChunkPlan", "Manifest", "PartFile", "TransferError", "build_manifest",
@@ -273,7 +276,7 @@ class PartFile:
         self._ckpt_lock = threading.Lock()
         self._written: set[int] = set()
         self._recorded: set[int] = set()
-        self._last = 0.0
+        self._last = time.monotonic()
         # the whole file's sha256, in file order, by the hasher thread (started by the first
         # write or by finish); _cursor: the first chunk it has not hashed yet
         self._whole = hashlib.sha256()
@@ -315,9 +318,7 @@ class PartFile:
             self._written.add(index)
             if index == self._cursor:
                 self._cond.notify()
-        self._start_hasher()
-        if time.monotonic() - self._last >= CHECKPOINT_S:
-            self.checkpoint()
+        self._start_hasher()   # it checkpoints too: no connection thread waits for an fsync
 
     def _start_hasher(self) -> None:
         with self._lock:
@@ -327,18 +328,27 @@ class PartFile:
         self._hasher.start()
 
     def _hash_loop(self) -> None:
-        """Feed the whole sha256 with each written chunk in order, until the last one (or close)."""
+        """Feed the whole sha256 with each written chunk in order, until the last one (or
+        close); checkpoint at most every :data:`CHECKPOINT_S` meanwhile."""
         buf = bytearray(min(_HASH_READ, self.manifest.chunk_size))
         mv = memoryview(buf)
         n_chunks = self.manifest.n_chunks
         try:
             while True:
                 with self._cond:
-                    while not self._closing and self._cursor < n_chunks and self._cursor not in self._written:
-                        self._cond.wait()
+                    while (not self._closing and self._cursor < n_chunks and self._cursor not in self._written
+                           and time.monotonic() - self._last < CHECKPOINT_S):
+                        self._cond.wait(CHECKPOINT_S)
                     if self._closing or self._cursor >= n_chunks:
                         return
-                    index = self._cursor
+                    index = self._cursor if self._cursor in self._written else None
+                if time.monotonic() - self._last >= CHECKPOINT_S:
+                    try:
+                        self.checkpoint()
+                    except OSError as exc:   # the pull goes on; only a resume would start earlier
+                        log.warning("cannot record the chunks of %s: %s", self.part, exc)
+                if index is None:
+                    continue
                 off, n = self.manifest.span(index)
                 end = off + n
                 while off < end:
@@ -361,11 +371,11 @@ class PartFile:
         if not self._ckpt_lock.acquire(blocking=False):
             return
         try:
+            self._last = time.monotonic()
             with self._lock:
                 chunks = set(self._written)
             if chunks == self._recorded:
                 return
-            self._last = time.monotonic()
             os.fdatasync(self._fd)
             with atomic_write(self.record, "w") as f:
                 json.dump({"sha256": self.manifest.sha256, "chunks": sorted(chunks)}, f)  # type: ignore[arg-type]
