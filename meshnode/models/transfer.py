@@ -166,6 +166,28 @@ def check_free_space(directory: Path, needed: int) -> None:
                             f"{free / 1e6:.0f} MB free")
 
 
+def _writeback_starter() -> Callable[[int, int, int], None]:
+    """Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: start writing a range to disk
+    without waiting, so the fsyncs of the checkpoints and of :meth:`PartFile.finish` find
+    little left to write (on a fast pull the last fsync was up to a sixth of its time).
+    A no-op where the call is missing."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    except (OSError, AttributeError):
+        return lambda fd, off, n: None
+
+    def start(fd: int, off: int, n: int) -> None:
+        fn(fd, off, n, 2)    # SYNC_FILE_RANGE_WRITE; a failure only leaves the work to the fsync
+
+    return start
+
+
+_start_writeback = _writeback_starter()
+
+
 # ---- the plan (sans-IO) --------------------------------------------------------------------
 
 
@@ -357,6 +379,7 @@ class PartFile:
                         raise OSError(f"{self.part} is shorter than written")
                     self._whole.update(mv[:k])
                     off += k
+                _start_writeback(self._fd, off - n, n)
                 with self._cond:
                     self._cursor += 1
                     self._cond.notify_all()
