@@ -4,8 +4,9 @@ Three nodes (two holders, one puller with an empty store) pull through the pulle
 ``POST /mesh/pull`` (what ``meshnode models pull`` uses), end to end: the ticket over the
 QUIC link, TLS over TCP, every chunk verified, the whole file hashed, renamed. Rows: the
 whole model and the layer package of ``--range`` (the holders build it once, before the
-timed runs), from one source and from two. Baselines in the same run: a local file copy
-of the model (page cache to disk) on loopback; one raw TCP stream through the shaped link
+timed runs, as they build the model's manifest; each timed pull of a whole model waits
+for the puller's store to index it before the next), from one source and from two.
+Baselines in the same run: a local file copy of the model (page cache to disk) on loopback; one raw TCP stream through the shaped link
 between network namespaces (``tc tbf`` at ``--rate``, the puller's link). Last: the time
 from ``meshnode serve --no-model`` on a fresh node to its stage being ready in a 2-stage
 split (it fetches its package), beside the same with a node that holds the model.
