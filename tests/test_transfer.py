@@ -90,6 +90,33 @@ def test_part_file_resumes_and_renames_only_when_whole(blob, tmp_path):
     assert not again.part.exists() and not again.record.exists()
 
 
+def test_part_file_records_chunks_while_the_transfer_runs(blob, tmp_path, monkeypatch):
+    """The part file's own thread records written chunks every CHECKPOINT_S (no close
+    needed: a puller killed mid-transfer resumes from them), and hashes chunks written out
+    of order once the ones before them are there."""
+    import json
+    import time
+
+    import meshnode.models.transfer as transfer
+
+    monkeypatch.setattr(transfer, "CHECKPOINT_S", 0.05)
+    m = build_manifest(blob, CS)
+    data = blob.read_bytes()
+    part = PartFile(tmp_path / "m.gguf", m)
+    for i in (4, 1, 0):
+        part.write(i, data[i * CS:(i + 1) * CS])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rec = json.loads(part.record.read_text()) if part.record.exists() else {}
+        if rec.get("chunks") == [0, 1, 4]:
+            break
+        time.sleep(0.02)
+    assert rec.get("chunks") == [0, 1, 4]
+    for i in (5, 3, 2):
+        part.write(i, data[i * CS:(i + 1) * CS])
+    assert part.finish().read_bytes() == data
+
+
 def test_part_file_refuses_a_wrong_whole(blob, tmp_path):
     m = build_manifest(blob, CS)
     dest = tmp_path / "m.gguf"

@@ -368,34 +368,46 @@ class ShareService:
     @staticmethod
     def _worker(src: str, host: str, port: int, cert: bytes, ticket: bytes, manifest: Manifest,
                 part: PartFile, plan: ChunkPlan, stop: threading.Event) -> None:
-        """One connection's loop (a thread): fetch, verify, write until nothing is left."""
+        """One connection's loop (a thread): fetch, verify, write until nothing is left.
+
+        The next chunk is asked for before this one is verified and written, so the holder
+        sends it meanwhile (one request ahead: TCP's buffers hold it until it is read)."""
         try:
             client = BulkClient(host, port, cert, src, ticket)
         except BulkError as exc:
             plan.source_failed(src, str(exc))
             return
         buf = bytearray(manifest.chunk_size)
-        index = None
+        asked: list[int] = []       # requested, not yet received (oldest first)
         try:
             while not stop.is_set():
-                index = plan.next_for(src)
-                if index is None:
-                    if plan.complete or not plan.busy or src not in plan.alive():
-                        return
-                    time.sleep(0.02)   # a chunk may come back from another source
-                    continue
-                view = client.fetch(index, manifest.span(index)[1], buf)
+                if not asked:
+                    index = plan.next_for(src)
+                    if index is None:
+                        if plan.complete or not plan.busy or src not in plan.alive():
+                            return
+                        time.sleep(0.02)   # a chunk may come back from another source
+                        continue
+                    client.request(index)
+                    asked.append(index)
+                index = asked[0]
+                view = client.receive(manifest.span(index)[1], buf)
+                ahead = plan.next_for(src)
+                if ahead is not None:
+                    client.request(ahead)
+                    asked.append(ahead)
                 if chunk_ok(manifest, index, view):
                     part.write(index, view)
                     plan.chunk_done(index)
                 else:
                     log.warning("chunk %d from %s failed its sha256: discarded, fetched again", index, src)
                     plan.chunk_bad(index, src, "sha256 mismatch")
-                index = None
-            if index is not None:
+                asked.pop(0)
+            for index in asked:
                 plan.source_failed(src, "stopped", index)
         except BulkError as exc:
-            plan.source_failed(src, str(exc), index)
+            for index in asked or [None]:
+                plan.source_failed(src, str(exc), index)
         finally:
             client.close()
 

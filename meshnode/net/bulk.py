@@ -300,8 +300,21 @@ class BulkClient:
 
     def fetch(self, index: int, expected: int, buf: bytearray) -> memoryview:
         """Chunk ``index`` (``expected`` bytes at most) read into ``buf``."""
+        self.request(index)
+        return self.receive(expected, buf)
+
+    def request(self, index: int) -> None:
+        """Ask for chunk ``index``; its bytes are read by the matching :meth:`receive`
+        (requests may run ahead: the holder answers them in order)."""
         try:
             self.sock.sendall(struct.pack(">I", index))
+        except (OSError, ssl.SSLError) as exc:
+            raise BulkError(f"connection lost: {exc}") from exc
+
+    def receive(self, expected: int, buf: bytearray) -> memoryview:
+        """The answer to the oldest request not received yet (``expected`` bytes at most),
+        read into ``buf``."""
+        try:
             status = _recv_exact(self.sock, 1)
             if status != b"\x00":
                 raise BulkError(f"refused by the holder: {_read_error(self.sock)}")
