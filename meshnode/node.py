@@ -143,6 +143,7 @@ class Node:
         # model sharing (docs/models.md): answers members' pulls; Prepare fetches through it
         self.share = ShareService(self.fabric, self.paths, enabled=share)
         self.stage_server.share = self.share
+        self.share.on_rate = self.advertise_models   # peers plan with the measured rate
         self.service = ModelService(self, service) if service is not None else None
         # the mesh-wide endpoint: models served anywhere, requests carried to them
         self.mesh_share = MeshShare(self.fabric, self)
@@ -328,7 +329,8 @@ class Node:
 
         try:
             caps = await asyncio.to_thread(node_capabilities, self.paths, max_memory=self.max_memory,
-                                           share=self.share.enabled)
+                                           share=self.share.enabled,
+                                           fetch_bytes_per_s=self.share.fetch_bytes_per_s)
             await self.fabric.set_capabilities(caps)
         except Exception:  # noqa: BLE001 - stale capabilities are better than a dead node
             log.debug("capability refresh failed", exc_info=True)

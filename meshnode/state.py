@@ -77,6 +77,9 @@ class Capabilities:
     cores: int = 1
     models: tuple["HeldModel", ...] = ()
     speed: float = 0.0         # measured GFLOP/s of a float32 matmul (0: not measured)
+    # bytes/s of this node's latest pulls from peers (0: none yet): what the planner
+    # expects its next fetch to move at
+    fetch_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

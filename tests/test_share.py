@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nodeproc import start_node
+from tests.nodeproc import start_node, wait_for
 from tests.test_split_serving import (  # noqa: F401 - single_node_outputs is a fixture
     NODE_FLAGS,
     _complete_all,
@@ -43,6 +43,12 @@ def test_empty_store_serves_middle_stage(smollm2, single_node_outputs, tmp_path)
         assert len(slices) == 1 and "slices" in str(slices[0]), slices   # the package, in the slice cache
         assert not list(homes[1].rglob("*.part")), "no partial file is left"
         assert not any(p.name.endswith(".gguf") for p in Path(homes[1]).rglob("models/*"))
+        # n1 now advertises the rate its fetch moved at: what the planner counts next time
+
+        def measured() -> float:
+            peer = next(p for p in coord.status()["peers"] if p["node_id"] == helpers[0].node_id)
+            return (peer.get("capabilities") or {}).get("fetch_bytes_per_s", 0)
+        wait_for(lambda: measured() > 0, 10)
     except BaseException:
         for n in nodes:
             print(n.log()[-4000:])

@@ -53,8 +53,9 @@ __all__ = ["CoordinatorRuntime", "ServingModel"]
 log = logging.getLogger(__name__)
 
 _REPLIES = (wire.Status, wire.Inventory, wire.Ready, wire.Error)
-# What the planner assumes a peer lacking the model fetches its layers at (a 1 Gbit/s LAN,
-# docs/models.md): it makes holders win over non-holders, never rules a non-holder out.
+# What the planner assumes a peer lacking the model fetches its layers at until it has
+# pulled something and advertises its measured rate (a 1 Gbit/s LAN, docs/models.md): it
+# makes holders win over non-holders, never rules a non-holder out.
 FETCH_BYTES_PER_S = 110e6
 
 
@@ -421,7 +422,8 @@ class CoordinatorRuntime:
                 continue
             cands.append(Candidate(p.node_id, p.name or p.node_id, caps.free_ram_bytes if caps else 0,
                                    speed=(caps.speed or None) if caps else None, rtt_ms=p.rtt_ms,
-                                   fetch_bytes_per_s=None if holds else FETCH_BYTES_PER_S,
+                                   fetch_bytes_per_s=None if holds else (
+                                       (caps.fetch_bytes_per_s if caps else 0) or FETCH_BYTES_PER_S),
                                    free_vram=caps.free_vram_bytes if caps and caps.backend != "cpu" else 0))
         return cands, skipped
 

@@ -22,6 +22,7 @@ coordinator term (:class:`TermStore`), the models a node holds (:func:`held_mode
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
@@ -172,13 +173,15 @@ def find_held_model(paths: NodePaths, sha256: str) -> Any:
 
 
 def node_capabilities(paths: NodePaths, *, max_memory: int | None = None,
-                      models: list[HeldModel] | None = None, share: bool = False) -> dict[str, Any]:
+                      models: list[HeldModel] | None = None, share: bool = False,
+                      fetch_bytes_per_s: float = 0.0) -> dict[str, Any]:
     """This node's capability dict for :class:`MeshFabric` (``capabilities=`` or
-    ``set_capabilities``): free RAM capped by ``max_memory`` and the held models.
+    ``set_capabilities``): free RAM capped by ``max_memory``, the held models and the
+    measured rate of its pulls.
 
     Blocking when ``models`` is None (lists the store)."""
     held = tuple(held_models(paths, shared=share) if models is None else models)
-    caps = capsmod.to_dict(local_capabilities(held))
+    caps = capsmod.to_dict(dataclasses.replace(local_capabilities(held), fetch_bytes_per_s=fetch_bytes_per_s))
     if max_memory is not None:
         caps["free_ram"] = min(int(caps["free_ram"]), int(max_memory))
     return caps

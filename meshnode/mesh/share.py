@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 STREAMS = 4                 # connections per source: their round trips and hashing overlap (1 Gbit link: 2 reached 0.66x of raw TCP, 4 reached 0.92x)
 OFFER_TIMEOUT_S = 600.0     # a holder may have to slice a large model before it answers
 PROGRESS_EVERY_S = 0.25
+RATE_MIN_BYTES = 16 << 20     # pulls smaller than this do not update the measured fetch rate
+RATE_EWMA = 0.5
 SHARE_REF_BIT = 0x80000000
 
 
@@ -121,6 +123,10 @@ class ShareService:
         self._tasks: set[asyncio.Task] = set()
         self._pulls: dict[tuple, asyncio.Task] = {}
         self.transfers: dict[tuple, TransferInfo] = {}
+        # bytes/s of this node's latest pulls (EWMA; 0: none yet), advertised in its
+        # capabilities: the planner's estimate of what a fetch here would take
+        self.fetch_bytes_per_s = 0.0
+        self.on_rate: Callable[[], None] | None = None   # called when it changes
 
     def progress(self) -> tuple[state.TransferInfo, ...]:
         """Pulls in progress as the snapshot's transfers (the TUI's transfers table)."""
@@ -342,12 +348,24 @@ class ShareService:
                                     f"chunks: {plan.why_stuck()}")
             self._report(info, part, manifest, t0, base)
             await asyncio.to_thread(part.finish)
+            self._measured(manifest.size - base, time.monotonic() - t0)
         except BaseException:
             await asyncio.to_thread(part.close)
             raise
         log.info("fetched %s of %s (%d bytes) from %s", info.what, name, manifest.size,
                  ", ".join(s for s, _ in offers))
         return dest, name
+
+    def _measured(self, moved: int, seconds: float) -> None:
+        """Fold a finished pull into :attr:`fetch_bytes_per_s` (pulls too small to say
+        anything about the link, whose fixed costs dominate, are left out)."""
+        if moved < RATE_MIN_BYTES or seconds <= 0:
+            return
+        rate = moved / seconds
+        old = self.fetch_bytes_per_s
+        self.fetch_bytes_per_s = rate if old == 0 else old + RATE_EWMA * (rate - old)
+        if self.on_rate is not None:
+            self.on_rate()
 
     async def _tick(self, info: TransferInfo, part: PartFile, manifest: Manifest, t0: float, base: int) -> None:
         while True:

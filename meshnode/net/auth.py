@@ -72,6 +72,12 @@ def _str(value: Any, hi: int) -> bool:
     return isinstance(value, str) and len(value) <= hi and not _CONTROL.search(value)
 
 
+def _rate(value: Any) -> bool:
+    """A measured figure (speed, bytes/s): a finite number in 0..1e12."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 <= value <= 1e12)
+
+
 def check_capabilities(caps: Any) -> str | None:
     """Why ``caps`` (a peer's Profile.capabilities) is unacceptable, or None.
 
@@ -89,7 +95,8 @@ def check_capabilities(caps: Any) -> str | None:
         "free_ram": lambda v: _int(v, 0, _MAX_BYTES),
         "free_vram": lambda v: _int(v, 0, _MAX_BYTES),
         "cores": lambda v: _int(v, 1, 1 << 16),
-        "speed": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= 1e12,
+        "speed": _rate,
+        "fetch": _rate,
         "backend": lambda v: _str(v, 32),
         "models": lambda v: isinstance(v, list) and len(v) <= MAX_MODELS,
     }

@@ -1,7 +1,8 @@
 """Capability summaries as plain dicts (carried in Hello and the mDNS record) and back.
 
 Dict form (JSON-safe, stable): ``{"free_ram": int, "free_vram": int, "backend": str,
-"cores": int, "models": [{"name", "sha256", "layers", "size", "arch", "shared"}, ...]}``
+"cores": int, "speed": float, "fetch": int, "models": [{"name", "sha256", "layers", "size",
+"arch", "shared"}, ...]}`` (``fetch``: bytes/s of the node's latest pulls, 0 if none)
 (``shared``: members may pull the model and any layer package of it). Unknown keys
 are ignored on read, so later versions can add fields.
 
@@ -23,12 +24,22 @@ def to_dict(caps: Capabilities) -> dict[str, Any]:
         "backend": caps.backend,
         "cores": int(caps.cores),
         "speed": round(float(caps.speed), 2),
+        "fetch": round(float(caps.fetch_bytes_per_s)),
         "models": [
             {"name": m.name, "sha256": m.sha256, "layers": m.n_layers, "size": m.size_bytes,
              "arch": m.architecture, "shared": bool(m.shared)}
             for m in caps.models
         ],
     }
+
+
+MAX_RATE = 1e12   # bytes/s a peer may claim (beyond any link): more is read as none
+
+
+def _rate(v: Any) -> float:
+    """A peer's measured rate, or 0 (not measured) when it is not a sane number."""
+    r = float(v)
+    return r if 0.0 <= r <= MAX_RATE else 0.0
 
 
 def from_dict(d: dict[str, Any] | None) -> Capabilities | None:
@@ -47,6 +58,7 @@ def from_dict(d: dict[str, Any] | None) -> Capabilities | None:
             cores=int(d.get("cores", 1)),
             models=models,
             speed=float(d.get("speed", 0.0)),
+            fetch_bytes_per_s=_rate(d.get("fetch", 0)),
         )
     except (KeyError, TypeError, ValueError):
         return None
