@@ -20,7 +20,7 @@ Sessions are caller-chosen integers mapped onto llama.cpp sequence ids. Position
 explicit; the engine tracks each session's next position and refuses gaps, so a caller
 must :meth:`rollback` before re-decoding rejected positions.
 
-Every method blocks (llama_decode): call them from one worker thread
+Every method blocks (llama_decode): call them on the process's one compute thread
 (:class:`meshnode.engine.worker.EngineWorker`), never from the event loop.
 """
 

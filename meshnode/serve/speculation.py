@@ -5,7 +5,8 @@ Theory of operation
 One :class:`SpeculativeDecoder` per served model holds the machinery its requests share:
 the :class:`~meshnode.spec.policy.AutoPolicy` (cold observation, enabled, cooling down),
 the window controller and the cost model it learns the route's verify cost in, the
-draft-model proposer (if any, on its own thread), the lookahead gate and the telemetry.
+draft-model proposer (if any, on the process's compute thread: engine/worker.py), the
+lookahead gate and the telemetry.
 The model server calls :meth:`~SpeculativeDecoder.start` once a request's prefill is
 done and :meth:`~SpeculativeDecoder.step` for every decode step after that; the request's
 own state (position, n-gram proposer, the lookahead in flight) lives on its

@@ -30,8 +30,8 @@ again. :meth:`~DraftModelProposer.accept` only records tokens: plain decoding
 tokens it missed are caught up in one batch; :meth:`~DraftModelProposer.sync` does the
 catch-up early.
 
-Every method blocks on llama_decode: call them from the worker thread that owns the
-draft engine (never from the event loop).
+Every method blocks on llama_decode: call them on the process's compute thread
+(``meshnode.engine.worker.run_compute``), never from the event loop.
 
 :func:`check_vocab` refuses a draft whose vocabulary differs from the target's (count or
 any token text): a draft token id must mean the same text to the target. It reads
