@@ -82,10 +82,10 @@ class StageHost:
         self._out_dtype = np.float16 if route.wire_dtype == "f16" else np.float32
         self.batches = 0
         self.skipped = 0                  # stale lookahead windows not computed
-        self.sessions: set[int] = set()   # sessions holding KV here (loop thread only)
-        # Per session, when a step or copy for it last came (monotonic s): a session the
-        # coordinator keeps for prefix reuse holds KV here but gets nothing until a new
-        # request copies it; shutdown waits only for sessions in use (busy_sessions).
+        # Sessions holding KV here (loop thread only), each with when a step or copy for
+        # it last came (monotonic s): a session the coordinator keeps for prefix reuse
+        # holds KV but gets nothing until a new request copies it; shutdown waits only
+        # for sessions in use (busy_sessions).
         self._last_used: dict[int, float] = {}
         # Final stage: per session, the first position whose token is not verified yet
         # (the bonus of the last window goes there). A window starting past it builds
@@ -158,11 +158,16 @@ class StageHost:
             pass
         await self.worker.close()
 
+    @property
+    def sessions(self) -> set[int]:
+        """Sessions holding KV here."""
+        return set(self._last_used)
+
     def busy_sessions(self, idle_s: float, now: float | None = None) -> list[int]:
         """Sessions holding KV here that had a step or a copy in the last ``idle_s``
         seconds: those of requests in flight (kept, idle sessions are left out)."""
         now = time.monotonic() if now is None else now
-        return sorted(s for s in self.sessions if now - self._last_used.get(s, now) < idle_s)
+        return sorted(s for s, t in self._last_used.items() if now - t < idle_s)
 
     async def _serve(self) -> None:
         while True:
@@ -180,7 +185,6 @@ class StageHost:
                     case wire.Trim(session=session, pos=pos):
                         await self.worker.rollback(session, pos)
                     case wire.SessionEnd(session=session):
-                        self.sessions.discard(session)
                         self._last_used.pop(session, None)
                         self._verified.pop(session, None)
                         self._newest.pop(session, None)
@@ -228,7 +232,6 @@ class StageHost:
         log.debug("SessionCopy %x -> %x of %d positions", src, dst, n_pos)
         try:
             await self.worker.copy(src, dst, n_pos)
-            self.sessions.add(dst)
             self._last_used[dst] = self._last_used[src] = time.monotonic()
         finally:
             if not self.is_last:
@@ -327,7 +330,6 @@ class StageHost:
         now = time.monotonic()
         for s in msg.segments:
             self._newest[s.session] = msg.batch_id
-            self.sessions.add(s.session)
             self._last_used[s.session] = now
         # stage 0 marks the frames that may take the fast lane, with their reply
         lane = all(s.flags & wire.SEG_LANE for s in msg.segments)
