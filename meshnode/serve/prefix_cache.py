@@ -27,6 +27,7 @@ are few (at most ``parallel - 1``), so its cost is bounded without a trie.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,8 +59,7 @@ class PrefixStats:
     evicted: int = 0            # sessions given up (LRU, for a live request, dominated, stale)
 
     def as_dict(self) -> dict[str, int]:
-        return {"lookups": self.lookups, "hits": self.hits, "tokens_reused": self.tokens_reused,
-                "retained": self.retained, "evicted": self.evicted}
+        return dataclasses.asdict(self)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
