@@ -29,6 +29,19 @@ def serve_app(app) -> Iterator[str]:
         thread.join(5)
 
 
+async def answer(server: ModelServer, req: GenerationRequest):
+    """The text ``req`` generates and its Finished event (None when there was none)."""
+    from meshnode.serve.client import Finished, TextDelta
+
+    text, finished = "", None
+    async for ev in server.generate(req):
+        if isinstance(ev, TextDelta):
+            text += ev.text
+        elif isinstance(ev, Finished):
+            finished = ev
+    return text, finished
+
+
 async def collect(server: ModelServer, req: GenerationRequest) -> str | BaseException:
     """The text ``req`` generates, or the exception that ended it (the request's outcome)."""
     text = []

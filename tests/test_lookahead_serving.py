@@ -15,12 +15,13 @@ import random
 
 import pytest
 
-from meshnode.serve.client import ChatMessage, Finished, GenerationRequest, TextDelta
+from meshnode.serve.client import ChatMessage, GenerationRequest, TextDelta
 from meshnode.mesh.final import Finalized
 from meshnode.serve.model_server import ModelServer, ServeSettings
 from meshnode.spec.window import WindowPolicy
 from meshnode.spec.strategy import SpecConfig
 from char_tokenizer import CharTokenizer
+from inproc import answer
 
 # The answer copies the prompt's code with a few edits, so the n-gram proposer runs
 # long, and its guesses fail at every edit.
@@ -86,15 +87,8 @@ def _spec(mode: str = "on") -> SpecConfig:
 
 
 async def _generate(server: ModelServer, max_tokens: int, temperature: float = 0.0):
-    req = GenerationRequest("r1", "m", messages=(ChatMessage("user", CODE),),
-                            max_tokens=max_tokens, temperature=temperature, seed=1)
-    text, finished = "", None
-    async for ev in server.generate(req):
-        if isinstance(ev, TextDelta):
-            text += ev.text
-        elif isinstance(ev, Finished):
-            finished = ev
-    return text, finished
+    return await answer(server, GenerationRequest("r1", "m", messages=(ChatMessage("user", CODE),),
+                                                  max_tokens=max_tokens, temperature=temperature, seed=1))
 
 
 def _server(pipe: OraclePipeline, spec: SpecConfig | None) -> ModelServer:

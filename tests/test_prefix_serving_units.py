@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-from meshnode.serve.client import ChatMessage, Finished, GenerationRequest, TextDelta
+from meshnode.serve.client import ChatMessage, GenerationRequest
 from meshnode.serve.model_server import ModelServer, ServeSettings
 from char_tokenizer import CharTokenizer
+from inproc import answer
 from test_lookahead_serving import ANSWER, CODE, OraclePipeline, _spec
 
 TRUTH = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
@@ -26,15 +27,8 @@ class CountingPipeline(OraclePipeline):
 
 
 async def _ask(server: ModelServer, rid: str, max_tokens: int, content: str = CODE):
-    req = GenerationRequest(rid, "m", messages=(ChatMessage("user", content),), max_tokens=max_tokens,
-                            temperature=0.0)
-    text, fin = "", None
-    async for ev in server.generate(req):
-        if isinstance(ev, TextDelta):
-            text += ev.text
-        elif isinstance(ev, Finished):
-            fin = ev
-    return text, fin
+    return await answer(server, GenerationRequest(rid, "m", messages=(ChatMessage("user", content),),
+                                                  max_tokens=max_tokens, temperature=0.0))
 
 
 def test_a_repeated_prompt_reuses_the_kept_kv_exactly():
