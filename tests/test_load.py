@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.nodeproc import start_node, wait_for
-from tests.test_split_serving import _home_with_model, _same_mesh, _wait_ready
+from tests.nodeproc import TwoStageSplit, start_node, wait_for
+from tests.test_split_serving import _home_with_model, _wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.net]
 
@@ -44,14 +44,10 @@ def _stream(port: int, model: str, prompt: str) -> str:
 def test_sixteen_streams_on_a_split_equal_one_at_a_time(smollm2, tmp_path):
     flags = ("--threads", "1", "--ctx", "256", "--batch", "64", "--parallel", str(N_STREAMS),
              "--spec-mode", "off")
-    homes = [_home_with_model(tmp_path, n, smollm2.path) for n in ("a", "b")]
-    _same_mesh(homes)
-    helper = start_node(homes[1], "b", "--no-model", *flags)
-    coord = None
+    split = TwoStageSplit(tmp_path, smollm2.path, flags)
+    helper = split.stage1
     try:
-        helper.wait_up(30)
-        coord = start_node(homes[0], "a", "--model", str(smollm2.path), "--split", "2", *flags).wait_up(30)
-        _wait_ready(coord)
+        coord = split.start()
         port = coord.info["http_port"]
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
         alone = [_stream(port, model, p) for p in PROMPTS]
@@ -64,14 +60,12 @@ def test_sixteen_streams_on_a_split_equal_one_at_a_time(smollm2, tmp_path):
         wait_for(lambda: len(helper.status().get("stage_sessions"))
                  == coord.status()["prefix_cache"]["sessions"] == coord.status().get("model_sessions"), 15)
     except BaseException:
-        for n in (coord, helper):
+        for n in (split.coord, helper):
             if n is not None:
                 print(n.log()[-3000:])
         raise
     finally:
-        for n in (coord, helper):
-            if n is not None:
-                n.stop()
+        split.close()
 
 
 def test_beyond_the_queue_requests_get_429_with_retry_after(smollm2, tmp_path):
