@@ -201,7 +201,10 @@ class TwoStageSplit:
         for messages in conversations:
             r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                temperature=0)
-            out.append((r.choices[0].message.content, (r.model_extra or {}).get("timings") or {}))
+            timings = (r.model_extra or {}).get("timings") or {}
+            # usage states the reused prompt tokens as OpenAI does; timings, as llama.cpp does
+            assert r.usage.prompt_tokens_details.cached_tokens == timings.get("cache_n", 0), (r.usage, timings)
+            out.append((r.choices[0].message.content, timings))
         return out
 
     def stop_coordinator(self) -> None:

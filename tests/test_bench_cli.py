@@ -20,6 +20,8 @@ import pytest
     ["bench", "serve", "--cuda-devices", "0,gpu1"],
     ["bench", "engine", "--gap-ms", "-1"],
     ["bench", "engine", "--gap-ms", "soon"],
+    ["bench", "engine", "--windows", "0,3"],
+    ["bench", "engine", "--windows", "four"],
     ["bench", "replay", "--max-n", "0,4"],
     ["bench", "replay", "--max-n", "four"],
     ["bench", "replay", "--hop-ms", "-3"],

@@ -46,7 +46,8 @@ ANSWER = "".join(SCRIPT)
 class FakeEngine:
     """Deterministic engine client. Behaviour keyed by words in the prompt:
     ``slow`` endless tokens every 20 ms; ``pause`` a 0.5 s gap after the first token;
-    ``fail`` an EngineFailedError after two tokens; ``offline`` EngineUnavailableError."""
+    ``fail`` an EngineFailedError after two tokens; ``offline`` EngineUnavailableError;
+    ``cached`` two prompt tokens' KV reused (as prefix reuse reports it)."""
 
     def __init__(self) -> None:
         self.requests: list[GenerationRequest] = []
@@ -110,11 +111,12 @@ class FakeEngine:
             if tail := stop.flush():
                 yield TextDelta(tail)
             outcome = "finished"
+            cached = 2 if "cached" in prompt else 0
             yield Finished(
                 reason,
                 Usage(prompt_tokens, n),
-                Timings(prompt_n=prompt_tokens, prompt_ms=5.0, predicted_n=n, predicted_ms=2.0 * n,
-                        draft_n=4, draft_n_accepted=3),
+                Timings(prompt_n=prompt_tokens - cached, cache_n=cached, prompt_ms=5.0, predicted_n=n,
+                        predicted_ms=2.0 * n, draft_n=4, draft_n_accepted=3),
             )
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -213,6 +215,18 @@ def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
     assert (last.model_extra or {})["timings"]["predicted_n"] == 9
     assert all(c.usage is None for c in chunks[:-1])
     assert len({c.id for c in chunks}) == 1
+
+
+def test_usage_reports_the_prompt_tokens_served_from_kept_kv(client: openai.OpenAI) -> None:
+    cold = client.chat.completions.create(model=MODEL, messages=_user("a fresh prompt"))
+    assert cold.usage is not None and cold.usage.prompt_tokens_details is not None
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    warm = list(client.chat.completions.create(
+        model=MODEL, messages=_user("the cached prompt"), stream=True, stream_options={"include_usage": True}))
+    usage = warm[-1].usage
+    assert usage is not None and usage.prompt_tokens == 3
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 2
+    assert (warm[-1].model_extra or {})["timings"]["cache_n"] == 2
 
 
 def test_chat_streaming_without_usage_puts_timings_on_finish_chunk(client: openai.OpenAI) -> None:

@@ -18,6 +18,13 @@ llama_decode per stage instead of one in all.
   a 2-core VM it measured 1.02x).
 - prefill: a ``--prefill``-token prompt fed in chunks of ``--batch`` rows, ``--reps``
   times per path (chunk by chunk, alternating which path goes first), median tokens/s.
+- verify windows: on the whole model, with the ``--prefill`` tokens cached, one call of
+  ``k`` rows for each ``k`` of ``--windows`` (logits for every row, as a verify window
+  asks), rolled back after each, median of ``--reps``; reported in ms and in one-row
+  steps. Speculation's gain is bounded by this curve: a window of ``k`` rows that is
+  accepted whole yields ``k`` tokens for ``cost(k)`` plus one round trip of the route,
+  so where ``cost(k)`` grows like ``k`` (a CPU computing every row) drafts only save the
+  round trips (docs/speculative.md).
 
 Per-stage medians show where the chain's time goes. The last line with ``--json`` is one
 JSON object.
@@ -35,6 +42,21 @@ TEXT = (
 )
 
 
+def window_sizes(text: str) -> list[int]:
+    """``--windows``: distinct row counts in 1..MAX_VERIFY_WINDOW, in order; 'none' is []."""
+    from meshnode.limits import MAX_VERIFY_WINDOW
+
+    if text.strip().lower() == "none":
+        return []
+    try:
+        ks = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated row counts or 'none', got {text!r}") from None
+    if any(not 1 <= k <= MAX_VERIFY_WINDOW for k in ks):
+        raise argparse.ArgumentTypeError(f"row counts in 1..{MAX_VERIFY_WINDOW}, got {text!r}")
+    return sorted(set(ks))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from meshnode.argtypes import GPU_LAYERS_HELP, gpu_layers, non_negative_float
 
@@ -50,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=5, help="prefill repetitions per path (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
     parser.add_argument("--gpu-layers", type=gpu_layers, default=-1, metavar="N|all|auto", help=GPU_LAYERS_HELP)
+    parser.add_argument("--windows", type=window_sizes, default=[1, 2, 4, 8], metavar="K,K,...",
+                        help="verify-window sizes (rows) timed on the whole model after the prefill "
+                             "(default 1,2,4,8; 'none' skips it)")
     parser.add_argument("--gap-ms", type=non_negative_float, default=12.0, metavar="MS",
                         help="idle gap before every other step of the idle-gap measurement "
                              "(default 12: a 2-stage SmolLM2 split's wait; 0 skips it)")
@@ -74,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokens < 1 or args.prefill < 1 or args.batch < 1 or args.reps < 1 or args.warmup < 0:
         raise MeshnodeError("--tokens, --prefill, --batch and --reps must be positive")
+    windows = args.windows
     paths = NodePaths.resolve(args.home).ensure()
     ref = resolve_model(args.model, paths)
     splits = parse_splits(args.splits, ref.n_layers)
@@ -89,9 +115,10 @@ def run(args: argparse.Namespace) -> int:
     if len(text_ids) < args.prefill + 32:
         raise MeshnodeError(f"the benchmark text is only {len(text_ids)} tokens for this model")
     prefill_ids = np.asarray(text_ids[: args.prefill], dtype=np.int32)
+    window_ids = np.asarray(text_ids[args.prefill: args.prefill + max(windows, default=0)], dtype=np.int32)
     prompt_ids = np.asarray(text_ids[:32], dtype=np.int32)
 
-    n_ctx = max(args.prefill, 32 + args.warmup + 2 * args.tokens) + 8
+    n_ctx = max(args.prefill + max(windows, default=0), 32 + args.warmup + 2 * args.tokens) + 8
     common = dict(n_ctx=n_ctx, n_batch=args.batch, n_seq_max=1, n_threads=threads, gpu_layers=args.gpu_layers)
     whole = StageEngine(EngineConfig(ref.path, **common))
     stages = [
@@ -170,6 +197,16 @@ def run(args: argparse.Namespace) -> int:
                 for name, t in spent.items():
                     prefill[name].append(t)
         prefill_stage_s = [float(np.sum(t)) / args.reps for t in stage_times]
+
+        # ---- verify windows (the whole model holds the prefill) ----------------------
+        window_s: dict[int, list[float]] = {k: [] for k in windows}
+        for rep in range(args.reps + 1):  # the first repetition warms up
+            for k in (windows if rep % 2 == 0 else windows[::-1]):
+                t0 = time.perf_counter()
+                whole_forward(args.prefill, window_ids[:k], k, False)
+                if rep > 0:
+                    window_s[k].append(time.perf_counter() - t0)
+                whole.rollback(0, args.prefill)
     finally:
         whole.close()
         for eng in stages:
@@ -178,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
     dec = {k: 1000 * float(np.median(v)) for k, v in decode.items()}
     pre = {k: args.prefill / float(np.median(v)) for k, v in prefill.items()}
     idle = ({k: 1000 * float(np.median(v)) for k, v in gap.items()} if gap["after_gap"] else None)
+    win_ms = {k: 1000 * float(np.median(v)) for k, v in window_s.items()}
+    one_row = win_ms.get(1)
     result = {
         "model": ref.name,
         "n_layers": ref.n_layers,
@@ -193,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         "prefill_stage_ms_per_chunk": [
             1000 * s / -(-args.prefill // args.batch) for s in prefill_stage_s],
         "chain_logits_identical": exact,
+        "verify_window_ms": {str(k): v for k, v in win_ms.items()},
+        "verify_window_context": args.prefill,
         "idle_gap": None if idle is None else {
             "gap_ms": args.gap_ms, **idle, "ratio": idle["after_gap"] / idle["back_to_back"]},
     }
@@ -213,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  whole model, one step after {args.gap_ms:g} ms idle: {idle['after_gap']:.2f} ms against "
               f"{idle['back_to_back']:.2f} right after the previous one "
               f"({result['idle_gap']['ratio']:.2f}x)")
+    if win_ms:
+        print(f"  verify windows, whole model, {args.prefill} tokens cached: " + ", ".join(
+            f"{k} row{'s' if k > 1 else ''} {ms:.1f} ms" + (f" ({ms / one_row:.2f} steps)" if one_row and k != 1 else "")
+            for k, ms in win_ms.items()))
     print(f"  decode logits identical on both paths: {'yes' if exact else 'NO'}; "
           f"load average {' '.join(f'{x:.2f}' for x in result['loadavg'])}")
     if args.json:

@@ -59,7 +59,6 @@ from meshnode.serve.client import (
     TextDelta,
     TimingsJSON,
     TokenLogprob,
-    Usage,
 )
 from meshnode.serve.errors import (
     EngineFailedError,
@@ -91,6 +90,7 @@ from meshnode.serve.schemas import (
     InfillResponse,
     ModelList,
     ModelObject,
+    PromptTokensDetails,
     ToolCallDelta,
     ToolCallOut,
     UsageInfo,
@@ -468,15 +468,14 @@ async def _stream(
 # --- response bodies -------------------------------------------------------------------
 
 
-def _usage(u: Usage) -> UsageInfo:
-    return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
-
-
 def _total_usage(finished: list[Finished]) -> UsageInfo:
-    """The prompt once (it was prefilled once), every choice's completion tokens."""
+    """The prompt once (it was prefilled once), every choice's completion tokens; the
+    prompt tokens whose KV a kept session supplied as ``cached_tokens``."""
     prompt = finished[0].usage.prompt_tokens if finished else 0
+    cached = finished[0].timings.cache_n if finished else 0
     completion = sum(f.usage.completion_tokens for f in finished)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class _Chunks:

@@ -382,10 +382,15 @@ def _param_path(loc: tuple[int | str, ...]) -> str | None:
 # --- responses -------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0   # prompt tokens whose KV was reused (prefix reuse), not computed
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class FunctionCallOut(BaseModel):
