@@ -106,16 +106,19 @@ def test_shutdown_frees_the_kept_sessions_on_every_stage():
 
 
 def test_a_request_copying_from_the_only_kept_session_and_another_both_get_a_slot():
-    """parallel 2: one session kept, one slot free; a request that copies from the kept
-    session and another that matches nothing arrive together, in both orders. Neither
-    waits for ever: the copier's source is not evicted under it, and is given up for the
-    other request once copied (or the other request's slot comes back unkept)."""
+    """parallel 2: one session kept, one slot free; a request that would copy from the
+    kept session and another that matches nothing arrive together, in both orders.
+    Neither waits for the other to finish. Copier first: it takes the free slot and
+    copies; its source is not evicted under it, and is given up for the other request
+    once copied. Other first: the copier finds no free slot but the one its source holds;
+    it does not wait with the source pinned (that slot would stay kept until the other
+    answer ends): the source is freed for it and it prefills in full."""
     async def main(copier_first: bool):
-        pipe = CountingPipeline(TRUTH)
+        pipe = CountingPipeline(TRUTH, delay=0.005)
         server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=2), CharTokenizer(), pipe)
         await _ask(server, "a", 10)
         copier = _ask(server, "b", 20)
-        other = _ask(server, "c", 5, "z" * 40)
+        other = _ask(server, "c", 60, "z" * 40)
         pair = (copier, other) if copier_first else (other, copier)
         got = await asyncio.wait_for(asyncio.gather(*pair), 10)
         await server.scheduler.close()
@@ -124,5 +127,47 @@ def test_a_request_copying_from_the_only_kept_session_and_another_both_get_a_slo
     for copier_first in (True, False):
         pipe, server, ((text, fin), (_, other)) = asyncio.run(main(copier_first))
         assert text == ANSWER[:20] and other is not None
-        assert fin.timings.cache_n > 0 and len(pipe.copies) == 1
+        if copier_first:
+            assert fin.timings.cache_n > 0 and len(pipe.copies) == 1
+        else:
+            assert fin.timings.cache_n == 0 and not pipe.copies
         assert set(pipe.kv) <= set(server.prefix.sessions()) and server.sessions_held == len(server.prefix)
+
+
+def test_requests_for_the_same_prompt_do_not_wait_behind_each_other_for_the_kept_slot():
+    """parallel 2: one session kept (the prompt's), one slot free; two requests for that
+    prompt arrive together. The first takes the free slot and copies from the kept
+    session; the second must not hold on to the kept session while it waits, or the slot
+    it waits for stays kept until the first request ends. It gets that slot once the copy
+    is done and answers while the first still decodes."""
+    from meshnode.serve.client import Finished, TextDelta
+
+    async def timeline(server, rid, max_tokens, marks):
+        req = GenerationRequest(rid, "m", messages=(ChatMessage("user", CODE),), max_tokens=max_tokens,
+                                temperature=0.0)
+        text, fin = "", None
+        async for ev in server.generate(req):
+            if isinstance(ev, TextDelta):
+                marks.setdefault((rid, "first"), asyncio.get_running_loop().time())
+                text += ev.text
+            elif isinstance(ev, Finished):
+                fin = ev
+        marks[(rid, "end")] = asyncio.get_running_loop().time()
+        return text, fin
+
+    async def main():
+        pipe = CountingPipeline(TRUTH, delay=0.005)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=2), CharTokenizer(), pipe)
+        await _ask(server, "a", 10)
+        assert len(server.prefix) == 1
+        marks: dict = {}
+        got = await asyncio.wait_for(asyncio.gather(timeline(server, "long", 60, marks),
+                                                    timeline(server, "short", 5, marks)), 20)
+        await server.scheduler.close()
+        return pipe, server, got, marks
+
+    pipe, server, ((long_text, long_fin), (short_text, short_fin)), marks = asyncio.run(main())
+    assert long_text == ANSWER[:60] and short_text == ANSWER[:5]
+    assert long_fin.timings.cache_n > 0 and short_fin.timings.cache_n == 0   # its source went to it
+    assert marks[("short", "end")] < marks[("long", "end")]
+    assert server.sessions_held == len(server.prefix) <= 1

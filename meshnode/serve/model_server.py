@@ -56,7 +56,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -329,31 +329,56 @@ class ModelServer:
                 self._channels.pop(rid, None)
                 self._release(n)
 
-    async def _acquire(self, n: int, keep: Retained | None = None) -> None:
+    async def _acquire(self, n: int, prompt: Sequence[int] | None = None) -> tuple[Retained, int] | None:
         """Take ``n`` sequence slots. One request at a time gathers several, so two
         requests each holding part of what they need never wait on each other. Retained
-        sessions (but ``keep``, the one this request copies from) give their slots up
-        when none is free: live requests come first."""
+        sessions give their slots up when none is free: live requests come first. With
+        ``prompt`` (one slot), also the kept session to copy its prefix from, pinned
+        (:meth:`_take_slot_for`)."""
         self._waiting += 1
         try:
             if n == 1:
-                await self._take_slot(keep)
-                return
+                return await self._take_slot_for(prompt)
             async with self._multi_slots:
                 taken = 0
                 try:
                     for _ in range(n):
-                        await self._take_slot(None)
+                        await self._take_slot()
                         taken += 1
                 except BaseException:
                     for _ in range(taken):
                         self._slots.release()
                     raise
+            return None
         finally:
             self._waiting -= 1
 
-    async def _take_slot(self, keep: Retained | None) -> None:
+    def _lookup(self, prompt: Sequence[int] | None) -> tuple[Retained, int] | None:
+        return self.prefix.lookup(prompt, self.route.epoch) if prompt is not None and self.route.up else None
+
+    async def _take_slot_for(self, prompt: Sequence[int] | None) -> tuple[Retained, int] | None:
+        """One slot and the prefix hit for ``prompt`` (pinned), if any. The entry we would
+        copy from is not evicted for our slot; but a request that must wait for a slot
+        waits without its pin: the pinned entry may be the last one kept, whose slot is
+        the one that would come free (a burst of requests for one prompt, every other
+        slot live). It looks again once it has its slot."""
+        hit = self._lookup(prompt)
+        keep = hit[0] if hit is not None else None
         while self._slots.locked() and (e := self.prefix.evict_one(keep)) is not None:
+            await self._free_retained(e)
+        if hit is not None and self._slots.locked():
+            self._unpin(hit[0])     # frees it now if nobody else copies from it
+            hit = None
+        try:
+            await self._slots.acquire()
+        except BaseException:
+            if hit is not None:
+                self._unpin(hit[0])
+            raise
+        return hit if hit is not None else self._lookup(prompt)
+
+    async def _take_slot(self) -> None:
+        while self._slots.locked() and (e := self.prefix.evict_one()) is not None:
             await self._free_retained(e)
         await self._slots.acquire()
 
@@ -373,13 +398,9 @@ class ModelServer:
     async def _produce(self, events: asyncio.Queue, ars: list[ActiveRequest]) -> None:
         """Prefill and decode one request's choices, putting their events on ``events``."""
         # (n > 1 choices share their prompt among themselves: no lookup, nothing kept)
-        hit = (self.prefix.lookup(ars[0].prompt, self.route.epoch)
-               if len(ars) == 1 and self.route.up else None)
         try:
-            await self._acquire(len(ars), keep=hit[0] if hit is not None else None)
+            hit = await self._acquire(len(ars), ars[0].prompt if len(ars) == 1 else None)
         except BaseException:
-            if hit is not None:
-                self._unpin(hit[0])
             for ar in ars:
                 self._finish(ar, RequestStatus.CANCELLED)
             raise
