@@ -56,7 +56,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -626,6 +626,11 @@ class ModelServer:
         # Retained KV was computed on the old route: forgotten (the SessionEnds reach
         # the stages that survived; the others lost it with their engines).
         self._free_later(self.prefix.drop_stale(self.route.epoch))
+
+    def follow_route(self, backends: Sequence[str]) -> None:
+        """The route's stages compute on ``backends``: speculation's verify windows follow
+        what all of them compute exactly (at start and after every re-plan)."""
+        self._decoder.follow_route(backends)
 
     @property
     def sessions_held(self) -> int:
