@@ -22,3 +22,31 @@ MAX_CHOICES = 8
 # an f16 cache does not. Every stage of a split uses the coordinator's choice.
 KV_CACHE_TYPES = ("q8_0", "f16", "bf16", "f32")
 DEFAULT_KV_TYPE = "q8_0"
+
+# Rows a GPU stage runs every small call as (docs/engine.md, "GPU"): a one-row step or a
+# verify window of fewer rows is padded with throwaway rows (rolled back at once), so every
+# decode step takes the same CUDA kernels and windows reproduce one-row steps bit for bit.
+# llama.cpp's quantized vector kernels come in three shapes, by row count (1 | 2-4 | 5-8;
+# matrix kernels beyond 8), so padding to 2 makes windows of up to 4 rows exact and padding
+# to 5-8 windows of up to 8. Measured on an H200: an 8-row step of an 8B Q4_0 model costs
+# twice a 2-row one, so 2 is the default; MESHNODE_GPU_PAD_ROWS (2-8) sets another width on
+# a node, for the engines it builds and the windows it sends.
+GPU_PAD_ROWS = 2
+GPU_PAD_ROWS_ENV = "MESHNODE_GPU_PAD_ROWS"
+MAX_GPU_PAD_ROWS = 8
+
+
+def gpu_pad_rows() -> int:
+    """The pad width of this node's GPU engines: $MESHNODE_GPU_PAD_ROWS when it is a
+    number in 2..8, else GPU_PAD_ROWS."""
+    import os
+
+    raw = os.environ.get(GPU_PAD_ROWS_ENV, "").strip()
+    return int(raw) if raw.isdigit() and 2 <= int(raw) <= MAX_GPU_PAD_ROWS else GPU_PAD_ROWS
+
+
+def gpu_exact_window_rows(pad_rows: int) -> int:
+    """The widest verify window that equals one-row steps on a GPU stage padding every
+    call to ``pad_rows`` rows: the largest row count of the kernel shape ``pad_rows``
+    falls in."""
+    return 4 if pad_rows <= 4 else MAX_GPU_PAD_ROWS

@@ -1,5 +1,5 @@
 """``certify --schedule``: verify windows against one-row steps (what exact speculation
-needs), and the one-row padding GPU nodes use, checked on CPU with real llama.cpp.
+needs), and the padding GPU nodes use, checked on CPU with real llama.cpp.
 
 On the GPU the same check runs by hand (packaging/gpu/measure.sh); here it runs on
 SmolLM2 with one thread, where llama.cpp's CPU kernels are batch-invariant.
@@ -27,17 +27,29 @@ def test_windows_reproduce_one_row_steps_on_cpu(smollm2):
     assert rep.exact, rep.to_json()
 
 
-def test_a_padded_one_row_step_is_the_first_row_of_a_two_row_window(smollm2):
-    """What GPU nodes do by default: a one-row call runs as 2 rows, the copy rolled back."""
+def test_padded_steps_are_the_first_rows_of_a_full_width_call(smollm2):
+    """What GPU nodes do: a call of fewer than ``pad_rows`` rows runs as ``pad_rows`` rows,
+    the extra rows rolled back; each row's result is its row of the full-width call."""
     toks = np.arange(10, 30, dtype=np.int32)
+    nxt = np.asarray([7, 8, 9, 11], np.int32)
     cfg = dict(n_ctx=64, n_seq_max=1, n_threads=1)
-    with StageEngine(EngineConfig(smollm2.path, pad_one_row=True, **cfg)) as eng:
+    with StageEngine(EngineConfig(smollm2.path, pad_rows=4, **cfg)) as eng:
+        assert eng.pad_rows == 4
         eng.run_session(0, 0, toks, n_logits=1)
-        one = eng.forward([Segment(0, 20, tokens=np.asarray([7], np.int32), n_logits=1)])[0]
-        assert one.shape == (1, eng.n_vocab) and eng.next_pos(0) == 21   # the copy is gone
-        eng.rollback(0, 20)
-        window = eng.forward([Segment(0, 20, tokens=np.asarray([7, 8], np.int32), n_logits=2)])[0]
-    assert np.array_equal(one[0], window[0])
+        one = eng.forward([Segment(0, 20, tokens=nxt[:1], n_logits=1)])[0]
+        assert one.shape == (1, eng.n_vocab) and eng.next_pos(0) == 21   # the extra rows are gone
+        three = eng.forward([Segment(0, 20, tokens=nxt[:3], n_logits=2)], rewind=True)[0]
+        assert three.shape == (2, eng.n_vocab) and eng.next_pos(0) == 23
+        full = eng.forward([Segment(0, 20, tokens=nxt, n_logits=4)], rewind=True)[0]
+    assert np.array_equal(one[0], full[0])
+    assert np.array_equal(three, full[1:3])
+
+
+def test_a_pad_width_out_of_range_is_refused(smollm2):
+    from meshnode.engine.errors import EngineInputError
+
+    with pytest.raises(EngineInputError, match="pad_rows must be an integer in"):
+        StageEngine(EngineConfig(smollm2.path, n_ctx=64, n_seq_max=1, pad_rows=0))
 
 
 def test_the_certify_command_reports_the_schedule_as_json(smollm2):

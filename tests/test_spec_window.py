@@ -69,8 +69,10 @@ def test_window_policy_validation(args):
 
 # ---- exact windows per backend -------------------------------------------------------
 
-def test_a_gpu_stage_caps_the_routes_windows_at_four_rows():
+def test_a_gpu_stage_caps_the_routes_windows_at_four_rows(monkeypatch):
     from meshnode.spec.window import cap_for_backends
+
+    monkeypatch.delenv("MESHNODE_GPU_PAD_ROWS", raising=False)
 
     wide = WindowPolicy("adaptive", 8, 2, 16)
     # one CUDA stage anywhere on the route: 3 drafts (a window of 4 rows) at most
@@ -83,6 +85,21 @@ def test_a_gpu_stage_caps_the_routes_windows_at_four_rows():
     assert cap_for_backends(wide, []) == wide
 
 
+def test_the_gpu_pad_width_sets_the_cap(monkeypatch):
+    """Steps padded to 5-8 rows make windows of 8 rows exact (7 drafts); 2-4 rows, 4; a
+    value out of 2..8 is ignored (the default, 2)."""
+    from meshnode.limits import gpu_pad_rows
+    from meshnode.spec.window import cap_for_backends
+
+    wide = WindowPolicy("adaptive", 8, 2, 16)
+    for value, pad, drafts in (("8", 8, 7), ("5", 5, 7), ("4", 4, 3), ("2", 2, 3), ("1", 2, 3), ("9", 2, 3),
+                               ("x", 2, 3), ("", 2, 3)):
+        monkeypatch.setenv("MESHNODE_GPU_PAD_ROWS", value)
+        assert gpu_pad_rows() == pad
+        assert cap_for_backends(wide, ["cpu", "cuda"]).max == drafts
+        assert cap_for_backends(wide, ["cpu"]) == wide
+
+
 def test_the_cap_keeps_narrower_settings_and_stays_a_valid_policy():
     from meshnode.spec.window import cap_for_backends
 
@@ -91,6 +108,35 @@ def test_the_cap_keeps_narrower_settings_and_stays_a_valid_policy():
     fixed = WindowPolicy("fixed", 8, 8, 8)
     assert cap_for_backends(fixed, ["cuda"]) == WindowPolicy("fixed", 3, 3, 3)
     make_window(cap_for_backends(WindowPolicy("adaptive", 16, 16, 32), ["cuda"]))   # validates
+
+
+def test_the_windows_follow_the_current_route(monkeypatch):
+    """A re-plan that moves the route onto a GPU stage narrows the windows chosen at start;
+    one that moves it off widens them back to the configured ones."""
+    from meshnode.spec.strategy import CliSpecOptions, RouteWindows, resolve_strategy
+
+    monkeypatch.delenv("MESHNODE_GPU_PAD_ROWS", raising=False)
+    spec = resolve_strategy("m", cli=CliSpecOptions(strategy="ngram"))
+    route = RouteWindows(spec)
+    assert not route.follow(["cpu", "cpu"]) and route.config is spec    # start: a CPU route
+    assert route.follow(["cpu", "cuda"])                                # re-planned onto a GPU stage
+    assert route.config.window.max == 3
+    win = make_window(route.config.window)
+    for _ in range(8):                       # full acceptance cannot grow it past the cap
+        win.update(win.next_window(), win.next_window())
+        assert win.next_window() <= 3
+    assert not route.follow(["cuda"])        # the same bounds: nothing to redo
+    assert route.follow(["cpu"])             # and back onto CPUs
+    assert route.config.window == spec.window
+
+
+def test_speculation_off_stays_off_on_any_route():
+    from meshnode.spec.strategy import CliSpecOptions, RouteWindows, resolve_strategy
+
+    off = resolve_strategy("m", cli=CliSpecOptions(mode="off"))
+    for spec in (off, None):
+        route = RouteWindows(spec)
+        assert not route.follow(["cuda"]) and route.config is spec
 
 
 def test_the_strategy_is_capped_when_a_stage_of_the_route_runs_on_cuda():

@@ -44,7 +44,7 @@ from .errors import (
     EngineInputError,
     ModelLoadError,
 )
-from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES
+from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES, MAX_VERIFY_WINDOW, gpu_pad_rows
 
 from . import offload
 from .ggml import LayerTap
@@ -103,11 +103,12 @@ class EngineConfig:
     # attention picks kernels by row count, so verify windows would not reproduce one-row
     # steps); True / False force it.
     flash_attn: bool | None = None
-    # Run a one-row call as two rows (the second a throwaway copy, rolled back at once), so
-    # that plain decoding uses the kernels of a 2-row verify window. None: on when layers
-    # are offloaded to a GPU, where a one-row matmul takes a vector kernel that rounds
-    # differently from the multi-row one (docs/engine.md, "GPU").
-    pad_one_row: bool | None = None
+    # Run a lone segment of fewer rows as this many (the extra rows throwaway copies, rolled
+    # back at once), so that one-row steps and verify windows up to this width all take the
+    # same kernels. None: limits.gpu_pad_rows() (2 unless set) when layers are offloaded
+    # to a GPU, where llama.cpp picks its matmul kernels by row count and each rounds
+    # differently, else 1 (no padding; docs/engine.md, "GPU").
+    pad_rows: int | None = None
     taps: tuple[int, ...] = ()  # extra layers to capture (certification)
     # Exactness (docs/engine.md, "Batch invariance"): one KV stream per session, so a
     # session's keys sit in cells 0..n of its own stream whatever its neighbours do; and a
@@ -246,7 +247,11 @@ class StageEngine:
         cparams.no_perf = True
         cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        self.pad_one_row = config.pad_one_row if config.pad_one_row is not None else self.gpu_layers > 0
+        pad = config.pad_rows if config.pad_rows is not None else (gpu_pad_rows() if self.gpu_layers else 1)
+        if isinstance(pad, bool) or not isinstance(pad, int) or not 1 <= pad <= MAX_VERIFY_WINDOW:
+            self.close()
+            raise EngineInputError(f"pad_rows must be an integer in [1, {MAX_VERIFY_WINDOW}], got {pad!r}")
+        self.pad_rows = pad
         if self._tap is not None:
             cparams.cb_eval = self._tap.c_callback
             cparams.cb_eval_user_data = self._tap.user_data
@@ -307,8 +312,8 @@ class StageEngine:
 
     def threads_for(self, rows: int) -> int:
         """CPU threads llama.cpp computes a call of ``rows`` rows with (a padded one-row
-        call is a two-row batch)."""
-        return self.n_threads_decode if rows == 1 and not self.pad_one_row else self.n_threads_batch
+        call is a batch of ``pad_rows`` rows)."""
+        return self.n_threads_decode if rows == 1 and self.pad_rows == 1 else self.n_threads_batch
 
     def rollback(self, session: int, pos: int) -> None:
         """Forget positions >= ``pos`` of ``session`` (rejected draft tokens)."""
@@ -417,24 +422,31 @@ class StageEngine:
             for s in segs:
                 if s.session in self._next_pos and s.pos < self._next_pos[s.session]:
                     self.rollback(s.session, s.pos)
-        if self.pad_one_row and len(segs) == 1 and segs[0].n_rows == 1 and segs[0].pos + 2 <= self.n_ctx:
+        if (len(segs) == 1 and segs[0].n_rows < self.pad_rows <= self.n_batch
+                and segs[0].pos + self.pad_rows <= self.n_ctx):
             return self._padded(segs[0])
         return self._forward(segs)
 
     def _padded(self, s: Segment) -> list[np.ndarray]:
-        """``s`` (one row) run as the first row of a 2-row call whose second row is
-        dropped again: the same kernels as a verify window of 2 rows. Row 0 does not see
-        row 1 (causal attention, row-wise matmuls), so its result is the window's."""
+        """``s`` (fewer than ``pad_rows`` rows) run as the first rows of a call of
+        ``pad_rows`` rows whose extra rows are dropped again: the kernels of every other
+        padded step. A row does not see the rows after it (causal attention, row-wise
+        matmuls), so its result is the one it gets in any padded call. A final stage asks
+        logits for the extra rows too: the rows that reach the head are the same count in
+        every padded call (llama.cpp prunes the last layer to the rows with outputs)."""
         self._check([s])
+        n, extra = s.n_rows, self.pad_rows - s.n_rows
+        n_logits = s.n_logits + extra if s.n_logits else 0
         if s.tokens is not None:
-            twice = Segment(s.session, s.pos, tokens=np.repeat(s.tokens, 2), n_logits=2 if s.n_logits else 0)
+            wide = Segment(s.session, s.pos, tokens=np.concatenate([s.tokens, np.repeat(s.tokens[-1:], extra)]),
+                           n_logits=n_logits)
         else:
             assert s.hidden is not None
-            twice = Segment(s.session, s.pos, hidden=np.concatenate([s.hidden, np.zeros_like(s.hidden)]),
-                            n_logits=2 if s.n_logits else 0)
-        out = self._forward([twice])[0]
-        self.rollback(s.session, s.pos + 1)
-        return [out[:1]]
+            wide = Segment(s.session, s.pos, n_logits=n_logits, hidden=np.concatenate(
+                [s.hidden, np.zeros((extra, s.hidden.shape[1]), dtype=s.hidden.dtype)]))
+        out = self._forward([wide])[0]
+        self.rollback(s.session, s.pos + n)
+        return [out[:s.n_logits] if self.has_head else out[:n]]
 
     def _forward(self, segs: Sequence[Segment]) -> list[np.ndarray]:
         self._check(segs)

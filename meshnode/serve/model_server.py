@@ -648,6 +648,11 @@ class ModelServer:
         # the stages that survived; the others lost it with their engines).
         self._free_later(self.prefix.drop_stale(self.route.epoch))
 
+    def follow_route(self, backends: Sequence[str]) -> None:
+        """The route's stages compute on ``backends``: speculation's verify windows follow
+        what all of them compute exactly (at start and after every re-plan)."""
+        self._decoder.follow_route(backends)
+
     @property
     def sessions_held(self) -> int:
         """Sessions whose KV stage 0 holds (each until every stage was told to free it),

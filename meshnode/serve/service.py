@@ -160,13 +160,13 @@ class ModelService:
                 n_batch=o.n_batch, n_seq_max=o.parallel, wire_dtype=o.wire_dtype)
             serving = await self._plan_and_load(ref, self._base)
             self.serving = serving
-            spec = _exact_windows(spec, serving.stages())
             self._first_plan = serving.plan
             self.server = ModelServer(
                 ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch, parallel=o.parallel, max_queue=o.max_queue,
                               prefix_cache=o.prefix_cache,
                               aliases=tuple(o.aliases) + (ref.path.name, ref.path.stem), spec=spec),
                 tokenizer, serving.pipeline, publish=self.node.publish, draft=draft)
+            self.server.follow_route([s.backend for s in serving.stages()])
             self._set(ModelStatus.READY, f"{serving.pipeline.n_stages} stage(s)")
             self.node.coordinator.on_lost = self._on_lost
             self.node.coordinator.on_joined = self._on_joined
@@ -263,6 +263,7 @@ class ModelService:
         else:
             self.serving = serving
             self.server.switch_pipeline(serving.pipeline)
+            self.server.follow_route([s.backend for s in serving.stages()])
             self._set(ModelStatus.READY, f"{serving.pipeline.n_stages} stage(s)")
             log.warning("model %s serves again on %d stage(s) after %.0f ms (%s)", self.model_ref.name,
                         serving.pipeline.n_stages, ms, "degraded" if self._degraded else "as planned")
@@ -370,18 +371,6 @@ class ModelService:
         if self.serving is not None:
             await self.serving.stop(timeout=stage_timeout)
         self._set("stopped", "")
-
-
-def _exact_windows(spec, stages):
-    """``spec`` with its verify windows capped to what every stage of the route computes
-    exactly (spec/strategy.py, ``exact_for_route``), logged when it changes."""
-    from meshnode.spec.strategy import exact_for_route
-
-    capped = exact_for_route(spec, [s.backend for s in stages])
-    if capped is not spec:
-        log.info("speculation: windows of at most %d drafts (a GPU stage: wider windows are not exact there)",
-                 capped.window.max)
-    return capped
 
 
 def _describe(options) -> str:

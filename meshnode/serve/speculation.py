@@ -30,7 +30,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from meshnode.spec.lookahead import LookaheadGate
 from meshnode.spec.suffix import RecentTexts, SuffixProposer
 from meshnode.spec.policy import AutoPolicy
 from meshnode.spec.stats import SpecTelemetry
-from meshnode.spec.strategy import Proposer, SpecConfig
+from meshnode.spec.strategy import Proposer, RouteWindows, SpecConfig
 from meshnode.spec.window import WindowController, WindowPolicy, make_window
 from meshnode.state import DraftVerified
 
@@ -72,6 +72,7 @@ class SpeculativeDecoder:
         if config is not None and config.type == "draft-model" and draft is None:
             strategy, mode = "none", "off"   # the caller already warned why
         self.config = config
+        self._route = RouteWindows(config)   # the windows the current route computes exactly
         self.cost = CostModel(hop_s=0.0)
         self.policy = AutoPolicy(mode, name=strategy, cost=self.cost, observes=strategy != "draft",
                                  on_transition=lambda old, new, why: self.telemetry.set_state(new))
@@ -84,6 +85,18 @@ class SpeculativeDecoder:
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
         self.recent = RecentTexts() if strategy == "ngram" else None
         self._remembering: set[asyncio.Future] = set()
+
+    def follow_route(self, backends: Sequence[str]) -> None:
+        """The model now runs on stages computing on ``backends``: verify windows at most
+        as wide as all of them compute exactly (spec/strategy.py, ``RouteWindows``). The
+        controller starts afresh only when its bounds change."""
+        if not self._route.follow(backends):
+            return
+        old, self.config = self.config, self._route.config
+        self.window = make_window(self.config.window, self.cost)
+        if old is not None and self.config.window.max < old.window.max:
+            log.info("speculation: windows of at most %d drafts (a GPU stage: wider windows are not exact there)",
+                     self.config.window.max)
 
     async def start(self, req: ActiveRequest, first: int) -> None:
         """The request's prefill gave ``first``: the proposers take its context."""

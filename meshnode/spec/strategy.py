@@ -305,10 +305,28 @@ def resolve_strategy(
 
 def exact_for_route(spec: SpecConfig | None, backends: Sequence[str]) -> SpecConfig | None:
     """``spec`` with its verify windows capped to what every stage of the route (its
-    compute ``backends``) computes exactly: a GPU stage takes windows of 4 rows at most
-    (spec/window.py), so greedy text with speculation equals text without it on any mesh
+    compute ``backends``) computes exactly: a GPU stage takes windows of 4 rows at most (8
+    with steps padded to 5-8 rows; spec/window.py), so greedy text with speculation equals text without it on any mesh
     without the user sizing windows by hand. ``spec`` itself when nothing changes."""
     if spec is None or not spec.enabled:
         return spec
     window = cap_for_backends(spec.window, backends)
     return spec if window == spec.window else dataclasses.replace(spec, window=window)
+
+
+class RouteWindows:
+    """Speculation's settings as configured (``asked``) and as the current route computes
+    them exactly (``config``): :meth:`follow` re-caps them whenever the route changes (a
+    re-plan onto a GPU stage narrows the windows, one off it widens them again)."""
+
+    def __init__(self, asked: SpecConfig | None) -> None:
+        self.asked = asked
+        self.config = asked
+
+    def follow(self, backends: Sequence[str]) -> bool:
+        """The route now computes on ``backends``; True when the window bounds changed."""
+        capped = exact_for_route(self.asked, backends)
+        if capped is None or not capped.enabled or self.config is None or capped.window == self.config.window:
+            return False
+        self.config = capped
+        return True

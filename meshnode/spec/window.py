@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from meshnode.limits import MAX_VERIFY_WINDOW
+from meshnode.limits import MAX_VERIFY_WINDOW, gpu_exact_window_rows, gpu_pad_rows
 from meshnode.spec.cost_model import CostModel
 
 __all__ = [
@@ -60,20 +60,18 @@ class WindowPolicy:
 
 # The widest verify window (the last token and its drafts) that reproduces one-row steps
 # bit for bit, per compute backend. On CPU every width up to MAX_VERIFY_WINDOW is exact
-# (docs/engine.md, "Batch invariance"). CUDA picks its quantized-matmul kernels by row
-# count: with the GPU defaults (one-row steps padded to 2 rows, flash attention off)
-# windows of 2-4 rows equal one-row steps, wider ones do not on a quantized model
-# (docs/engine.md, "GPU"). Other GPU backends are not measured and choose kernels by
-# batch size too, so they get the same bound.
-EXACT_WINDOW_ROWS: dict[str, int] = {"cuda": 4}
-GPU_EXACT_WINDOW_ROWS = 4
+# (docs/engine.md, "Batch invariance"). CUDA picks its matmul kernels by row count: a GPU
+# stage pads every call of fewer rows to the node's pad width (limits.gpu_pad_rows, flash
+# attention off), which makes windows of up to 4 rows (pad 2-4) or 8 rows (pad 5-8) equal
+# one-row steps; wider ones do not on a quantized model (docs/engine.md, "GPU"). Other GPU
+# backends are not measured; they pad the same way and get the same bound.
 
 
 def exact_window_rows(backend: str) -> int:
     """The widest exact verify window on ``backend`` ("" = not known yet: no bound)."""
     if backend in ("", "cpu"):
         return MAX_VERIFY_WINDOW
-    return EXACT_WINDOW_ROWS.get(backend, GPU_EXACT_WINDOW_ROWS)
+    return gpu_exact_window_rows(gpu_pad_rows())
 
 
 def cap_for_backends(policy: WindowPolicy, backends: Iterable[str]) -> WindowPolicy:

@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1 or 2}
+PART=${1:?part 1-10}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -145,5 +145,42 @@ if [ "$PART" = 7 ]; then   # inline steps or the compute thread: --threads 4 aga
   write_l8b
   serve_l8b "bench serve 8b, one GPU, --threads 4 (steps on the compute thread)" --cuda-devices 0 --threads 4
   serve_l8b "bench serve 8b, one GPU, --threads 1 (steps inline)" --cuda-devices 0 --threads 1
+fi
+# Parts 8-10: where a second llama.cpp call's time goes, and GPU steps padded to more rows
+# (MESHNODE_GPU_PAD_ROWS; windows up to 8 rows exact at 8). One GPU. The device call sends
+# the session's main checkout, so this checkout goes as an ignored copy (.gpuwt/gpu3:
+# meshnode, packaging, assets, pyproject.toml) with the kit beside it (.gpuwt/kit, holding
+# smol/part1) and the second half of SmolLM2's GGUF (.gpuwt/p2/part2):
+#   carry [.gpuwt/kit, .gpuwt/gpu3]:  . .gpuwt/kit/device-setup.sh && cd .gpuwt/gpu3 &&
+#     ln -sfn ../kit .gpukit && export PYTHONPATH=$PWD:/tmp/site && bash packaging/gpu/measure.sh 8 "$OUT"
+#   carry [.gpuwt/kit, .gpuwt/gpu3, .gpuwt/p2]: the same with part 9 (a fresh machine), then
+#   part 10 on the same warm machine (carry [.gpuwt/gpu3]).
+if [ "$PART" = 8 ]; then
+  write_l8b
+  step 100 "pad widths on l8b: exactness of windows and ms per one-row step" \
+    "$PY" "$(dirname "$0")/pad_probe.py" "$M/l8b.gguf" 1,2,4,8
+  step 150 "split timing l8b, llama.cpp defaults" "$PY" "$(dirname "$0")/split_timing.py" "$M/l8b.gguf" default 1,2,8
+fi
+P2=${MEASURE_P2:-$KIT/../p2/part2}
+smol() { mkdir -p "$SMOLDIR" && [ -f "$SMOL" ] || cat "$KIT"/smol/part1 "$P2" > "$SMOL"; }
+if [ "$PART" = 9 ]; then   # n-gram speculation on a 2-stage GPU split against one node's plain decoding
+  smol
+  step 170 "bench spec SmolLM2 on the GPU, 2 stages, steps padded to 8 rows (windows <= 8)" \
+    env MESHNODE_GPU_PAD_ROWS=8 "$PY" -m meshnode bench spec --model "$SMOL" --quick \
+    --strategies baseline,ngram_auto --gpu-layers all --delay-ms 0 --json
+  step 100 "bench serve SmolLM2, one GPU (one node's plain decoding)" "$PY" -m meshnode bench serve \
+    --model "$SMOL" --stages 1,2 --concurrency 1 --tokens ${TOK:-64} --rounds ${ROUNDS:-3} --gpu-layers all --json
+  step 40 "pad widths on SmolLM2" "$PY" "$(dirname "$0")/pad_probe.py" "$SMOL" 1,2,8
+  step 170 "bench spec SmolLM2 on the GPU, 2 stages, GPU defaults (windows <= 4)" \
+    "$PY" -m meshnode bench spec --model "$SMOL" --quick \
+    --strategies baseline,ngram_auto --gpu-layers all --delay-ms 0 --json
+fi
+if [ "$PART" = 10 ]; then
+  write_l8b
+  step 60 "split timing l8b, CUDA graphs off" env GGML_CUDA_DISABLE_GRAPHS=1 \
+    "$PY" "$(dirname "$0")/split_timing.py" "$M/l8b.gguf" no-cuda-graphs 1
+  step 60 "split timing l8b, graph reuse off" env LLAMA_GRAPH_REUSE_DISABLE=1 \
+    "$PY" "$(dirname "$0")/split_timing.py" "$M/l8b.gguf" no-graph-reuse 1
+  schedule "$M/l8b.gguf" "l8b, steps padded to 8 rows, windows 2-8" MESHNODE_GPU_PAD_ROWS=8 -- --windows 2,3,4,5,6,7,8 --json
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
