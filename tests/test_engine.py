@@ -502,3 +502,41 @@ def test_sixteen_sessions_together_equal_each_alone(smol_chains, layout):
             chain.close()
     alone, together = runs
     assert together == alone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["whole", "3-stages"])
+@pytest.mark.parametrize("free_id", [True, False], ids=["swap-through-free-id", "swap-through-host"])
+def test_scattered_sessions_are_packed_into_one_call_and_stay_exact(smol_chains, prompts, layout, free_id):
+    """llama.cpp runs each run of consecutive sequence ids as its own micro-batch, so a
+    batch of sessions on scattered ids would cost one call per session. The engine
+    moves them into one window of ids first, trading places with an idle session there
+    (through a free id, or with no id free through host memory); every moved session,
+    idle ones included, answers as if alone."""
+    paths = smol_chains[layout]
+    refs = [_alone(paths, prompts[i], CONT[i]) for i in range(3)]
+    chain = Chain(paths, n_seq_max=6)
+    a, b, c, idle, fill0, fill4 = 1, 2, 3, 4, 50, 54
+    try:
+        # ids in creation order: fill0 0, a 1, idle 2, b 3, fill4 4, c 5
+        for s, p in ((fill0, 0), (a, 0), (idle, 1), (b, 1), (fill4, 2), (c, 2)):
+            chain.forward([Segment(s, 0, tokens=prompts[p], n_logits=1)])
+        if free_id:
+            chain.drop(fill4)                              # one free id, outside the batch's window
+        for eng in chain.stages:
+            assert sorted(eng._seq_of[s] for s in (a, b, c)) == [1, 3, 5]
+        got: list[list[np.ndarray]] = [[], [], []]
+        for k, t in enumerate(zip(*CONT)):
+            segs = [Segment(s, len(prompts[i]) + k, tokens=_toks(t[i]), n_logits=1)
+                    for i, s in enumerate((a, b, c))]
+            for i, logits in enumerate(chain.forward(segs)):
+                got[i].append(logits)
+            for eng in chain.stages:     # the three now sit on consecutive ids: one llama_decode
+                seqs = [eng._seq_of[s.session] for s in segs]
+                assert max(seqs) - min(seqs) == 2 and len(eng._calls(segs, seqs)) == 1
+        idle_got = [chain.forward([Segment(idle, len(prompts[1]) + k, tokens=_toks(t), n_logits=1)])[0]
+                    for k, t in enumerate(CONT[1])]
+    finally:
+        chain.close()
+    _assert_same(got, [r[1:] for r in refs])
+    _assert_same([idle_got], [refs[1][1:]])

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Speculation on the lent machine's CPU (no GPU): `meshnode bench spec` on the held-out
 # prompts, baseline against n-gram auto, a 2-stage split with the 5 ms relay, with a
-# CPU-only build of llama.cpp. The device has no internet and a call carries at most 64 MiB,
-# so SmolLM2's GGUF travels in three parts (`split -n 3 -d GGUF .devcpu/smol.`):
+# CPU-only build of llama.cpp. The device has no internet and a call carries at most 64 MiB
+# (the checkout included), so SmolLM2's GGUF travels in three parts
+# (`split -n 3 -d GGUF .devcpu/smol.`), one per call:
 #
-#   call 1, carry [.gpukit, .devcpu/smol.00]:            bash packaging/gpu/host_cpu_spec.sh build
-#   call 2, carry [.devcpu/smol.01, .devcpu/smol.02]:    bash packaging/gpu/host_cpu_spec.sh run "$OUT"
+#   call 1, carry [.gpukit, .devcpu/smol.00]:  bash packaging/gpu/host_cpu_spec.sh build
+#   call 2, carry [.devcpu/smol.01]:           bash packaging/gpu/host_cpu_spec.sh copy
+#   call 3, carry [.devcpu/smol.02]:           bash packaging/gpu/host_cpu_spec.sh run "$OUT"
 #
-# (.gpukit: ../shared/gpu copied into the checkout; see its README.) Call 2 must follow on
-# the same warm machine. THREADS (default 4) llama.cpp threads per stage; SETS (default
+# (.gpukit: ../shared/gpu copied into the checkout; see its README.) Each call must follow
+# the last within the machine's 30 s of warmth. THREADS (default 4) llama.cpp threads per stage; SETS (default
 # "quick full") which runs: the --quick subset and/or the whole held-out half.
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -17,7 +19,8 @@ SMOLDIR=/tmp/smolcpu
 SMOL=$SMOLDIR/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$SMOLDIR"
 for p in "$ROOT"/.devcpu/smol.0*; do [ -f "$p" ] && cp "$p" "$SMOLDIR"/; done
-case "${1:?build or run}" in
+case "${1:?build, copy or run}" in
+copy) ls -l "$SMOLDIR" ;;
 build)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "$ROOT"/.gpukit/wheels/*.whl || exit 1
@@ -35,6 +38,8 @@ run)
   [ -f "$SMOL" ] || cat "$SMOLDIR"/smol.00 "$SMOLDIR"/smol.01 "$SMOLDIR"/smol.02 > "$SMOL"
   sha256sum "$SMOL" | cut -c1-16
   ip link set lo multicast on 2>/dev/null
+  # without the system libstdc++ first, the first model load crashed there (as with CUDA)
+  export LD_PRELOAD=$(ldconfig -p | grep 'libstdc++.so.6 ' | head -1 | awk '{print $NF}')
   export PYTHONPATH="$ROOT:$SITE" MESHNODE_KEYRING=file MESHNODE_HOME=/tmp/cpuhome PYTHONUNBUFFERED=1
   THREADS=${THREADS:-4}
   for set in ${SETS:-quick full}; do
