@@ -540,3 +540,32 @@ def test_scattered_sessions_are_packed_into_one_call_and_stay_exact(smol_chains,
         chain.close()
     _assert_same(got, [r[1:] for r in refs])
     _assert_same([idle_got], [refs[1][1:]])
+
+
+@pytest.mark.slow
+def test_packing_waits_for_a_queued_session_copy(smol_chains, prompts):
+    """A session copy's data moves only at the next llama_decode: a batch right after it
+    that would need a swap through host memory is run unpacked, and every session, the
+    copy and its source included, stays exact."""
+    paths = smol_chains["whole"]
+    refs = [_alone(paths, prompts[i], CONT[i]) for i in range(2)]
+    chain = Chain(paths, n_seq_max=4)
+    a, src, b, dst = 1, 2, 3, 4
+    try:
+        for s, p in ((a, 0), (src, 1), (b, 0)):
+            chain.forward([Segment(s, 0, tokens=prompts[p], n_logits=1)])
+        for eng in chain.stages:
+            eng.copy(src, dst, len(prompts[1]))         # dst on the last id, its data queued
+        got: list[list[np.ndarray]] = [[], [], []]
+        for k in range(len(CONT[0])):
+            segs = [Segment(a, len(prompts[0]) + k, tokens=_toks(CONT[0][k]), n_logits=1),
+                    Segment(b, len(prompts[0]) + k, tokens=_toks(CONT[0][k]), n_logits=1),
+                    Segment(dst, len(prompts[1]) + k, tokens=_toks(CONT[1][k]), n_logits=1)]
+            for i, logits in enumerate(chain.forward(segs)):
+                got[i].append(logits)
+        src_got = [chain.forward([Segment(src, len(prompts[1]) + k, tokens=_toks(t), n_logits=1)])[0]
+                   for k, t in enumerate(CONT[1])]
+    finally:
+        chain.close()
+    _assert_same(got, [refs[0][1:], refs[0][1:], refs[1][1:]])
+    _assert_same([src_got], [refs[1][1:]])

@@ -265,6 +265,7 @@ class StageEngine:
         self._alloc_batch()
         self._seq_of: dict[int, int] = {}     # session -> llama seq id
         self._free_seqs = list(range(config.n_seq_max - 1, -1, -1))
+        self._copies_queued = False   # a cross-stream KV copy waits for the next decode
         self._next_pos: dict[int, int] = {}   # session -> next position expected
 
     # ---- batch buffers (owned by numpy, referenced by one llama_batch struct) ----------
@@ -331,30 +332,34 @@ class StageEngine:
             held.discard(self._seq_of[x])
             if target in self._free_seqs:
                 self._move(x, target)
-            else:
-                self._swap(x, next(y for y, q in self._seq_of.items() if q == target))
+            elif not self._swap(x, next(y for y, q in self._seq_of.items() if q == target)):
+                return
             held.add(target)
 
     def _move(self, session: int, seq: int) -> None:
         """Move ``session``'s KV to the free sequence id ``seq``."""
         old = self._seq_of[session]
         llama_cpp.llama_memory_seq_cp(self._mem, old, seq, -1, -1)
+        self._copies_queued = True
         llama_cpp.llama_memory_seq_rm(self._mem, old, -1, -1)
         self._free_seqs.remove(seq)
         self._free_seqs.append(old)
         self._seq_of[session] = seq
 
-    def _swap(self, x: int, y: int) -> None:
+    def _swap(self, x: int, y: int) -> bool:
         """Trade the sequence ids of sessions ``x`` and ``y``: through a free id when
-        there is one, else through host memory. (llama.cpp defers a cross-stream copy's
-        data to the next decode, so no stream may be rewritten after one is queued;
-        llama_state_seq_get/set_data write at once, each sequence's cells in order into
-        an empty stream: the same layout.)"""
+        there is one, else through host memory (llama_state_seq_get/set_data write each
+        sequence's cells in order into an empty stream: the same layout). llama.cpp
+        copies a stream's data across streams only at the next decode, so while such a
+        copy is queued no stream may be read or rewritten through the host: then False,
+        nothing moved."""
         qx, qy = self._seq_of[x], self._seq_of[y]
         if self._free_seqs:
             self._move(y, min(self._free_seqs))
             self._move(x, qy)
-            return
+            return True
+        if self._copies_queued:
+            return False
         saved = [self._save(qx), self._save(qy)]
         for q in (qx, qy):
             llama_cpp.llama_memory_seq_rm(self._mem, q, -1, -1)
@@ -362,6 +367,7 @@ class StageEngine:
             if llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(buf), q) != len(buf):
                 raise DecodeError("llama.cpp could not restore a session it moved")
         self._seq_of[x], self._seq_of[y] = qy, qx
+        return True
 
     def _save(self, seq: int) -> ctypes.Array:
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
@@ -417,6 +423,7 @@ class StageEngine:
                 # streams (a partial range aborts the process), so copy it all and drop
                 # what lies past n_pos.
                 llama_cpp.llama_memory_seq_cp(self._mem, src_seq, seq, -1, -1)
+                self._copies_queued = True   # its data moves at the next decode
                 if n_pos < self._next_pos[src]:
                     llama_cpp.llama_memory_seq_rm(self._mem, seq, n_pos, -1)
         self._next_pos[dst] = n_pos
@@ -595,6 +602,7 @@ class StageEngine:
             raise EngineBusyError("no KV cache slot for this batch (too many long sessions)")
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc}")
+        self._copies_queued = False     # the decode ran every queued stream copy first
         if not self.has_head:
             assert self._tap is not None and self._tap.stop_layer is not None
             il = self._tap.stop_layer
