@@ -105,5 +105,16 @@ def test_telemetry_counts_hits_and_tokens_reused():
     e, n = c.lookup(FILE + [1, 2], 0)
     c.used(e, n)
     c.unpin(e)
-    assert c.stats.as_dict() == {"lookups": 1, "hits": 1, "tokens_reused": 100, "retained": 1, "evicted": 0}
+    assert c.stats.as_dict() == {"lookups": 1, "hits": 1, "tokens_reused": 100, "retained": 1, "evicted": 0,
+                                 "taken": 0}
     assert len(c.clear()) == 1 and c.stats.evicted == 1
+
+
+def test_a_taken_entry_leaves_without_being_freed():
+    c = PrefixCache(2)
+    c.put(1, FILE, 0)
+    c.put(2, [7] * 40, 0)
+    e, n = c.lookup(FILE + [1], 0)
+    c.take(e)
+    assert e.removed and c.sessions() == [2] and c.lookup(FILE + [1], 0) is None
+    assert c.stats.taken == 1 and c.stats.evicted == 0

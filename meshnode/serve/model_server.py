@@ -329,16 +329,16 @@ class ModelServer:
                 self._channels.pop(rid, None)
                 self._release(n)
 
-    async def _acquire(self, n: int, prompt: Sequence[int] | None = None) -> tuple[Retained, int] | None:
+    async def _acquire(self, n: int, ar: ActiveRequest | None = None) -> tuple[Retained, int] | None:
         """Take ``n`` sequence slots. One request at a time gathers several, so two
         requests each holding part of what they need never wait on each other. Retained
         sessions give their slots up when none is free: live requests come first. With
-        ``prompt`` (one slot), also the kept session to copy its prefix from, pinned
+        ``ar`` (one slot), also the kept session to reuse its prompt's prefix from, pinned
         (:meth:`_take_slot_for`)."""
         self._waiting += 1
         try:
             if n == 1:
-                return await self._take_slot_for(prompt)
+                return await self._take_slot_for(ar)
             async with self._multi_slots:
                 taken = 0
                 try:
@@ -353,21 +353,31 @@ class ModelServer:
         finally:
             self._waiting -= 1
 
-    def _lookup(self, prompt: Sequence[int] | None) -> tuple[Retained, int] | None:
-        return self.prefix.lookup(prompt, self.route.epoch) if prompt is not None and self.route.up else None
+    def _lookup(self, ar: ActiveRequest | None) -> tuple[Retained, int] | None:
+        return self.prefix.lookup(ar.prompt, self.route.epoch) if ar is not None and self.route.up else None
 
-    async def _take_slot_for(self, prompt: Sequence[int] | None) -> tuple[Retained, int] | None:
-        """One slot and the prefix hit for ``prompt`` (pinned), if any. The entry we would
-        copy from is not evicted for our slot; but a request that must wait for a slot
-        waits without its pin: the pinned entry may be the last one kept, whose slot is
-        the one that would come free (a burst of requests for one prompt, every other
-        slot live). It looks again once it has its slot."""
-        hit = self._lookup(prompt)
+    async def _take_slot_for(self, ar: ActiveRequest | None) -> tuple[Retained, int] | None:
+        """One slot and the prefix hit for ``ar``'s prompt (pinned), if any. The entry
+        we would copy from is not evicted for our slot. When no slot is free but the one
+        that entry holds, a greedy request nobody else copies from it for takes the
+        session over whole (``ar.session`` becomes it: its KV, its slot, no copy; a
+        sampled one would inherit the final stage's random state of that session).
+        Otherwise a request that must wait waits without its pin: the pinned entry may
+        be the last one kept, whose slot is the one that would come free (a burst of
+        requests for one prompt, every other slot live); it looks again once it has its
+        slot."""
+        hit = self._lookup(ar)
         keep = hit[0] if hit is not None else None
         while self._slots.locked() and (e := self.prefix.evict_one(keep)) is not None:
             await self._free_retained(e)
         if hit is not None and self._slots.locked():
-            self._unpin(hit[0])     # frees it now if nobody else copies from it
+            entry = hit[0]
+            if ar is not None and entry.pins == 1 and ar.sampling.greedy:
+                self.prefix.take(entry)
+                self._sessions.discard(ar.session)   # never sent to a stage
+                ar.session = entry.session
+                return hit
+            self._unpin(entry)     # frees it now if nobody else copies from it
             hit = None
         try:
             await self._slots.acquire()
@@ -375,7 +385,7 @@ class ModelServer:
             if hit is not None:
                 self._unpin(hit[0])
             raise
-        return hit if hit is not None else self._lookup(prompt)
+        return hit if hit is not None else self._lookup(ar)
 
     async def _take_slot(self) -> None:
         while self._slots.locked() and (e := self.prefix.evict_one()) is not None:
@@ -399,7 +409,7 @@ class ModelServer:
         """Prefill and decode one request's choices, putting their events on ``events``."""
         # (n > 1 choices share their prompt among themselves: no lookup, nothing kept)
         try:
-            hit = await self._acquire(len(ars), ars[0].prompt if len(ars) == 1 else None)
+            hit = await self._acquire(len(ars), ars[0] if len(ars) == 1 else None)
         except BaseException:
             for ar in ars:
                 self._finish(ar, RequestStatus.CANCELLED)
@@ -523,7 +533,12 @@ class ModelServer:
         result = None
         ar.epoch = self.route.epoch
         begin = 0
-        if hit is not None and hit[0].epoch == ar.epoch and not hit[0].removed:
+        if hit is not None and hit[0].epoch == ar.epoch and hit[0].session == ar.session:
+            # a kept session taken over whole: its KV past the shared prefix is cut by
+            # every stage when the first chunk starts before it (forward(rewind=True))
+            self.prefix.used(*hit)
+            begin = ar.cached = hit[1]
+        elif hit is not None and hit[0].epoch == ar.epoch and not hit[0].removed:
             await self.pipeline.copy_session(hit[0].session, ar.session, hit[1])
             self.prefix.used(*hit)
             begin = ar.cached = hit[1]

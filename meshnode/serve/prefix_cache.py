@@ -55,6 +55,7 @@ class PrefixStats:
     lookups: int = 0            # requests that looked for a prefix
     hits: int = 0               # ... and reused one
     tokens_reused: int = 0      # prompt tokens not prefilled thanks to it
+    taken: int = 0              # kept sessions a live request took over whole (no copy)
     retained: int = 0           # sessions kept at a request's end
     evicted: int = 0            # sessions given up (LRU, for a live request, dominated, stale)
 
@@ -140,6 +141,13 @@ class PrefixCache:
         self._entries[session] = new
         self.stats.retained += 1
         return out
+
+    def take(self, entry: Retained) -> None:
+        """Hand ``entry``'s session over to a live request (its KV and its slot): it
+        leaves the cache without being freed."""
+        del self._entries[entry.session]
+        entry.removed = True
+        self.stats.taken += 1
 
     def drop_stale(self, epoch: int) -> list[Retained]:
         """Forget the entries of other routes than ``epoch`` (pinned too: a request copies
