@@ -359,8 +359,8 @@ class ModelServer:
     async def _take_slot_for(self, ar: ActiveRequest | None) -> tuple[Retained, int] | None:
         """One slot and the prefix hit for ``ar``'s prompt (pinned), if any. The entry
         we would copy from is not evicted for our slot. When no slot is free but the one
-        that entry holds, a greedy request nobody else copies from it for takes the
-        session over whole (``ar.session`` becomes it: its KV, its slot, no copy; a
+        that entry holds, and no other request is copying from it, a greedy request takes
+        that session over whole (``ar.session`` becomes it: its KV, its slot, no copy; a
         sampled one would inherit the final stage's random state of that session).
         Otherwise a request that must wait waits without its pin: the pinned entry may
         be the last one kept, whose slot is the one that would come free (a burst of
