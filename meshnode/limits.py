@@ -36,13 +36,24 @@ GPU_PAD_ROWS_ENV = "MESHNODE_GPU_PAD_ROWS"
 MAX_GPU_PAD_ROWS = 8
 
 
+_warned_pad: set[str] = set()
+
+
 def gpu_pad_rows() -> int:
     """The pad width of this node's GPU engines: $MESHNODE_GPU_PAD_ROWS when it is a
-    number in 2..8, else GPU_PAD_ROWS."""
+    number in 2..8, else GPU_PAD_ROWS (with a warning, once per value, naming the range)."""
     import os
 
     raw = os.environ.get(GPU_PAD_ROWS_ENV, "").strip()
-    return int(raw) if raw.isdigit() and 2 <= int(raw) <= MAX_GPU_PAD_ROWS else GPU_PAD_ROWS
+    if raw.isdigit() and 2 <= int(raw) <= MAX_GPU_PAD_ROWS:
+        return int(raw)
+    if raw and raw not in _warned_pad:
+        import logging
+
+        _warned_pad.add(raw)
+        logging.getLogger("meshnode").warning("%s=%r is not a number in 2..%d; using %d",
+                                              GPU_PAD_ROWS_ENV, raw, MAX_GPU_PAD_ROWS, GPU_PAD_ROWS)
+    return GPU_PAD_ROWS
 
 
 def gpu_exact_window_rows(pad_rows: int) -> int:

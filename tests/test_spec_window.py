@@ -85,10 +85,13 @@ def test_a_gpu_stage_caps_the_routes_windows_at_four_rows(monkeypatch):
     assert cap_for_backends(wide, []) == wide
 
 
-def test_the_gpu_pad_width_sets_the_cap(monkeypatch):
+def test_the_gpu_pad_width_sets_the_cap(monkeypatch, caplog):
     """Steps padded to 5-8 rows make windows of 8 rows exact (7 drafts); 2-4 rows, 4; a
-    value out of 2..8 is ignored (the default, 2)."""
+    value out of 2..8 is refused with a warning (the default, 2)."""
+    from meshnode import limits
     from meshnode.limits import gpu_pad_rows
+
+    monkeypatch.setattr(limits, "_warned_pad", set())
     from meshnode.spec.window import cap_for_backends
 
     wide = WindowPolicy("adaptive", 8, 2, 16)
@@ -98,6 +101,9 @@ def test_the_gpu_pad_width_sets_the_cap(monkeypatch):
         assert gpu_pad_rows() == pad
         assert cap_for_backends(wide, ["cpu", "cuda"]).max == drafts
         assert cap_for_backends(wide, ["cpu"]) == wide
+    warned = [r.getMessage() for r in caplog.records if "MESHNODE_GPU_PAD_ROWS" in r.getMessage()]
+    assert any("'9' is not a number in 2..8" in m for m in warned) and any("'x'" in m for m in warned)
+    assert not any("'8'" in m or "''" in m for m in warned)
 
 
 def test_the_cap_keeps_narrower_settings_and_stays_a_valid_policy():
