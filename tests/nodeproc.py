@@ -215,3 +215,9 @@ class TwoStageSplit:
     def close(self) -> None:
         self.stop_coordinator()
         self.stage1.stop()
+
+    def __enter__(self) -> "TwoStageSplit":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

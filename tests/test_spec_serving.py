@@ -55,11 +55,8 @@ class Split(TwoStageSplit):
 
 @pytest.fixture(scope="module")
 def split(smollm2, tmp_path_factory):
-    s = Split(tmp_path_factory.mktemp("spec-split"), smollm2.path)
-    try:
+    with Split(tmp_path_factory.mktemp("spec-split"), smollm2.path) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

@@ -367,9 +367,7 @@ class ModelServer:
         requests for one prompt, every other slot live); it looks again once it has its
         slot."""
         hit = self._lookup(ar)
-        keep = hit[0] if hit is not None else None
-        while self._slots.locked() and (e := self.prefix.evict_one(keep)) is not None:
-            await self._free_retained(e)
+        await self._make_room(hit[0] if hit is not None else None)
         if hit is not None and self._slots.locked():
             entry = hit[0]
             if ar is not None and entry.pins == 1 and ar.sampling.greedy:
@@ -388,9 +386,13 @@ class ModelServer:
         return hit if hit is not None else self._lookup(ar)
 
     async def _take_slot(self) -> None:
-        while self._slots.locked() and (e := self.prefix.evict_one()) is not None:
-            await self._free_retained(e)
+        await self._make_room()
         await self._slots.acquire()
+
+    async def _make_room(self, keep: Retained | None = None) -> None:
+        """While no slot is free, free kept sessions (but ``keep``), least recently used first."""
+        while self._slots.locked() and (e := self.prefix.evict_one(keep)) is not None:
+            await self._free_retained(e)
 
     async def _free_retained(self, e: Retained) -> None:
         """End a session the prefix cache gave up on every stage, then free its slot
@@ -533,13 +535,12 @@ class ModelServer:
         result = None
         ar.epoch = self.route.epoch
         begin = 0
-        if hit is not None and hit[0].epoch == ar.epoch and hit[0].session == ar.session:
-            # a kept session taken over whole: its KV past the shared prefix is cut by
-            # every stage when the first chunk starts before it (forward(rewind=True))
-            self.prefix.used(*hit)
-            begin = ar.cached = hit[1]
-        elif hit is not None and hit[0].epoch == ar.epoch and not hit[0].removed:
-            await self.pipeline.copy_session(hit[0].session, ar.session, hit[1])
+        taken = hit is not None and hit[0].session == ar.session
+        if hit is not None and hit[0].epoch == ar.epoch and (taken or not hit[0].removed):
+            # A session taken over whole needs no copy: every stage cuts its KV past the
+            # shared prefix when the first chunk starts before it (forward(rewind=True)).
+            if not taken:
+                await self.pipeline.copy_session(hit[0].session, ar.session, hit[1])
             self.prefix.used(*hit)
             begin = ar.cached = hit[1]
         for start in range(begin, len(arr), nb):
