@@ -10,8 +10,8 @@ HB = 0.3   # the heartbeat that paces the probes
 
 def _ready(now: float = 0.0, backoff_s: float = 5.0) -> LaneControl:
     lane = LaneControl(backoff_s)
-    assert lane.key_received(now) == 1
-    assert lane.echo_received()
+    seq = lane.key_received(now)
+    assert seq is not None and lane.echo_received(seq)
     return lane
 
 
@@ -34,8 +34,8 @@ def test_ready_only_after_an_echo_then_probing_stops():
     lane = LaneControl(5.0)
     lane.key_received(0.0)
     assert lane.heartbeat(HB) == 2 and not lane.ready
-    assert lane.echo_received() is True and lane.ready
-    assert lane.echo_received() is False              # a late echo of the other probe: no news
+    assert lane.echo_received(2) is True and lane.ready
+    assert lane.echo_received(1) is False             # a late echo of the other probe: no news
     assert lane.heartbeat(2 * HB) is None             # ready: heartbeats send no probes
 
 
@@ -44,7 +44,7 @@ def test_probing_gives_up_after_the_maximum_probes():
     seqs = [lane.key_received(0.0)] + [lane.heartbeat(i * HB) for i in range(1, 20)]
     assert seqs[:LANE_MAX_PROBES] == list(range(1, LANE_MAX_PROBES + 1))
     assert seqs[LANE_MAX_PROBES:] == [None] * (20 - LANE_MAX_PROBES)
-    assert lane.echo_received() and lane.ready        # a late echo still makes it ready
+    assert lane.echo_received(3) and lane.ready       # a late echo still makes it ready
 
 
 def test_three_misses_in_a_row_switch_it_off():
@@ -69,8 +69,9 @@ def test_stays_off_through_the_backoff_then_probes_and_recovers():
     while t + HB < 15.0:                               # heartbeats during the backoff: no probe
         t += HB
         assert lane.heartbeat(t) is None and not lane.ready
-    assert lane.heartbeat(15.0) == 1                   # a new attempt, numbered from 1
-    assert lane.echo_received() and lane.ready and lane.misses == 0
+    assert lane.heartbeat(15.0) == 2                   # a new attempt
+    assert lane.probes == 1
+    assert lane.echo_received(2) and lane.ready and lane.misses == 0
 
 
 def test_the_backoff_doubles_with_every_switch_off_up_to_a_limit():
@@ -82,10 +83,21 @@ def test_the_backoff_doubles_with_every_switch_off_up_to_a_limit():
         waits.append(wait)
         now += wait
         assert lane.heartbeat(now - 0.01) is None      # still backing off
-        assert lane.heartbeat(now) == 1
-        assert lane.echo_received()
+        seq = lane.heartbeat(now)
+        assert seq is not None and lane.probes == 1
+        assert lane.echo_received(seq)
     assert waits == [5.0, 10.0, 20.0, 40.0, 80.0, 160.0, LANE_MAX_BACKOFF_S, LANE_MAX_BACKOFF_S,
                      LANE_MAX_BACKOFF_S]
+
+
+def test_a_late_echo_from_before_the_switch_off_does_not_bring_it_back():
+    lane = LaneControl(1.0)
+    assert lane.key_received(0.0) == 1 and lane.heartbeat(HB) == 2   # two probes in flight
+    assert lane.echo_received(1)
+    _switch_off(lane, 1.0)
+    assert not lane.echo_received(2) and not lane.ready       # probe 2 was sent before the switch-off
+    assert not lane.echo_received(99) and not lane.ready      # never sent
+    assert lane.heartbeat(2.0) == 3 and lane.echo_received(3) and lane.ready
 
 
 def test_misses_while_off_do_not_switch_it_off_again():
@@ -98,7 +110,7 @@ def test_misses_while_off_do_not_switch_it_off_again():
 def test_a_repeated_key_probes_again_within_the_limit():
     lane = LaneControl(5.0)
     assert lane.key_received(0.0) == 1
-    assert lane.key_received(0.1) == 2
+    assert lane.key_received(0.1) == 2 and lane.probes == 2
 
 
 def test_closed_means_not_ready():

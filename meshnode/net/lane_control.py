@@ -8,8 +8,10 @@ it stops working:
 * *probing*: once the peer's lane key arrived, the link sends a probe (a Heartbeat
   padded to the largest lane frame) at once and then one per heartbeat, at most
   ``LANE_MAX_PROBES`` per attempt;
-* *ready*: the first probe that comes back (its echo, over the lane) makes the lane
-  ready; per-token frames then take it;
+* *ready*: the first probe of the current attempt that comes back (its echo, over the
+  lane) makes the lane ready; per-token frames then take it. Probes are numbered across
+  attempts, so a late echo of a probe sent before a switch-off proves nothing about the
+  path now and is ignored;
 * *misses*: the lane's user reports every frame that got no answer in time
   (:meth:`LaneControl.missed`); any frame that arrives over the lane clears the count.
   ``LANE_MAX_MISSES`` in a row switch the lane off;
@@ -38,16 +40,17 @@ class LaneControl:
     """The fast lane's state for one link; see the module docstring.
 
     ``ready`` says whether frames may take the lane now. Probe sequence numbers count
-    from 1 within each attempt (they are only echoed back, never interpreted).
+    from 1 over the link's life; an echo counts only for a probe of the current attempt.
     """
 
-    __slots__ = ("backoff_s", "ready", "keyed", "probes", "misses", "offs", "probe_at")
+    __slots__ = ("backoff_s", "ready", "keyed", "seq", "first", "misses", "offs", "probe_at")
 
     def __init__(self, backoff_s: float) -> None:
         self.backoff_s = backoff_s
         self.ready = False        # a probe came back over the lane, and no switch-off since
         self.keyed = False        # the peer's lane key arrived: we can seal for it
-        self.probes = 0           # probes sent in this attempt
+        self.seq = 0              # the last probe's number (all attempts)
+        self.first = 1            # the number of this attempt's first probe
         self.misses = 0           # frames lost in a row
         self.offs = 0             # times switched off for lost frames
         self.probe_at = 0.0       # no probe before this time (the backoff)
@@ -66,9 +69,15 @@ class LaneControl:
             return None
         return self._probe(now)
 
-    def echo_received(self) -> bool:
-        """A probe came back over the lane. True when that made the lane ready."""
-        if self.ready:
+    @property
+    def probes(self) -> int:
+        """Probes sent in this attempt."""
+        return self.seq - self.first + 1
+
+    def echo_received(self, seq: int) -> bool:
+        """Probe ``seq`` came back over the lane. True when that made the lane ready; an
+        echo of a probe from before the last switch-off (still in flight then) is no news."""
+        if self.ready or not self.first <= seq <= self.seq:
             return False
         self.ready, self.misses = True, 0
         return True
@@ -86,7 +95,7 @@ class LaneControl:
         wait = min(LANE_MAX_BACKOFF_S, self.backoff_s * 2 ** self.offs)
         self.ready = False
         self.offs += 1
-        self.probes = 0
+        self.first = self.seq + 1
         self.probe_at = now + wait
         return wait
 
@@ -99,5 +108,5 @@ class LaneControl:
     def _probe(self, now: float) -> int | None:
         if not self.keyed or self.probes >= LANE_MAX_PROBES or now < self.probe_at:
             return None
-        self.probes += 1
-        return self.probes
+        self.seq += 1
+        return self.seq

@@ -578,7 +578,7 @@ class PeerLink(QuicConnectionProtocol):
         if isinstance(msg, Heartbeat):
             if not msg.echo:
                 self._lane_heartbeat(msg.seq, msg.sent_ns, echo=True)
-            elif self.lane.echo_received():
+            elif self.lane.echo_received(msg.seq):
                 log.debug("fast lane to %s ready (%.2f ms round trip)", self.peer_node_id,
                           (time.monotonic_ns() - msg.sent_ns) / 1e6)
             return
