@@ -18,9 +18,11 @@ import logging
 import statistics
 import sys
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 from meshnode.bench.cluster import sse_chunks
+from meshnode.bench.timeline import TokenPath
 from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, positive_int
 
 HELP = "serving benchmark: single node vs 2/3-stage splits (decode, TTFT, prefill, concurrency)"
@@ -51,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--netns", action="store_true",
                    help="every node in a network namespace of its own on a bridge (own address, "
                         "real mDNS; needs root) instead of loopback")
+    p.add_argument("--timeline", action="store_true",
+                   help="the nodes mark their lane packets and llama.cpp calls "
+                        "($MESHNODE_TIMELINE) and the bench shows where a one-stream decode "
+                        "token's time goes, piece by piece (docs/benchmarks.md)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and rounds")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
 
@@ -63,9 +69,44 @@ def cuda_device_list(text: str) -> list[str]:
     return devs
 
 
-def _device_env(devs: list[str], index: int) -> dict[str, str] | None:
+def _device_env(devs: list[str], index: int) -> dict[str, str]:
     """The environment that gives node ``index`` its own GPU (``--cuda-devices``)."""
-    return {"CUDA_VISIBLE_DEVICES": devs[index % len(devs)]} if devs else None
+    return {"CUDA_VISIBLE_DEVICES": devs[index % len(devs)]} if devs else {}
+
+
+class _Timeline:
+    """``--timeline``: a folder of marks for each node of each configuration
+    (:mod:`meshnode.timeline`), the bench's one-stream runs as time windows, and
+    the token path computed from both once the nodes stopped."""
+
+    def __init__(self, on: bool) -> None:
+        import tempfile
+
+        self.root = Path(tempfile.mkdtemp(prefix="meshnode-timeline-")) if on else None
+        self.windows: dict[int, list[tuple[int, int]]] = {}
+
+    def env(self, n: int, index: int) -> dict[str, str]:
+        from meshnode.timeline import ENV
+
+        return {} if self.root is None else {ENV: str(self.root / str(n) / f"node{index}")}
+
+    def window(self, n: int, t0: int, t1: int) -> None:
+        self.windows.setdefault(n, []).append((t0, t1))
+
+    def token_path(self, n: int, route: list[str]):
+        """The median token path of configuration ``n`` (None without marks)."""
+        from meshnode.bench.timeline import load_marks, token_path
+
+        if self.root is None or len(route) != n:
+            return None
+        return token_path([load_marks(self.root / str(n) / name) for name in route], self.windows.get(n, ()))
+
+    def close(self) -> None:
+        import shutil
+
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
 
 
 def _stream(base: str, model: str, prompt: str, max_tokens: int, inside=None) -> dict:
@@ -154,6 +195,14 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
     """Every configuration is up at once and the rounds interleave them (order rotated
     each round), so a slow spell of this shared machine hits all of them alike. Ratios
     are paired: computed within a round, then the median over rounds."""
+    marks = _Timeline(args.timeline)
+    try:
+        return _run_configs(model_ref, args, stage_counts, concurrency, marks)
+    finally:
+        marks.close()
+
+
+def _run_configs(model_ref, args, stage_counts, concurrency, marks: "_Timeline") -> dict:
     import contextlib
 
     from meshnode.bench.cluster import LocalCluster, cpu_flags
@@ -175,10 +224,10 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
             for i in range(1, n):
                 cluster.start(i, "--no-model", *gl, "--threads", str(args.threads), "--parallel",
                               str(max(concurrency)), *cpu_flags(i, n, args.threads, pin=args.pin),
-                              env=_device_env(args.cuda_devices, i))
+                              env={**_device_env(args.cuda_devices, i), **marks.env(n, i)})
             coord = cluster.start(0, *flags, "--split", str(n),
                                   *cpu_flags(0, n, args.threads, pin=args.pin),
-                                  env=_device_env(args.cuda_devices, 0)).wait_model()
+                                  env={**_device_env(args.cuda_devices, 0), **marks.env(n, 0)}).wait_model()
             ends[n] = (coord.base_url, coord.get("/v1/models")["data"][0]["id"], coord.inside)
             coords[n] = coord
         ceiling = _Ceiling(model_ref.path, args.threads, max(concurrency), args.gpu_layers)
@@ -198,7 +247,9 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
             got: dict = {"ceiling": {}}
             for n in _rotated(stage_counts, r):
                 base, model, inside = ends[n]
+                t0 = time.perf_counter_ns()
                 one = _stream(base, model, STORY, args.tokens, inside)
+                marks.window(n, t0, time.perf_counter_ns())
                 pre = _stream(base, model, LONG_PROMPT, 1, inside)
                 got[n] = {"stage_ms": clocks[n].measure(),   # in the same spell of the machine
                           "decode_tok_s": one["timings"].get("predicted_per_second", 0.0),
@@ -211,20 +262,29 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
                     got[n]["aggregate_tok_s"][str(c)] = _aggregate(*ends[n], args.tokens, c)
             rounds.append(got)
         rtts = {n: _peer_rtts(coords[n]) for n in stage_counts}
+        route = {n: [str(s.get("node") or "") for s in _stages(coords[n])] for n in stage_counts}
+        stack.close()   # the nodes write their marks when they stop
     out = _summarize(rounds, stage_counts, concurrency)
+    if args.timeline:
+        out["timeline"] = {str(n): tp.as_dict() for n in stage_counts
+                           if (tp := marks.token_path(n, route[n])) is not None}
     compute = {n: [statistics.median(ms) for ms in zip(*(g[n]["stage_ms"] for g in rounds))]
                for n in stage_counts}
     out["breakdown"] = _breakdown(out, stage_counts, rtts, _codec_ms(model_ref), compute, layers)
     return out
 
 
-def _stage_layers(coord) -> list[tuple[int, int]]:
-    """The layer ranges of the coordinator's stages, from /status."""
+def _stages(coord) -> list[dict]:
+    """The coordinator's stages in stage order (/status; empty when it cannot tell)."""
     try:
         stages = coord.get("/status").get("stages") or []
     except (OSError, ValueError):
         return []
-    return [(int(s["layers"][0]), int(s["layers"][1])) for s in sorted(stages, key=lambda s: s["index"])]
+    return sorted(stages, key=lambda s: s["index"])
+
+
+def _stage_layers(coord) -> list[tuple[int, int]]:
+    return [(int(s["layers"][0]), int(s["layers"][1])) for s in _stages(coord)]
 
 
 class _StageClock:
@@ -384,6 +444,13 @@ def _print(name: str, res: dict, stage_counts: list[int], concurrency: list[int]
             stages = " + ".join(f"{ms:.1f} [{a},{e})" for ms, (a, e) in zip(b["stage_ms"], b["layers"]))
             print(f"  {n} stage(s): {b['token_ms']:.1f} = {stages or '?'} + {b['hops']} x "
                   f"{b['hop_ms']:.2f} + {b['codec_ms']:.2f} + {b['rest_ms']:.1f}")
+    tl = res.get("timeline")
+    if tl is not None:
+        print("where a one-stream decode token's time goes, marked in the nodes (--timeline; "
+              "sN = stage N; 'hop to sN': from the sendto to sN's receive):")
+        for n in stage_counts:
+            t = tl.get(str(n))
+            print(f"  {n} stage(s): " + (TokenPath.from_dict(t).line() if t else "no lane steps marked"))
 
 
 def run(args: argparse.Namespace) -> int:

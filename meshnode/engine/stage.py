@@ -44,6 +44,7 @@ from .errors import (
     EngineInputError,
     ModelLoadError,
 )
+from meshnode import timeline
 from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES, MAX_VERIFY_WINDOW, gpu_pad_rows
 
 from . import offload
@@ -533,7 +534,11 @@ class StageEngine:
         done = [0] * len(segs)
         try:
             for call in self._calls(segs, seqs):
+                if timeline.RECORDER is not None:   # the call with its outputs read (a GPU syncs there)
+                    timeline.RECORDER.mark("dec<")
                 self._decode(segs, seqs, call, outs)
+                if timeline.RECORDER is not None:
+                    timeline.RECORDER.mark("dec>")
                 for i, first, n in call:
                     done[i] = first + n
                     self._next_pos[segs[i].session] = segs[i].pos + done[i]

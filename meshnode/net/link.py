@@ -64,6 +64,7 @@ from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
+from meshnode import timeline
 from meshnode.net import aioquic_compat as compat
 from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
@@ -539,10 +540,14 @@ class PeerLink(QuicConnectionProtocol):
         lane is lossy: the caller must notice a lost frame (see :meth:`lane_missed`)."""
         if not self.lane_ready or self.closed_reason is not None:
             return False
+        if timeline.RECORDER is not None:
+            timeline.RECORDER.mark("send<")
         frame = msg if isinstance(msg, (bytes, bytearray, memoryview)) else encode(msg)
         if len(frame) > LANE_MAX_FRAME:
             return False
         self._lane_send(frame)
+        if timeline.RECORDER is not None:
+            timeline.RECORDER.mark("send>")
         return True
 
     def lane_missed(self) -> None:
@@ -559,6 +564,8 @@ class PeerLink(QuicConnectionProtocol):
         """A lane packet sealed with our key (the owner found us by its key id)."""
         if self.lane_rx is None or self.closed_reason is not None:
             return
+        if timeline.RECORDER is not None:
+            timeline.RECORDER.mark("recv<")
         try:
             plain = self.lane_rx.open(packet)
             frame = plain[:HEADER_SIZE + parse_header(plain)[1]] if len(plain) >= HEADER_SIZE else plain
@@ -584,6 +591,8 @@ class PeerLink(QuicConnectionProtocol):
             return
         self.lane.frame_received()
         self.owner.link_message(self, msg)
+        if timeline.RECORDER is not None:
+            timeline.RECORDER.mark("recv>")
 
     def _start_lane(self) -> None:
         if not self.owner.settings.lane or self.closed_reason is not None or self.lane_rx is not None:

@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-10}
+PART=${1:?part 1-11}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -182,5 +182,13 @@ if [ "$PART" = 10 ]; then
   step 60 "split timing l8b, graph reuse off" env LLAMA_GRAPH_REUSE_DISABLE=1 \
     "$PY" "$(dirname "$0")/split_timing.py" "$M/l8b.gguf" no-graph-reuse 1
   schedule "$M/l8b.gguf" "l8b, steps padded to 8 rows, windows 2-8" MESHNODE_GPU_PAD_ROWS=8 -- --windows 2,3,4,5,6,7,8 --json
+fi
+# Part 11: where a decode token's time goes on the GPU, marked in the nodes (bench serve
+# --timeline), steps inline and on the compute thread. One GPU, a fresh machine:
+#   carry [.gpukit]:  . .gpukit/device-setup.sh && bash packaging/gpu/measure.sh 11 "$OUT"
+if [ "$PART" = 11 ]; then
+  write_l8b
+  serve_l8b "bench serve 8b, one GPU, --threads 1 (steps inline), --timeline" --threads 1 --timeline
+  serve_l8b "bench serve 8b, one GPU, --threads 4 (compute thread), --timeline" --threads 4 --timeline
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
