@@ -80,19 +80,6 @@ def test_malformed_files_are_refused(tmp_path):
         select([], "half")
 
 
-def test_serve_breakdown_adds_up():
-    from meshnode.bench.serve_bench import _breakdown
-
-    res = {"1": {"decode_tok_s": 50.0}, "2": {"decode_tok_s": 40.0}}
-    bd = _breakdown(res, [1, 2], {1: [], 2: [1.0, 1.2, 3.0]}, 0.2, {1: [19.0], 2: [9.0, 11.0]},
-                    {1: [(0, 30)], 2: [(0, 15), (15, 30)]})
-    one, two = bd["1"], bd["2"]
-    assert one == {"token_ms": 20.0, "stage_ms": [19.0], "layers": [[0, 30]], "hop_ms": 0.0, "hops": 0,
-                   "codec_ms": 0.0, "rest_ms": 1.0}
-    assert two["hop_ms"] == 0.6 and two["hops"] == 2 and two["codec_ms"] == 0.2
-    assert abs(sum(two["stage_ms"]) + 2 * two["hop_ms"] + two["codec_ms"] + two["rest_ms"] - 25.0) < 0.02
-
-
 def test_spec_bench_by_kind_compares_fastest_rounds():
     from meshnode.bench.prompt_sets import BenchPrompt
     from meshnode.bench.spec_bench import _by_kind

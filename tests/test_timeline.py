@@ -1,7 +1,7 @@
 """The token-path timeline (meshnode.timeline, meshnode.bench.timeline).
 
 Unit tests follow the analysis on hand-made marks; the slow test runs ``meshnode bench
-serve --timeline`` on real node processes (llama.cpp, QUIC, the fast lane) and checks
+serve`` on real node processes (llama.cpp, QUIC, the fast lane) and checks
 that the marked path accounts for the decode speed the bench measured."""
 
 from __future__ import annotations
@@ -120,20 +120,21 @@ def test_off_unless_the_variable_names_a_folder(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.net
-def test_bench_serve_timeline_accounts_for_a_real_split(tmp_path, synthetic_gguf):
+def test_bench_serve_token_path_accounts_for_a_real_split(tmp_path, synthetic_gguf):
     model = synthetic_gguf("tiny.gguf", n_layer=4, n_embd=256, n_head=4, n_kv_head=2, n_ff=512, vocab=1024)
     r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path / "home"), "bench", "serve",
                         "--model", str(model), "--stages", "1,2", "--concurrency", "1", "--tokens", "40",
-                        "--rounds", "1", "--timeline", "--json"],
+                        "--rounds", "1", "--json"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = next(iter(json.loads(r.stdout.strip().splitlines()[-1]).values()))
     assert "where a one-stream decode token's time goes" in r.stdout
     for n in ("1", "2"):
-        tl = res["timeline"][n]
+        tl = res["token_path"][n]
         assert tl["steps"] >= 30                  # (nearly) every decode step of the 40-token stream
         assert all(us >= 0 for _, us in tl["pieces"])
         # the marked step is the decode speed the client saw (within the noise of a busy machine)
         assert 0.5 < tl["total_us"] / (1e6 / res[n]["decode_tok_s"]) < 2.0
-    names = [name for name, _ in res["timeline"]["2"]["pieces"]]
+    assert res["token_path"]["2"]["layers"] == [[0, 2], [2, 4]]
+    names = [name for name, _ in res["token_path"]["2"]["pieces"]]
     assert names[0] == "s0 compute" and "s1 compute" in names and names[-1] == "s0 to next step"

@@ -7,7 +7,8 @@ node in a network namespace of its own on a bridge (:mod:`meshnode.bench.netns`:
 address, 1500-byte MTU, real mDNS across the bridge; each configuration its own bridge);
 without root that mode is refused with the reason. Also measured here: the ceiling for
 concurrency, i.e. what the same engine reaches decoding one batch of B sessions directly
-in-process, and a per-token breakdown of each split (:func:`_breakdown`).
+in-process, and where a one-stream decode token's time goes on each configuration,
+marked by the nodes themselves (:mod:`meshnode.timeline`, :mod:`meshnode.bench.timeline`).
 """
 
 from __future__ import annotations
@@ -53,10 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--netns", action="store_true",
                    help="every node in a network namespace of its own on a bridge (own address, "
                         "real mDNS; needs root) instead of loopback")
-    p.add_argument("--timeline", action="store_true",
-                   help="the nodes mark their lane packets and llama.cpp calls "
-                        "($MESHNODE_TIMELINE) and the bench shows where a one-stream decode "
-                        "token's time goes, piece by piece (docs/benchmarks.md)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and rounds")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
 
@@ -75,14 +72,14 @@ def _device_env(devs: list[str], index: int) -> dict[str, str]:
 
 
 class _Timeline:
-    """``--timeline``: a folder of marks for each node of each configuration
-    (:mod:`meshnode.timeline`), the bench's one-stream runs as time windows, and
-    the token path computed from both once the nodes stopped."""
+    """A folder of marks for each node of each configuration (:mod:`meshnode.timeline`),
+    the bench's one-stream runs as time windows, and the token path computed from both
+    once the nodes stopped."""
 
-    def __init__(self, on: bool) -> None:
+    def __init__(self) -> None:
         import tempfile
 
-        self.root = Path(tempfile.mkdtemp(prefix="meshnode-timeline-")) if on else None
+        self.root: Path | None = Path(tempfile.mkdtemp(prefix="meshnode-timeline-"))
         self.windows: dict[int, list[tuple[int, int]]] = {}
 
     def env(self, n: int, index: int) -> dict[str, str]:
@@ -195,7 +192,7 @@ def _run_model(model_ref, args, stage_counts, concurrency) -> dict:
     """Every configuration is up at once and the rounds interleave them (order rotated
     each round), so a slow spell of this shared machine hits all of them alike. Ratios
     are paired: computed within a round, then the median over rounds."""
-    marks = _Timeline(args.timeline)
+    marks = _Timeline()
     try:
         return _run_configs(model_ref, args, stage_counts, concurrency, marks)
     finally:
@@ -232,13 +229,7 @@ def _run_configs(model_ref, args, stage_counts, concurrency, marks: "_Timeline")
             coords[n] = coord
         ceiling = _Ceiling(model_ref.path, args.threads, max(concurrency), args.gpu_layers)
         stack.callback(ceiling.close)
-        from meshnode.paths import NodePaths
-
-        paths = NodePaths.resolve(args.home).ensure()
-        layers = {n: _stage_layers(coords[n]) for n in stage_counts}
-        clocks = {n: stack.enter_context(_StageClock(model_ref, layers[n], args.threads, paths,
-                                                       gpu_layers=args.gpu_layers))
-                  for n in stage_counts}
+        stages = {n: _stages(coords[n]) for n in stage_counts}
         for base, model, inside in ends.values():
             _stream(base, model, "Hello", 4, inside)  # warm-up
         rounds: list[dict] = []
@@ -251,8 +242,7 @@ def _run_configs(model_ref, args, stage_counts, concurrency, marks: "_Timeline")
                 one = _stream(base, model, STORY, args.tokens, inside)
                 marks.window(n, t0, time.perf_counter_ns())
                 pre = _stream(base, model, LONG_PROMPT, 1, inside)
-                got[n] = {"stage_ms": clocks[n].measure(),   # in the same spell of the machine
-                          "decode_tok_s": one["timings"].get("predicted_per_second", 0.0),
+                got[n] = {"decode_tok_s": one["timings"].get("predicted_per_second", 0.0),
                           "ttft_ms": 1e3 * (one["ttft_s"] or 0.0),
                           "prefill_tok_s": pre["timings"].get("prompt_per_second", 0.0),
                           "prefill_tokens": pre["timings"].get("prompt_n", 0), "aggregate_tok_s": {}}
@@ -261,16 +251,13 @@ def _run_configs(model_ref, args, stage_counts, concurrency, marks: "_Timeline")
                 for n in _rotated(stage_counts, r):
                     got[n]["aggregate_tok_s"][str(c)] = _aggregate(*ends[n], args.tokens, c)
             rounds.append(got)
-        rtts = {n: _peer_rtts(coords[n]) for n in stage_counts}
-        route = {n: [str(s.get("node") or "") for s in _stages(coords[n])] for n in stage_counts}
         stack.close()   # the nodes write their marks when they stop
     out = _summarize(rounds, stage_counts, concurrency)
-    if args.timeline:
-        out["timeline"] = {str(n): tp.as_dict() for n in stage_counts
-                           if (tp := marks.token_path(n, route[n])) is not None}
-    compute = {n: [statistics.median(ms) for ms in zip(*(g[n]["stage_ms"] for g in rounds))]
-               for n in stage_counts}
-    out["breakdown"] = _breakdown(out, stage_counts, rtts, _codec_ms(model_ref), compute, layers)
+    out["token_path"] = {}
+    for n in stage_counts:
+        tp = marks.token_path(n, [str(s.get("node") or "") for s in stages[n]])
+        out["token_path"][str(n)] = {"layers": [s["layers"] for s in stages[n]],
+                                     **(tp.as_dict() if tp is not None else {})}
     return out
 
 
@@ -281,118 +268,6 @@ def _stages(coord) -> list[dict]:
     except (OSError, ValueError):
         return []
     return sorted(stages, key=lambda s: s["index"])
-
-
-def _stage_layers(coord) -> list[tuple[int, int]]:
-    return [(int(s["layers"][0]), int(s["layers"][1])) for s in _stages(coord)]
-
-
-class _StageClock:
-    """Each stage's layers as the split serves them (the same slices, chained as the
-    pipeline chains them, no network), loaded once in this process; :meth:`measure` is
-    the median ms of one decode step per stage, taken in every round beside the split's
-    own numbers so that both see the same spell of a shared machine."""
-
-    def __init__(self, model_ref, ranges: list[tuple[int, int]], threads: int, paths, steps: int = 16,
-                 gpu_layers: int = 0) -> None:
-        from meshnode.engine import EngineConfig, StageEngine
-        from meshnode.models.slicer import SliceCache
-
-        cache = SliceCache(paths)
-        last = len(ranges) - 1
-        files = [model_ref.path if (a, b) == (0, model_ref.n_layers) else cache.get(model_ref, a, b)
-                 for a, b in ranges]
-        self.steps = steps
-        self.engines = [StageEngine(EngineConfig(f, takes_tokens=i == 0, has_head=i == last,
-                                                 n_ctx=32 + steps, n_batch=64, n_seq_max=1, n_threads=threads,
-                                                 gpu_layers=gpu_layers))
-                        for i, f in enumerate(files)]
-
-    def measure(self) -> list[float]:
-        import numpy as np
-
-        from meshnode.engine import Segment
-
-        times: list[list[float]] = [[] for _ in self.engines]
-        last = len(self.engines) - 1
-        for step in range(2 + self.steps):
-            h = None
-            for i, eng in enumerate(self.engines):
-                rows = np.arange(1, 17, dtype=np.int32) if step == 0 else np.asarray([5], dtype=np.int32)
-                pos = 0 if step == 0 else 15 + step
-                seg = (Segment(0, pos, tokens=rows, n_logits=0) if i == 0
-                       else Segment(0, pos, hidden=h, n_logits=1 if i == last else 0))
-                t0 = time.perf_counter()
-                h = eng.forward([seg])[0]
-                if step >= 2:
-                    times[i].append(time.perf_counter() - t0)
-        for eng in self.engines:
-            eng.drop(0)
-        return [1e3 * statistics.median(t) for t in times]
-
-    def __enter__(self) -> "_StageClock":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for eng in self.engines:
-            eng.close()
-
-
-def _peer_rtts(coord) -> list[float]:
-    """QUIC round-trip times (ms) the coordinator measured to its peers (/status)."""
-    try:
-        peers = coord.get("/status").get("peers") or []
-    except (OSError, ValueError):
-        return []
-    return [float(p["rtt_ms"]) for p in peers if p.get("rtt_ms") is not None]
-
-
-def _codec_ms(model_ref) -> float:
-    """ms to encode and decode one decode step's Forward (one row of the model's width,
-    float16 as on the wire) and its TokenReturn: the codec's share of a hop."""
-    import numpy as np
-
-    from meshnode import wire
-    from meshnode.models.gguf_info import read_model_info
-
-    try:
-        width = int(read_model_info(model_ref.path).n_embd)
-    except Exception:   # the breakdown only: a model we cannot read here costs nothing
-        width = 4096
-    fwd = wire.Forward(ref=0, batch_id=1, step=1,
-                       segments=(wire.Segment(session=1, pos=100, n_rows=1, n_logits=1, drafts=(),
-                                              temperature=0.0, top_k=0, top_p=1.0, seed=0, flags=0),),
-                       act=np.zeros((1, width), dtype=np.float16))
-    ret = wire.TokenReturn(ref=0, batch_id=1, results=(wire.SegmentResult(session=1, tokens=(7,), n_accepted=0, n_drafted=0),))
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        wire.decode(wire.encode(fwd))
-        wire.decode(wire.encode(ret))
-    return 1e3 * (time.perf_counter() - t0) / n
-
-
-def _breakdown(res: dict, stage_counts: list[int], rtts: dict[int, list[float]], codec_ms: float,
-               compute: dict[int, list[float]], layers: dict[int, list[tuple[int, int]]]) -> dict:
-    """Where a decode token's time goes on each configuration: each stage's compute (its
-    layers' one-row step, measured in process by :class:`_StageClock`); each of the
-    n hops of a step (n-1 Forwards, one TokenReturn) costs its one-way latency (half the
-    QUIC RTT the coordinator measured to its peers, /status) and the codec (one encode
-    and one decode per hop, measured here); the rest is scheduling and messaging in the
-    nodes' event loops, and whatever the nodes' compute lost to a busy machine (the
-    remainder)."""
-    out = {}
-    for n in stage_counts:
-        tok_ms = 1e3 / res[str(n)]["decode_tok_s"] if res[str(n)]["decode_tok_s"] else 0.0
-        hop = statistics.median(rtts[n]) / 2 if rtts[n] else 0.0
-        hops = n if n > 1 else 0
-        codec = codec_ms / 2 * hops   # codec_ms covers a Forward and a TokenReturn
-        stages = compute.get(n) or []
-        out[str(n)] = {"token_ms": round(tok_ms, 2), "stage_ms": [round(x, 2) for x in stages],
-                       "layers": [list(r) for r in layers.get(n) or []],
-                       "hop_ms": round(hop, 3), "hops": hops, "codec_ms": round(codec, 3),
-                       "rest_ms": round(tok_ms - sum(stages) - hops * hop - codec, 2)}
-    return out
 
 
 def _summarize(rounds: list[dict], stage_counts: list[int], concurrency: list[int]) -> dict:
@@ -435,22 +310,14 @@ def _print(name: str, res: dict, stage_counts: list[int], concurrency: list[int]
         r = res[str(n)]
         print(f"  {n} stage(s) aggregate / ceiling: " + ", ".join(
             f"@{c}: {r['aggregate_over_ceiling'][str(c)]:.2f}" for c in concurrency))
-    bd = res.get("breakdown") or {}
-    if bd:
-        print("per decode token, ms: total = compute of each stage (in process) + hops x one-way "
-              "(half the QUIC RTT) + codec + rest (scheduling, messaging, load)")
-        for n in stage_counts:
-            b = bd[str(n)]
-            stages = " + ".join(f"{ms:.1f} [{a},{e})" for ms, (a, e) in zip(b["stage_ms"], b["layers"]))
-            print(f"  {n} stage(s): {b['token_ms']:.1f} = {stages or '?'} + {b['hops']} x "
-                  f"{b['hop_ms']:.2f} + {b['codec_ms']:.2f} + {b['rest_ms']:.1f}")
-    tl = res.get("timeline")
-    if tl is not None:
-        print("where a one-stream decode token's time goes, marked in the nodes (--timeline; "
-              "sN = stage N; 'hop to sN': from the sendto to sN's receive):")
-        for n in stage_counts:
-            t = tl.get(str(n))
-            print(f"  {n} stage(s): " + (TokenPath.from_dict(t).line() if t else "no lane steps marked"))
+    paths = res.get("token_path") or {}
+    print("where a one-stream decode token's time goes, marked in the nodes (sN = stage N; "
+          "'hop to sN': from the sendto to sN's receive; us):")
+    for n in stage_counts:
+        t = paths.get(str(n)) or {}
+        where = " ".join(f"s{i} [{a},{b})" for i, (a, b) in enumerate(t.get("layers") or []))
+        print(f"  {n} stage(s) {where}: " + (TokenPath.from_dict(t).line() if "steps" in t else
+                                               "no decode step marked (the fast lane was not used)"))
 
 
 def run(args: argparse.Namespace) -> int:

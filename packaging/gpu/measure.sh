@@ -183,12 +183,12 @@ if [ "$PART" = 10 ]; then
     "$PY" "$(dirname "$0")/split_timing.py" "$M/l8b.gguf" no-graph-reuse 1
   schedule "$M/l8b.gguf" "l8b, steps padded to 8 rows, windows 2-8" MESHNODE_GPU_PAD_ROWS=8 -- --windows 2,3,4,5,6,7,8 --json
 fi
-# Part 11: where a decode token's time goes on the GPU, marked in the nodes (bench serve
-# --timeline), steps inline and on the compute thread. One GPU, a fresh machine:
+# Part 11: where a decode token's time goes on the GPU, marked in the nodes (bench serve's
+# token path), steps inline and on the compute thread. One GPU, a fresh machine:
 #   carry [.gpukit]:  . .gpukit/device-setup.sh && bash packaging/gpu/measure.sh 11 "$OUT"
 if [ "$PART" = 11 ]; then
   write_l8b
-  serve_l8b "bench serve 8b, one GPU, --threads 1 (steps inline), --timeline" --threads 1 --timeline
-  serve_l8b "bench serve 8b, one GPU, --threads 4 (compute thread), --timeline" --threads 4 --timeline
+  serve_l8b "bench serve 8b, one GPU, --threads 1 (steps inline)" --threads 1
+  serve_l8b "bench serve 8b, one GPU, --threads 4 (compute thread)" --threads 4
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
