@@ -323,3 +323,35 @@ async def test_spoofed_datagrams_do_not_redirect_the_lane(tmp_path):
         spoofer.close()
         await b.stop()
         await a.stop()
+
+
+
+class _StopsWhileDialing(MeshFabric):
+    """Stops itself the moment its first outgoing link exists: aioquic has created the
+    connection's protocol but not called ``connect()`` yet, so it has no network path."""
+
+    stopping: asyncio.Task | None = None
+
+    def link_created(self, link):   # type: ignore[no-untyped-def]
+        super().link_created(link)
+        if link.is_client and self.stopping is None:
+            self.stopping = asyncio.ensure_future(self.stop())
+
+
+async def test_stopping_while_a_dial_has_no_path_yet_closes_cleanly(tmp_path):
+    """Before the fix, closing such a link asked aioquic for datagrams to send and
+    aioquic raised IndexError (no network path): ``stop()`` failed half-way, leaving the
+    node's other links and its server open."""
+    s = new_secret()
+    a = _fabric(tmp_path, "a", s)
+    await a.start()
+    m = _fabric(tmp_path, "m", s, cls=_StopsWhileDialing, static_peers=[f"127.0.0.1:{a.port}"])
+    try:
+        await m.start()
+        await until(lambda: m.stopping is not None and m.stopping.done(), 5.0)
+        assert m.stopping.exception() is None
+        await asyncio.sleep(0.3)
+        assert m.peers() == [] and a.peers() == []
+    finally:
+        await m.stop()
+        await a.stop()

@@ -57,7 +57,7 @@ HOOKS: tuple[tuple[str, str], ...] = (
     ("QuicServer", "datagram_received"),               # PrefilteredQuicServer
     ("QuicServer", "_protocols"),                      # PrefilteredQuicServer (admission)
     ("QuicConnection", "_local_max_data"),             # received_stream_bytes, open_flow_control
-    ("QuicConnection", "_network_paths"),              # validated_peer_address
+    ("QuicConnection", "_network_paths"),              # validated_peer_address, has_network_path
 )
 
 
@@ -190,6 +190,13 @@ def validated_peer_address(quic: QuicConnection) -> Any:
         if path.is_validated:
             return path.addr
     return None
+
+
+def has_network_path(quic: QuicConnection) -> bool:
+    """False for a client connection that ``connect()`` has not reached yet: aioquic
+    creates the protocol (our link) a loop iteration before it, and asking such a
+    connection for datagrams raises IndexError."""
+    return bool(quic._network_paths)
 
 
 # ---- the asyncio protocol ----------------------------------------------------------------

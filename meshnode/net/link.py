@@ -298,6 +298,12 @@ class PeerLink(QuicConnectionProtocol):
         if self._deferred_tx is not None:
             self._deferred_tx.cancel()
             self._deferred_tx = None
+        if not compat.has_network_path(self.quic):
+            # a dial closed before it started (the node stopping): nothing was sent, so
+            # nothing is owed to the peer; the dialler's wait_closed() must not hang
+            if self.closed_reason is not None:
+                compat.mark_closed(self)
+            return
         super().transmit()
 
     # ---- aioquic events --------------------------------------------------------
