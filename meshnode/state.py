@@ -80,6 +80,9 @@ class Capabilities:
     # bytes/s of this node's latest pulls from peers (0: none yet): what the planner
     # expects its next fetch to move at
     fetch_bytes_per_s: float = 0.0
+    # rows its GPU engines pad every smaller call to (meshnode.limits.gpu_pad_rows; 0: not
+    # told, the default width): what bounds the exact verify windows of its stages
+    gpu_pad_rows: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,7 @@ class StageInfo:
     state: StageState
     detail: str = ""        # e.g. failure reason, load progress
     backend: str = ""       # what the stage computes on: cpu | cuda | ... ("" not known yet)
+    gpu_pad_rows: int = 0   # its node's GPU pad width (Capabilities.gpu_pad_rows)
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,17 +171,21 @@ def test_each_node_loads_with_its_own_gpu_layers(synthetic_gguf):
 
     path = synthetic_gguf(n_layer=4)
     with LocalCluster(path, 2) as cluster:
-        server = cluster.start(1, "--no-model", "--threads", "1", "--gpu-layers", "3")
+        server = cluster.start(1, "--no-model", "--threads", "1", "--gpu-layers", "3",
+                               env={"MESHNODE_GPU_PAD_ROWS": "6"})
         coord = cluster.start(0, "--model", str(path), "--split", "2", "--threads", "1", "--ctx", "128",
-                              "--parallel", "1", "--gpu-layers", "all").wait_model()
+                              "--parallel", "1", "--gpu-layers", "all", env={"MESHNODE_GPU_PAD_ROWS": "8"}).wait_model()
         status = coord.get("/status")
         backends = [s.get("backend") for s in status["stages"]]
+        pads = [s.get("gpu_pad_rows") for s in status["stages"]]
         coord_log, server_log = coord.log_tail(200_000), server.log_tail(200_000)
     # stage 0 was built from the coordinator's flag, stage 1 from the stage server's own
     assert re.search(r"--gpu-layers all, \d+ layer\(s\) offloaded", coord_log), coord_log[-2000:]
     assert re.search(r"--gpu-layers 3, \d+ layer\(s\) offloaded", server_log), server_log[-2000:]
     expected = "cuda" if llama_cpp.llama_supports_gpu_offload() else "cpu"
     assert backends == [expected, expected]
+    # each stage's pad width is its own node's (what caps the windows sent to it)
+    assert pads == [8, 6]
 
 
 @cuda_only

@@ -413,7 +413,9 @@ async def test_large_prompts_do_not_stall_the_event_loop() -> None:
         print(f"longest event-loop gap: {worst:.3f} s")
         assert [r.status_code for r in replies] == [400, 400, 400], [r.text[:200] for r in replies]
         assert "at least" in replies[1].json()["error"]["message"]
-        assert worst < 0.25, f"the event loop stalled {worst:.2f} s"
+        # what matters is staying well inside the 1.2 s after which peers drop the node;
+        # tokenizing on the loop stalled it for seconds (a busy CI machine adds ~0.1-0.3 s)
+        assert worst < 0.6, f"the event loop stalled {worst:.2f} s"
 
 
 async def test_a_huge_post_does_not_drop_the_nodes_quic_links(tmp_path, monkeypatch) -> None:

@@ -131,6 +131,9 @@ async def test_decode_exchange_sends_one_datagram_each_way(tmp_path):
     await b.start()
     try:
         await until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 3.0)
+        # the fast lane's probes are padded to its largest frame: counted, they would look
+        # like activations, so count once both lanes are up (no probe after that)
+        await until(lambda: a.lane_ready(b.node_id) and b.lane_ready(a.node_id), 5.0)
         sizes: dict[str, list[int]] = {"a": [], "b": []}
         for name, fabric in (("a", a), ("b", b)):
             [link] = fabric._links.values()  # noqa: SLF001

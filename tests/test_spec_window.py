@@ -69,70 +69,81 @@ def test_window_policy_validation(args):
 
 # ---- exact windows per backend -------------------------------------------------------
 
-def test_a_gpu_stage_caps_the_routes_windows_at_four_rows(monkeypatch):
-    from meshnode.spec.window import cap_for_backends
+def _route(*backends: str, pad: int = 0):
+    from meshnode.spec.window import StageCompute
 
-    monkeypatch.delenv("MESHNODE_GPU_PAD_ROWS", raising=False)
+    return [StageCompute(b, pad) for b in backends]
+
+
+def test_a_gpu_stage_caps_the_routes_windows_at_four_rows():
+    from meshnode.spec.window import cap_for_route
 
     wide = WindowPolicy("adaptive", 8, 2, 16)
     # one CUDA stage anywhere on the route: 3 drafts (a window of 4 rows) at most
-    for route in (["cuda"], ["cpu", "cuda"], ["cuda", "cpu", "cpu"]):
-        assert cap_for_backends(wide, route) == WindowPolicy("adaptive", 3, 2, 3)
+    for route in (("cuda",), ("cpu", "cuda"), ("cuda", "cpu", "cpu")):
+        assert cap_for_route(wide, _route(*route)) == WindowPolicy("adaptive", 3, 2, 3)
     # a GPU backend nobody measured gets the same bound; CPU and not-yet-known stages none
-    assert cap_for_backends(wide, ["cpu", "metal"]).max == 3
-    assert cap_for_backends(wide, ["cpu", "cpu"]) == wide
-    assert cap_for_backends(wide, ["", "cpu"]) == wide
-    assert cap_for_backends(wide, []) == wide
+    assert cap_for_route(wide, _route("cpu", "metal")).max == 3
+    assert cap_for_route(wide, _route("cpu", "cpu")) == wide
+    assert cap_for_route(wide, _route("", "cpu")) == wide
+    assert cap_for_route(wide, []) == wide
 
 
-def test_the_gpu_pad_width_sets_the_cap(monkeypatch, caplog):
+def test_each_gpu_stage_caps_at_its_own_nodes_pad_width():
     """Steps padded to 5-8 rows make windows of 8 rows exact (7 drafts); 2-4 rows, 4; a
-    value out of 2..8 is refused with a warning (the default, 2)."""
+    node that did not say (0) pads to the default 2. The narrowest stage caps the route: a
+    coordinator padding to 8 must not send 8-row windows to a stage that pads to 2."""
+    from meshnode.spec.window import StageCompute, cap_for_route
+
+    wide = WindowPolicy("adaptive", 8, 2, 16)
+    for pad, drafts in ((8, 7), (5, 7), (4, 3), (2, 3), (0, 3)):
+        assert cap_for_route(wide, _route("cpu", "cuda", pad=pad)).max == drafts
+        assert cap_for_route(wide, _route("cpu", pad=pad)) == wide
+    assert cap_for_route(wide, [StageCompute("cuda", 8), StageCompute("cuda", 2)]).max == 3
+    assert cap_for_route(wide, [StageCompute("cuda", 8), StageCompute("cpu", 0)]).max == 7
+
+
+def test_the_pad_width_comes_from_the_environment(monkeypatch, caplog):
+    """MESHNODE_GPU_PAD_ROWS sets this node's width; a value out of 2..8 is refused with a
+    warning (the default, 2), once per value."""
     from meshnode import limits
     from meshnode.limits import gpu_pad_rows
 
     monkeypatch.setattr(limits, "_warned_pad", set())
-    from meshnode.spec.window import cap_for_backends
-
-    wide = WindowPolicy("adaptive", 8, 2, 16)
-    for value, pad, drafts in (("8", 8, 7), ("5", 5, 7), ("4", 4, 3), ("2", 2, 3), ("1", 2, 3), ("9", 2, 3),
-                               ("x", 2, 3), ("", 2, 3)):
+    for value, pad in (("8", 8), ("5", 5), ("4", 4), ("2", 2), ("1", 2), ("9", 2), ("x", 2), ("", 2)):
         monkeypatch.setenv("MESHNODE_GPU_PAD_ROWS", value)
         assert gpu_pad_rows() == pad
-        assert cap_for_backends(wide, ["cpu", "cuda"]).max == drafts
-        assert cap_for_backends(wide, ["cpu"]) == wide
     warned = [r.getMessage() for r in caplog.records if "MESHNODE_GPU_PAD_ROWS" in r.getMessage()]
     assert any("'9' is not a number in 2..8" in m for m in warned) and any("'x'" in m for m in warned)
     assert not any("'8'" in m or "''" in m for m in warned)
 
 
 def test_the_cap_keeps_narrower_settings_and_stays_a_valid_policy():
-    from meshnode.spec.window import cap_for_backends
+    from meshnode.spec.window import cap_for_route
 
     narrow = WindowPolicy("adaptive", 2, 1, 3)
-    assert cap_for_backends(narrow, ["cuda"]) is narrow
+    assert cap_for_route(narrow, _route("cuda")) is narrow
     fixed = WindowPolicy("fixed", 8, 8, 8)
-    assert cap_for_backends(fixed, ["cuda"]) == WindowPolicy("fixed", 3, 3, 3)
-    make_window(cap_for_backends(WindowPolicy("adaptive", 16, 16, 32), ["cuda"]))   # validates
+    assert cap_for_route(fixed, _route("cuda")) == WindowPolicy("fixed", 3, 3, 3)
+    make_window(cap_for_route(WindowPolicy("adaptive", 16, 16, 32), _route("cuda")))   # validates
 
 
-def test_the_windows_follow_the_current_route(monkeypatch):
+def test_the_windows_follow_the_current_route():
     """A re-plan that moves the route onto a GPU stage narrows the windows chosen at start;
     one that moves it off widens them back to the configured ones."""
     from meshnode.spec.strategy import CliSpecOptions, RouteWindows, resolve_strategy
 
-    monkeypatch.delenv("MESHNODE_GPU_PAD_ROWS", raising=False)
     spec = resolve_strategy("m", cli=CliSpecOptions(strategy="ngram"))
     route = RouteWindows(spec)
-    assert not route.follow(["cpu", "cpu"]) and route.config is spec    # start: a CPU route
-    assert route.follow(["cpu", "cuda"])                                # re-planned onto a GPU stage
+    assert not route.follow(_route("cpu", "cpu")) and route.config is spec    # start: a CPU route
+    assert route.follow(_route("cpu", "cuda"))                                # re-planned onto a GPU stage
     assert route.config.window.max == 3
     win = make_window(route.config.window)
     for _ in range(8):                       # full acceptance cannot grow it past the cap
         win.update(win.next_window(), win.next_window())
         assert win.next_window() <= 3
-    assert not route.follow(["cuda"])        # the same bounds: nothing to redo
-    assert route.follow(["cpu"])             # and back onto CPUs
+    assert not route.follow(_route("cuda"))        # the same bounds: nothing to redo
+    assert route.follow(_route("cpu"))             # and back onto CPUs
     assert route.config.window == spec.window
 
 
@@ -142,7 +153,7 @@ def test_speculation_off_stays_off_on_any_route():
     off = resolve_strategy("m", cli=CliSpecOptions(mode="off"))
     for spec in (off, None):
         route = RouteWindows(spec)
-        assert not route.follow(["cuda"]) and route.config is spec
+        assert not route.follow(_route("cuda")) and route.config is spec
 
 
 def test_the_strategy_is_capped_when_a_stage_of_the_route_runs_on_cuda():
@@ -150,8 +161,8 @@ def test_the_strategy_is_capped_when_a_stage_of_the_route_runs_on_cuda():
 
     spec = resolve_strategy("m", cli=CliSpecOptions(strategy="ngram"))
     assert spec.enabled and spec.window.max > 3
-    assert exact_for_route(spec, ["cpu", "cuda"]).window.max == 3
-    assert exact_for_route(spec, ["cpu", "cpu"]) is spec
+    assert exact_for_route(spec, _route("cpu", "cuda")).window.max == 3
+    assert exact_for_route(spec, _route("cpu", "cpu")) is spec
     off = resolve_strategy("m", cli=CliSpecOptions(mode="off"))
-    assert exact_for_route(off, ["cuda"]) is off
-    assert exact_for_route(None, ["cuda"]) is None
+    assert exact_for_route(off, _route("cuda")) is off
+    assert exact_for_route(None, _route("cuda")) is None

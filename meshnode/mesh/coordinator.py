@@ -37,6 +37,7 @@ from typing import Any
 
 from meshnode import wire
 from meshnode.errors import MeshnodeError
+from meshnode.limits import gpu_pad_rows
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.planner import Candidate, Plan, PlanError, plan as make_plan
@@ -104,10 +105,11 @@ class ServingModel:
         for st in self.control.stages:
             if st.index == 0:
                 backend = self._worker.engine.backend if self._worker is not None else ""
+                pad = gpu_pad_rows()
             else:
                 c = caps.get(st.node_id)
-                backend = c.backend if c is not None else ""
-            out.append(dataclasses.replace(st, backend=backend))
+                backend, pad = (c.backend, c.gpu_pad_rows) if c is not None else ("", 0)
+            out.append(dataclasses.replace(st, backend=backend, gpu_pad_rows=pad))
         return out
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 
+from meshnode.limits import gpu_pad_rows
 from meshnode.state import Capabilities, HeldModel
 
 
@@ -35,6 +36,7 @@ def local_capabilities(models: tuple[HeldModel, ...] = ()) -> Capabilities:
         cores=usable_cores(),
         models=models,
         speed=measured_speed(),
+        gpu_pad_rows=gpu_pad_rows(),
     )
 
 

@@ -1,7 +1,7 @@
 """Capability summaries as plain dicts (carried in Hello and the mDNS record) and back.
 
 Dict form (JSON-safe, stable): ``{"free_ram": int, "free_vram": int, "backend": str,
-"cores": int, "speed": float, "fetch": int, "models": [{"name", "sha256", "layers", "size",
+"gpu_pad": int, "cores": int, "speed": float, "fetch": int, "models": [{"name", "sha256", "layers", "size",
 "arch", "shared"}, ...]}`` (``fetch``: bytes/s of the node's latest pulls, 0 if none)
 (``shared``: members may pull the model and any layer package of it). Unknown keys
 are ignored on read, so later versions can add fields.
@@ -22,6 +22,7 @@ def to_dict(caps: Capabilities) -> dict[str, Any]:
         "free_ram": int(caps.free_ram_bytes),
         "free_vram": int(caps.free_vram_bytes),
         "backend": caps.backend,
+        "gpu_pad": int(caps.gpu_pad_rows),
         "cores": int(caps.cores),
         "speed": round(float(caps.speed), 2),
         "fetch": round(float(caps.fetch_bytes_per_s)),
@@ -59,6 +60,7 @@ def from_dict(d: dict[str, Any] | None) -> Capabilities | None:
             models=models,
             speed=float(d.get("speed", 0.0)),
             fetch_bytes_per_s=_rate(d.get("fetch", 0)),
+            gpu_pad_rows=int(d.get("gpu_pad", 0)),
         )
     except (KeyError, TypeError, ValueError):
         return None

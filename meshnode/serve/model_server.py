@@ -99,6 +99,7 @@ from meshnode.serve.structured import compile_constraint
 from meshnode.serve.tools import render_messages
 from meshnode.spec.ngram import MIN_NGRAM_MATCH
 from meshnode.spec.strategy import Proposer, SpecConfig
+from meshnode.spec.window import StageCompute
 from meshnode.state import RequestInfo, RequestStatus, RequestUpdated
 
 log = logging.getLogger(__name__)
@@ -664,10 +665,10 @@ class ModelServer:
         # the stages that survived; the others lost it with their engines).
         self._free_later(self.prefix.drop_stale(self.route.epoch))
 
-    def follow_route(self, backends: Sequence[str]) -> None:
-        """The route's stages compute on ``backends``: speculation's verify windows follow
-        what all of them compute exactly (at start and after every re-plan)."""
-        self._decoder.follow_route(backends)
+    def follow_route(self, stages: Sequence[StageCompute]) -> None:
+        """The route is now ``stages``: speculation's verify windows follow what all of
+        them compute exactly (at start and after every re-plan)."""
+        self._decoder.follow_route(stages)
 
     @property
     def sessions_held(self) -> int:

@@ -46,7 +46,7 @@ from meshnode.spec.suffix import RecentTexts, SuffixProposer
 from meshnode.spec.policy import AutoPolicy
 from meshnode.spec.stats import SpecTelemetry
 from meshnode.spec.strategy import Proposer, RouteWindows, SpecConfig
-from meshnode.spec.window import WindowController, WindowPolicy, make_window
+from meshnode.spec.window import StageCompute, WindowController, WindowPolicy, make_window
 from meshnode.state import DraftVerified
 
 log = logging.getLogger(__name__)
@@ -86,11 +86,11 @@ class SpeculativeDecoder:
         self.recent = RecentTexts() if strategy == "ngram" else None
         self._remembering: set[asyncio.Future] = set()
 
-    def follow_route(self, backends: Sequence[str]) -> None:
-        """The model now runs on stages computing on ``backends``: verify windows at most
-        as wide as all of them compute exactly (spec/strategy.py, ``RouteWindows``). The
-        controller starts afresh only when its bounds change."""
-        if not self._route.follow(backends):
+    def follow_route(self, stages: Sequence[StageCompute]) -> None:
+        """The model now runs on ``stages``: verify windows at most as wide as all of
+        them compute exactly (spec/strategy.py, ``RouteWindows``). The controller starts
+        afresh only when its bounds change."""
+        if not self._route.follow(stages):
             return
         old, self.config = self.config, self._route.config
         self.window = make_window(self.config.window, self.cost)

@@ -42,7 +42,7 @@ from typing import Any, Literal, Protocol
 from meshnode.config import MODES, MeshnodeConfig, SpeculativeSettings, WindowSettings
 from meshnode.errors import MeshnodeError
 from meshnode.limits import MAX_VERIFY_WINDOW
-from meshnode.spec.window import WindowPolicy, cap_for_backends
+from meshnode.spec.window import StageCompute, WindowPolicy, cap_for_route
 
 __all__ = [
     "BUILTIN_STRATEGIES",
@@ -303,14 +303,14 @@ def resolve_strategy(
     return SpecConfig(name, typ, mode, draft_model, window, "; ".join(notes))
 
 
-def exact_for_route(spec: SpecConfig | None, backends: Sequence[str]) -> SpecConfig | None:
-    """``spec`` with its verify windows capped to what every stage of the route (its
-    compute ``backends``) computes exactly: a GPU stage takes windows of 4 rows at most (8
-    with steps padded to 5-8 rows; spec/window.py), so greedy text with speculation equals text without it on any mesh
-    without the user sizing windows by hand. ``spec`` itself when nothing changes."""
+def exact_for_route(spec: SpecConfig | None, stages: Sequence[StageCompute]) -> SpecConfig | None:
+    """``spec`` with its verify windows capped to what every stage of the route computes
+    exactly: a GPU stage takes windows of 4 rows at most (8 when its node pads steps to
+    5-8 rows; spec/window.py), so greedy text with speculation equals text without it on
+    any mesh without the user sizing windows by hand. ``spec`` itself when nothing changes."""
     if spec is None or not spec.enabled:
         return spec
-    window = cap_for_backends(spec.window, backends)
+    window = cap_for_route(spec.window, stages)
     return spec if window == spec.window else dataclasses.replace(spec, window=window)
 
 
@@ -323,9 +323,9 @@ class RouteWindows:
         self.asked = asked
         self.config = asked
 
-    def follow(self, backends: Sequence[str]) -> bool:
-        """The route now computes on ``backends``; True when the window bounds changed."""
-        capped = exact_for_route(self.asked, backends)
+    def follow(self, stages: Sequence[StageCompute]) -> bool:
+        """The route's stages are now ``stages``; True when the window bounds changed."""
+        capped = exact_for_route(self.asked, stages)
         if capped is None or not capped.enabled or self.config is None or capped.window == self.config.window:
             return False
         self.config = capped

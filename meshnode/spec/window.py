@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from meshnode.limits import MAX_VERIFY_WINDOW, gpu_exact_window_rows, gpu_pad_rows
+from meshnode.limits import GPU_PAD_ROWS, MAX_VERIFY_WINDOW, gpu_exact_window_rows
 from meshnode.spec.cost_model import CostModel
 
 __all__ = [
@@ -61,23 +61,34 @@ class WindowPolicy:
 # The widest verify window (the last token and its drafts) that reproduces one-row steps
 # bit for bit, per compute backend. On CPU every width up to MAX_VERIFY_WINDOW is exact
 # (docs/engine.md, "Batch invariance"). CUDA picks its matmul kernels by row count: a GPU
-# stage pads every call of fewer rows to the node's pad width (limits.gpu_pad_rows, flash
-# attention off), which makes windows of up to 4 rows (pad 2-4) or 8 rows (pad 5-8) equal
-# one-row steps; wider ones do not on a quantized model (docs/engine.md, "GPU"). Other GPU
-# backends are not measured; they pad the same way and get the same bound.
+# stage pads every call of fewer rows to its node's pad width (limits.gpu_pad_rows, flash
+# attention off; each node advertises its own in its capabilities), which makes windows of
+# up to 4 rows (pad 2-4) or 8 rows (pad 5-8) equal one-row steps; wider ones do not on a
+# quantized model (docs/engine.md, "GPU"). Other GPU backends are not measured; they pad
+# the same way and get the same bound.
 
 
-def exact_window_rows(backend: str) -> int:
-    """The widest exact verify window on ``backend`` ("" = not known yet: no bound)."""
-    if backend in ("", "cpu"):
+@dataclass(frozen=True, slots=True)
+class StageCompute:
+    """What one stage of a route computes on: its ``backend`` ("" = not known yet) and
+    its node's GPU pad width (0 = not told: the default width)."""
+
+    backend: str
+    pad_rows: int = 0
+
+
+def exact_window_rows(stage: StageCompute) -> int:
+    """The widest exact verify window on ``stage`` (a stage of unknown backend: no bound)."""
+    if stage.backend in ("", "cpu"):
         return MAX_VERIFY_WINDOW
-    return gpu_exact_window_rows(gpu_pad_rows())
+    return gpu_exact_window_rows(stage.pad_rows or GPU_PAD_ROWS)
 
 
-def cap_for_backends(policy: WindowPolicy, backends: Iterable[str]) -> WindowPolicy:
+def cap_for_route(policy: WindowPolicy, stages: Iterable[StageCompute]) -> WindowPolicy:
     """``policy`` with at most as many drafts as every stage of the route computes exactly
-    (a window of ``rows`` rows carries ``rows - 1`` drafts): one GPU stage caps the route."""
-    rows = min((exact_window_rows(b) for b in backends), default=MAX_VERIFY_WINDOW)
+    (a window of ``rows`` rows carries ``rows - 1`` drafts): one GPU stage caps the route,
+    at its own node's pad width."""
+    rows = min((exact_window_rows(s) for s in stages), default=MAX_VERIFY_WINDOW)
     most = max(1, rows - 1)
     if policy.max <= most:
         return policy
