@@ -30,7 +30,12 @@ def _stage(decode, ratio, agg):
 
 SERVE = {"smollm2-135m-instruct-q4_1": {
     "rounds": 2, "ceiling_tok_s": {"1": 70.0, "4": 160.0},
-    "1": _stage(60.0, 1.0, 58.0), "2": _stage(55.0, 0.92, 50.0), "3": _stage(50.0, 0.84, 45.0)}}
+    "1": _stage(60.0, 1.0, 58.0), "2": _stage(55.0, 0.92, 50.0), "3": _stage(50.0, 0.84, 45.0),
+    "token_path": {"1": {"layers": [[0, 30]], "steps": 30, "total_us": 16000.0,
+                         "pieces": [["compute", 15000.0], ["between steps", 1000.0]]},
+                   "2": {"layers": [[0, 15], [15, 30]], "steps": 29, "total_us": 18000.4,
+                         "pieces": [["s0 compute", 7000.0], ["hop to s1", 200.0], ["s1 compute", 9000.0]]},
+                   "3": {"layers": [[0, 10], [10, 20], [20, 30]]}}}}
 
 
 def _strategy(tok_s, acc, speedup, same=True):
@@ -84,6 +89,8 @@ def test_every_benchmark_has_its_command_table_and_reading():
     assert "| code_edit | ngram_auto | 38.6 | 0.75 | 100 | 1.80x | yes |" in md
     assert "| mixed_chat | draft | 16.5 | 0.49 | 100 | 0.68x | **NO** |" in md  # a mismatch stands out
     assert "| 576 x f32 | 0.379 | 0.305 |" in md
+    assert "- 2 stage(s): 18000 us (median of 29 steps) = s0 compute 7000 + hop to s1 200 + s1 compute 9000\n" in md
+    assert "- 3 stage(s)" not in md                                             # nothing marked: no line
     assert "\n|---|---|---:|---:|---:|---:|---:|\n" in md  # workload and strategy are text: left
 
 

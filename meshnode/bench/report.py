@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from meshnode.bench.timeline import TokenPath
+
 HELP = "run the benchmark suite and write docs/benchmarks.md's results with SVG charts"
 
 BEGIN = "<!-- bench report: begin (written by `meshnode bench report`; edit the code, not this) -->"
@@ -298,12 +300,19 @@ def _serve(d: dict) -> str:
                            for c in conc])
         rows.append(["engine ceiling", "", "", "", "", ""] + [_f(res["ceiling_tok_s"][c]) for c in conc])
         md += f"{model}, medians of {res['rounds']} interleaved rounds:\n\n" + _table(header, rows) + "\n"
+        paths = {n: t for n, t in (res.get("token_path") or {}).items() if "steps" in t}
+        if paths:
+            md += "Where a one-stream decode token's time goes, marked in the nodes (us; sN = stage N):\n\n"
+            md += "".join(f"- {n} stage(s): {TokenPath.from_dict(t).line()}\n" for n, t in sorted(paths.items()))
+            md += "\n"
     md += ("How to read it: `vs 1 node` is the split's decode speed over the single node's, paired "
            "within each round (median, min-max over rounds). `agg@C` is the tokens/s of C "
            "concurrent streams while all of them decode; in brackets, over the engine ceiling "
            "(the same engine decoding C sessions in one batch in-process). All stages share this "
            "machine's cores, so a split here shows the cost of splitting, not the gain of more "
-           "machines.\n")
+           "machines. The token path follows each decode step through the nodes: each stage's "
+           "llama.cpp call (`compute`), the Python around it, and each hop from a `sendto` to "
+           "the next node's receive (docs/benchmarks.md, `bench serve`).\n")
     return md
 
 
