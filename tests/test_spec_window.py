@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from meshnode.spec.cost_model import CostModel
@@ -69,10 +71,16 @@ def test_window_policy_validation(args):
 
 # ---- exact windows per backend -------------------------------------------------------
 
-def _route(*backends: str, pad: int = 0):
-    from meshnode.spec.window import StageCompute
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """A route's stage as speculation sees it (state.StageInfo has these two fields)."""
 
-    return [StageCompute(b, pad) for b in backends]
+    backend: str
+    gpu_pad_rows: int = 0
+
+
+def _route(*backends: str, pad: int = 0):
+    return [_Stage(b, pad) for b in backends]
 
 
 def test_a_gpu_stage_caps_the_routes_windows_at_four_rows():
@@ -93,14 +101,14 @@ def test_each_gpu_stage_caps_at_its_own_nodes_pad_width():
     """Steps padded to 5-8 rows make windows of 8 rows exact (7 drafts); 2-4 rows, 4; a
     node that did not say (0) pads to the default 2. The narrowest stage caps the route: a
     coordinator padding to 8 must not send 8-row windows to a stage that pads to 2."""
-    from meshnode.spec.window import StageCompute, cap_for_route
+    from meshnode.spec.window import cap_for_route
 
     wide = WindowPolicy("adaptive", 8, 2, 16)
     for pad, drafts in ((8, 7), (5, 7), (4, 3), (2, 3), (0, 3)):
         assert cap_for_route(wide, _route("cpu", "cuda", pad=pad)).max == drafts
         assert cap_for_route(wide, _route("cpu", pad=pad)) == wide
-    assert cap_for_route(wide, [StageCompute("cuda", 8), StageCompute("cuda", 2)]).max == 3
-    assert cap_for_route(wide, [StageCompute("cuda", 8), StageCompute("cpu", 0)]).max == 7
+    assert cap_for_route(wide, [_Stage("cuda", 8), _Stage("cuda", 2)]).max == 3
+    assert cap_for_route(wide, [_Stage("cuda", 8), _Stage("cpu", 0)]).max == 7
 
 
 def test_the_pad_width_comes_from_the_environment(monkeypatch, caplog):

@@ -38,7 +38,6 @@ from meshnode.errors import MeshnodeError
 from meshnode.serve.client import GenerationEvent, GenerationRequest, ModelCard
 from meshnode.serve.errors import EngineUnavailableError
 from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
-from meshnode.spec.window import StageCompute
 from meshnode.state import FailoverInfo, ModelInfo, ModelReplanned, ModelStatus, TransferInfo
 
 log = logging.getLogger(__name__)
@@ -167,7 +166,7 @@ class ModelService:
                               prefix_cache=o.prefix_cache,
                               aliases=tuple(o.aliases) + (ref.path.name, ref.path.stem), spec=spec),
                 tokenizer, serving.pipeline, publish=self.node.publish, draft=draft)
-            self.server.follow_route(_compute(serving))
+            self.server.follow_route(serving.stages())
             self._set(ModelStatus.READY, f"{serving.pipeline.n_stages} stage(s)")
             self.node.coordinator.on_lost = self._on_lost
             self.node.coordinator.on_joined = self._on_joined
@@ -264,7 +263,7 @@ class ModelService:
         else:
             self.serving = serving
             self.server.switch_pipeline(serving.pipeline)
-            self.server.follow_route(_compute(serving))
+            self.server.follow_route(serving.stages())
             self._set(ModelStatus.READY, f"{serving.pipeline.n_stages} stage(s)")
             log.warning("model %s serves again on %d stage(s) after %.0f ms (%s)", self.model_ref.name,
                         serving.pipeline.n_stages, ms, "degraded" if self._degraded else "as planned")
@@ -372,11 +371,6 @@ class ModelService:
         if self.serving is not None:
             await self.serving.stop(timeout=stage_timeout)
         self._set("stopped", "")
-
-
-def _compute(serving) -> list[StageCompute]:
-    """What each stage of ``serving``'s route computes on: speculation's windows follow it."""
-    return [StageCompute(s.backend, s.gpu_pad_rows) for s in serving.stages()]
 
 
 def _describe(options) -> str:

@@ -68,20 +68,23 @@ class WindowPolicy:
 # the same way and get the same bound.
 
 
-@dataclass(frozen=True, slots=True)
-class StageCompute:
-    """What one stage of a route computes on: its ``backend`` ("" = not known yet) and
-    its node's GPU pad width (0 = not told: the default width)."""
+class StageCompute(Protocol):
+    """What one stage of a route computes on (``state.StageInfo`` carries it): its
+    ``backend`` ("" = not known yet) and its node's GPU pad width (0 = not told: the
+    default width)."""
 
-    backend: str
-    pad_rows: int = 0
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def gpu_pad_rows(self) -> int: ...
 
 
 def exact_window_rows(stage: StageCompute) -> int:
     """The widest exact verify window on ``stage`` (a stage of unknown backend: no bound)."""
     if stage.backend in ("", "cpu"):
         return MAX_VERIFY_WINDOW
-    return gpu_exact_window_rows(stage.pad_rows or GPU_PAD_ROWS)
+    return gpu_exact_window_rows(stage.gpu_pad_rows or GPU_PAD_ROWS)
 
 
 def cap_for_route(policy: WindowPolicy, stages: Iterable[StageCompute]) -> WindowPolicy:
