@@ -130,6 +130,14 @@ async def test_frames_travel_the_lane_both_ways_and_forgeries_do_not_hurt(tmp_pa
         assert float(got_b[-1].act[0, 0]) == 20.0
         assert [m.results[0].tokens for m in got_a] == [(i,) for i in range(1, 21)]
         assert link_a.rx.total > stream_bytes   # counted as link traffic for the UI
+        # the decode rows of wide models take the lane too (an 8B's 4096 x f32, a 70B's
+        # 8192): over QUIC streams they cost a GPU split a millisecond a token
+        for i, width in ((22, 4096), (23, 8192)):
+            assert a.send_lane(b.node_id, _decode_step(i, width))
+        await until(lambda: len(got_b) == 22, 3.0)
+        assert [m.act.shape for m in got_b[-2:]] == [(1, 4096), (1, 8192)]
+        assert not a.send_lane(b.node_id, _decode_step(24, 16384))   # over one datagram: the caller uses QUIC
+        del got_b[20:]
 
         # garbage, a forged lane packet and a replay, straight at a's QUIC port
         replay = link_a._lane_tx.seal(encode(_decode_step(99)))
@@ -138,7 +146,7 @@ async def test_frames_travel_the_lane_both_ways_and_forgeries_do_not_hurt(tmp_pa
                 raw.sendto(junk, ("127.0.0.1", a.port))
         await asyncio.sleep(0.2)
         assert len(got_a) == 20   # nothing of that was taken (the replay's key is b's, not a's)
-        assert a.send_lane(b.node_id, _decode_step(21))
+        assert a.send_lane(b.node_id, _decode_step(25))
         await until(lambda: len(got_b) == 21, 2.0)
         assert a.peers()[0].authenticated and a.lane_ready(b.node_id)
     finally:

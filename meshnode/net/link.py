@@ -68,7 +68,8 @@ from meshnode import timeline
 from meshnode.net import aioquic_compat as compat
 from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
-from meshnode.net.lane import LaneDrop, LaneReceiver, LaneSender, is_lane_packet
+from meshnode.net.lane import HEADER_SIZE as LANE_HEADER_SIZE, TAG_SIZE as LANE_TAG_SIZE, LaneDrop, LaneReceiver, LaneSender, \
+    is_lane_packet
 from meshnode.net.lane_control import LaneControl
 from meshnode.net.liveness import AuthTimedOut, Liveness, PeerSilent, SendHeartbeat
 from meshnode.wire import (HEADER_SIZE, MAX_FRAME, DecoderState, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey, Message,
@@ -79,10 +80,12 @@ log = logging.getLogger(__name__)
 ALPN = "meshnode/1"
 _LANE_KINDS = (Heartbeat, Forward, TokenReturn)   # what may arrive on the lane
 DEFERRED_TRANSMIT_S = 0.001   # after a received datagram (see PeerLink.datagram_received)
-# Largest frame sent on the lane (a 4096-wide f32 decode row is 16.5 KB: over QUIC). Over
-# a 1500-byte LAN such a datagram travels as IP fragments, so probes are this big: a path
-# that drops fragments never gets a lane.
-LANE_MAX_FRAME = 12288
+# Largest frame sent on the lane: what one IPv4 UDP datagram carries (65,507 bytes) less the
+# lane's header and tag, so a decode row of any model up to 16,000 wide in f32 takes it (an
+# 8B's 4096-wide row is 16.4 KB, a 70B's 32.8 KB; above this width, over QUIC). Over a
+# 1500-byte LAN such a datagram travels as IP fragments, so probes are this big: a path that
+# drops fragments never gets a lane.
+LANE_MAX_FRAME = 65_507 - LANE_HEADER_SIZE - LANE_TAG_SIZE
 # A Profile (name and capabilities, after the peer's proof): meshnode.net.auth caps its JSON
 # at 64 KiB; the rest of the frame is a name and a few lengths.
 PROFILE_MAX_FRAME = 64 * 1024 + 512
