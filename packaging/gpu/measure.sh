@@ -192,12 +192,14 @@ if [ "$PART" = 11 ]; then
   serve_l8b "bench serve 8b, one GPU, --threads 4 (compute thread)" --threads 4
 fi
 # Part 12: the split's speed on one GPU and on two (one node process per GPU), with wide
-# decode rows on the fast lane. Two GPUs of one host, a fresh machine:
+# decode rows on the fast lane; steps inline (MEASURE_THREADS=4: on the compute thread).
+# Two GPUs of one host, a fresh machine:
 #   carry [.gpukit], kind nvidia-h100-x2:  . .gpukit/device-setup.sh && bash packaging/gpu/measure.sh 12 "$OUT"
 if [ "$PART" = 12 ]; then
   write_l8b
-  serve_l8b "bench serve 8b, both stages on GPU 0 (--cuda-devices 0)" --cuda-devices 0 --threads 1
-  serve_l8b "bench serve 8b, one node process per GPU (--cuda-devices 0,1)" --cuda-devices 0,1 --threads 1
+  T=${MEASURE_THREADS:-1}
+  serve_l8b "bench serve 8b, both stages on GPU 0 (--cuda-devices 0), --threads $T" --cuda-devices 0 --threads "$T"
+  serve_l8b "bench serve 8b, one node process per GPU (--cuda-devices 0,1), --threads $T" --cuda-devices 0,1 --threads "$T"
   nvidia-smi --query-gpu=name,memory.total --format=csv >>"$LOG" 2>&1
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
