@@ -244,7 +244,7 @@ async def test_split3_matches_whole_model(homes, reference, prompt_tokens):
 
 
 async def test_lost_lane_frames_are_resent_and_the_tokens_stay_exact(homes, reference, prompt_tokens,
-                                                                   monkeypatch):
+                                                                   monkeypatch, caplog):
     import meshnode.mesh.pipeline as pipeline_mod
 
     monkeypatch.setattr(pipeline_mod, "LANE_RETRY_MIN_S", 0.1)
@@ -258,10 +258,13 @@ async def test_lost_lane_frames_are_resent_and_the_tokens_stay_exact(homes, refe
                 if seen[0] % 4:
                     take(data, addr)
             node.fabric.lane_datagram = lossy
+        resent = sm.pipeline.lane_resends
         got = await _greedy(sm.pipeline, prompt_tokens)
         assert got == reference
-        assert sm.pipeline.lane_resends >= 3
-        assert a.fabric.lane_ready(b.id)   # isolated losses do not switch the lane off
+        # a frame in four lost is a path QUIC serves faster: the second loss switched the
+        # lane off (lane_control.py), and the steps after it took the stream
+        assert sm.pipeline.lane_resends - resent >= 2
+        assert "using QUIC streams" in caplog.text
         await sm.stop("test done")
 
 

@@ -13,8 +13,14 @@ it stops working:
   attempts, so a late echo of a probe sent before a switch-off proves nothing about the
   path now and is ignored;
 * *misses*: the lane's user reports every frame that got no answer in time
-  (:meth:`LaneControl.missed`); any frame that arrives over the lane clears the count.
-  ``LANE_MAX_MISSES`` in a row switch the lane off;
+  (:meth:`LaneControl.missed`), and every frame that arrives over the lane is counted. A
+  second miss with fewer than ``LANE_LOSS_WINDOW`` frames received since the first
+  switches the lane off. Each lost frame stalls its stream for the resend timeout (at
+  least a second) while the lane saves well under a millisecond a token, so a path that
+  loses more than about one frame in a thousand (Wi-Fi; a wide decode row travels as a
+  dozen IP fragments, and losing any loses the frame) is faster over QUIC, whose own
+  retransmission takes a round trip; a path that stopped carrying the lane at all is
+  switched off at its second lost frame;
 * *backoff*: a lane switched off is not probed for ``backoff_s``, doubled with every
   switch-off (at most ``LANE_MAX_BACKOFF_S``): a lane that keeps failing, e.g. in one
   direction only, must not keep costing resends. After the backoff it is probed again
@@ -29,10 +35,10 @@ backoff goes out with the first heartbeat past it.
 
 from __future__ import annotations
 
-__all__ = ["LANE_MAX_BACKOFF_S", "LANE_MAX_MISSES", "LANE_MAX_PROBES", "LaneControl"]
+__all__ = ["LANE_LOSS_WINDOW", "LANE_MAX_BACKOFF_S", "LANE_MAX_PROBES", "LaneControl"]
 
 LANE_MAX_PROBES = 10          # lane probes per attempt (one per heartbeat) before giving up
-LANE_MAX_MISSES = 3           # lost lane frames in a row before the lane is switched off
+LANE_LOSS_WINDOW = 1000       # a second lost frame within this many frames of the first switches it off
 LANE_MAX_BACKOFF_S = 300.0    # the doubling backoff stops growing here
 
 
@@ -43,7 +49,7 @@ class LaneControl:
     from 1 over the link's life; an echo counts only for a probe of the current attempt.
     """
 
-    __slots__ = ("backoff_s", "ready", "keyed", "seq", "first", "misses", "offs", "probe_at")
+    __slots__ = ("backoff_s", "ready", "keyed", "seq", "first", "since_miss", "offs", "probe_at")
 
     def __init__(self, backoff_s: float) -> None:
         self.backoff_s = backoff_s
@@ -51,7 +57,7 @@ class LaneControl:
         self.keyed = False        # the peer's lane key arrived: we can seal for it
         self.seq = 0              # the last probe's number (all attempts)
         self.first = 1            # the number of this attempt's first probe
-        self.misses = 0           # frames lost in a row
+        self.since_miss: int | None = None   # frames received since the last loss (None: none lost)
         self.offs = 0             # times switched off for lost frames
         self.probe_at = 0.0       # no probe before this time (the backoff)
 
@@ -79,18 +85,20 @@ class LaneControl:
         echo of a probe from before the last switch-off (still in flight then) is no news."""
         if self.ready or not self.first <= seq <= self.seq:
             return False
-        self.ready, self.misses = True, 0
+        self.ready, self.since_miss = True, None
         return True
 
     def frame_received(self) -> None:
         """A frame (not a probe) arrived over the lane: the lane works."""
-        self.misses = 0
+        if self.since_miss is not None:
+            self.since_miss += 1
 
     def missed(self, now: float) -> float | None:
         """A frame sent on the lane got no answer in time. Returns the backoff (seconds
         until the next probe) when this switched the lane off, else None."""
-        self.misses += 1
-        if not (self.ready and self.misses >= LANE_MAX_MISSES):
+        lossy = self.since_miss is not None and self.since_miss < LANE_LOSS_WINDOW
+        self.since_miss = 0
+        if not (self.ready and lossy):
             return None
         wait = min(LANE_MAX_BACKOFF_S, self.backoff_s * 2 ** self.offs)
         self.ready = False

@@ -70,7 +70,7 @@ from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
 from meshnode.net.lane import HEADER_SIZE as LANE_HEADER_SIZE, TAG_SIZE as LANE_TAG_SIZE, LaneDrop, LaneReceiver, LaneSender, \
     is_lane_packet
-from meshnode.net.lane_control import LaneControl
+from meshnode.net.lane_control import LANE_LOSS_WINDOW, LaneControl
 from meshnode.net.liveness import AuthTimedOut, Liveness, PeerSilent, SendHeartbeat
 from meshnode.wire import (HEADER_SIZE, MAX_FRAME, DecoderState, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey, Message,
                            RemoteProtocolError, TokenReturn, WireError, decode, encode, parse_header)
@@ -560,14 +560,15 @@ class PeerLink(QuicConnectionProtocol):
         return True
 
     def lane_missed(self) -> None:
-        """A frame sent on the lane got no answer in time. A few in a row switch the
-        lane off (a firewall that drops it, a path that changed); it is probed again
+        """A frame sent on the lane got no answer in time. A second one soon after switches
+        the lane off (a lossy path, a firewall that drops it, a path that changed:
+        net/lane_control.py); it is probed again
         after ``lane_backoff_s``, doubling with every switch-off (a lane that keeps
         failing, e.g. in one direction only, must not keep costing resends)."""
         wait = self.lane.missed(self._event_loop.time())
         if wait is not None:
-            log.warning("fast lane to %s lost %d frames in a row: using QUIC streams, probing "
-                        "it again in %.0f s", self.peer_node_id, self.lane.misses, wait)
+            log.warning("fast lane to %s lost 2 frames within %d: using QUIC streams, probing "
+                        "it again in %.0f s", self.peer_node_id, LANE_LOSS_WINDOW, wait)
 
     def lane_received(self, packet: bytes) -> None:
         """A lane packet sealed with our key (the owner found us by its key id)."""
