@@ -100,6 +100,21 @@ def test_the_backoff_doubles_with_every_switch_off_up_to_a_limit():
                      LANE_MAX_BACKOFF_S]
 
 
+def test_a_clean_window_brings_the_backoff_back_to_its_start():
+    lane = _ready(backoff_s=5.0)
+    assert _switch_off(lane, 0.0) == 5.0
+    seq = lane.heartbeat(5.0)
+    assert seq is not None and lane.echo_received(seq)
+    for _ in range(LANE_LOSS_WINDOW - 1):
+        lane.frame_received()
+    assert _switch_off(lane, 10.0) == 10.0          # not a clean window yet: doubled
+    seq = lane.heartbeat(20.0)
+    assert seq is not None and lane.echo_received(seq)
+    for _ in range(LANE_LOSS_WINDOW):
+        lane.frame_received()
+    assert _switch_off(lane, 30.0) == 5.0           # a clean window: back to the start
+
+
 def test_a_late_echo_from_before_the_switch_off_does_not_bring_it_back():
     lane = LaneControl(1.0)
     assert lane.key_received(0.0) == 1 and lane.heartbeat(HB) == 2   # two probes in flight

@@ -24,7 +24,9 @@ it stops working:
 * *backoff*: a lane switched off is not probed for ``backoff_s``, doubled with every
   switch-off (at most ``LANE_MAX_BACKOFF_S``): a lane that keeps failing, e.g. in one
   direction only, must not keep costing resends. After the backoff it is probed again
-  from scratch and recovers the same way.
+  from scratch and recovers the same way; ``LANE_LOSS_WINDOW`` frames in a row without a
+  loss bring the backoff back to ``backoff_s`` (a slow stage that once looked like a lost
+  frame must not keep the lane off for minutes).
 
 :class:`LaneControl` is sans-IO, like aioquic's ``QuicConnection``: it never sends, reads
 a clock or sleeps. The link feeds it events with the current time ``now`` (any
@@ -49,7 +51,7 @@ class LaneControl:
     from 1 over the link's life; an echo counts only for a probe of the current attempt.
     """
 
-    __slots__ = ("backoff_s", "ready", "keyed", "seq", "first", "since_miss", "offs", "probe_at")
+    __slots__ = ("backoff_s", "ready", "keyed", "seq", "first", "lost", "clean", "offs", "probe_at")
 
     def __init__(self, backoff_s: float) -> None:
         self.backoff_s = backoff_s
@@ -57,8 +59,9 @@ class LaneControl:
         self.keyed = False        # the peer's lane key arrived: we can seal for it
         self.seq = 0              # the last probe's number (all attempts)
         self.first = 1            # the number of this attempt's first probe
-        self.since_miss: int | None = None   # frames received since the last loss (None: none lost)
-        self.offs = 0             # times switched off for lost frames
+        self.lost = False         # a frame was lost since the lane became ready
+        self.clean = 0            # frames received since then, or since the last loss
+        self.offs = 0             # switch-offs since the lane last carried a clean window
         self.probe_at = 0.0       # no probe before this time (the backoff)
 
     # ---- events --------------------------------------------------------------
@@ -85,19 +88,20 @@ class LaneControl:
         echo of a probe from before the last switch-off (still in flight then) is no news."""
         if self.ready or not self.first <= seq <= self.seq:
             return False
-        self.ready, self.since_miss = True, None
+        self.ready, self.lost, self.clean = True, False, 0
         return True
 
     def frame_received(self) -> None:
         """A frame (not a probe) arrived over the lane: the lane works."""
-        if self.since_miss is not None:
-            self.since_miss += 1
+        self.clean += 1
+        if self.clean >= LANE_LOSS_WINDOW:   # a window without loss: the path is good again
+            self.lost, self.offs = False, 0
 
     def missed(self, now: float) -> float | None:
         """A frame sent on the lane got no answer in time. Returns the backoff (seconds
         until the next probe) when this switched the lane off, else None."""
-        lossy = self.since_miss is not None and self.since_miss < LANE_LOSS_WINDOW
-        self.since_miss = 0
+        lossy = self.lost and self.clean < LANE_LOSS_WINDOW
+        self.lost, self.clean = True, 0
         if not (self.ready and lossy):
             return None
         wait = min(LANE_MAX_BACKOFF_S, self.backoff_s * 2 ** self.offs)
