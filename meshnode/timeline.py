@@ -1,4 +1,4 @@
-"""A node's timeline of the token path: debug telemetry for ``meshnode bench serve --timeline``.
+"""A node's timeline of the token path: debug telemetry that ``meshnode bench serve`` turns on.
 
 Off unless ``$MESHNODE_TIMELINE`` names a folder when the process starts. Then every
 lane packet sent and received and every llama.cpp decode call is marked with the

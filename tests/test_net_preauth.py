@@ -325,7 +325,6 @@ async def test_spoofed_datagrams_do_not_redirect_the_lane(tmp_path):
         await a.stop()
 
 
-
 class _StopsWhileDialing(MeshFabric):
     """Stops itself the moment its first outgoing link exists: aioquic has created the
     connection's protocol but not called ``connect()`` yet, so it has no network path."""

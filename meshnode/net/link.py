@@ -68,8 +68,8 @@ from meshnode import timeline
 from meshnode.net import aioquic_compat as compat
 from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
-from meshnode.net.lane import HEADER_SIZE as LANE_HEADER_SIZE, TAG_SIZE as LANE_TAG_SIZE, LaneDrop, LaneReceiver, LaneSender, \
-    is_lane_packet
+from meshnode.net.lane import (HEADER_SIZE as LANE_HEADER_SIZE, TAG_SIZE as LANE_TAG_SIZE, LaneDrop, LaneReceiver,
+                               LaneSender, is_lane_packet)
 from meshnode.net.lane_control import LANE_LOSS_WINDOW, LaneControl
 from meshnode.net.liveness import AuthTimedOut, Liveness, PeerSilent, SendHeartbeat
 from meshnode.wire import (HEADER_SIZE, MAX_FRAME, DecoderState, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey, Message,
@@ -549,11 +549,11 @@ class PeerLink(QuicConnectionProtocol):
         lane is lossy: the caller must notice a lost frame (see :meth:`lane_missed`)."""
         if not self.lane_ready or self.closed_reason is not None:
             return False
-        if timeline.RECORDER is not None:
-            timeline.RECORDER.mark("send<")
         frame = msg if isinstance(msg, (bytes, bytearray, memoryview)) else encode(msg)
         if len(frame) > LANE_MAX_FRAME:
             return False
+        if timeline.RECORDER is not None:   # the frame is ready: sealing and the sendto follow
+            timeline.RECORDER.mark("send<")
         self._lane_send(frame)
         if timeline.RECORDER is not None:
             timeline.RECORDER.mark("send>")
