@@ -15,6 +15,7 @@ the speculative-decoding precedence). docs/config.md lists every option.
     max_memory = "6GB"
     shutdown_grace = 3.0                # seconds requests in flight get at SIGINT/SIGTERM
     prefix_cache = 3                    # finished sessions kept for prefix reuse (0: off)
+    busy_poll = false                   # spin, not sleep, while tokens flow (net/busypoll.py)
 
     [http]                              # the OpenAI endpoint (docs/api.md, Security)
     api_key = "..."                     # required when bound off loopback
@@ -91,6 +92,7 @@ class NodeSettings:
     max_memory: int | None = None       # bytes
     shutdown_grace: float | None = None  # seconds
     prefix_cache: int | None = None     # sessions kept for prefix reuse (serve/prefix_cache.py)
+    busy_poll: bool | None = None       # net/busypoll.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +218,13 @@ class _Reader:
             raise self.error(dotted, f"expected one of {', '.join(choices)}, got {v!r}")
         return v
 
+    def bool_(self, t: Mapping[str, Any], key: str, dotted: str) -> bool | None:
+        if key not in t:
+            return None
+        if not isinstance(t[key], bool):
+            raise self.error(dotted, f"expected true or false, got {t[key]!r}")
+        return t[key]
+
     def strs(self, t: Mapping[str, Any], key: str, dotted: str) -> tuple[str, ...]:
         v = t.get(key, [])
         if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
@@ -300,7 +309,7 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
 
     node_t = r.table(data, "node", "node")
     r.warn_unknown(node_t, "node.", ("name", "http_port", "quic_port", "max_memory", "shutdown_grace",
-                                   "prefix_cache"))
+                                   "prefix_cache", "busy_poll"))
     node = NodeSettings(
         name=r.str_(node_t, "name", "node.name"),
         http_port=r.int_(node_t, "http_port", "node.http_port", 0, 65535),
@@ -308,6 +317,7 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
         max_memory=r.size_(node_t, "max_memory", "node.max_memory"),
         shutdown_grace=r.float_(node_t, "shutdown_grace", "node.shutdown_grace", 0, MAX_SHUTDOWN_GRACE),
         prefix_cache=r.int_(node_t, "prefix_cache", "node.prefix_cache", 0, MAX_PREFIX_CACHE),
+        busy_poll=r.bool_(node_t, "busy_poll", "node.busy_poll"),
     )
 
     http_t = r.table(data, "http", "http")
@@ -331,9 +341,7 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
     share = None
     for name in models_t:
         if name == "share" and not isinstance(models_t[name], dict):   # [models] share = bool
-            if not isinstance(models_t[name], bool):
-                raise r.error("models.share", f"expected true or false, got {models_t[name]!r}")
-            share = models_t[name]
+            share = r.bool_(models_t, "share", "models.share")
             continue
         mt = r.table(models_t, name, f"models.{name}")
         r.warn_unknown(mt, f"models.{name}.", ("speculative",))

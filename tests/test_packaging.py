@@ -41,7 +41,8 @@ def test_the_wheel_carries_the_code_the_tui_and_the_assets(tmp_path):
     assert wheel.name.startswith(f"meshnode-{__version__}-py3-none-any")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {
-        "meshnode/__init__.py", "meshnode/cli/service.py", "meshnode/engine/_tap.c", "meshnode/py.typed",
+        "meshnode/__init__.py", "meshnode/cli/service.py", "meshnode/engine/_tap.c", "meshnode/net/_spin.c",
+        "meshnode/py.typed",
         "ui/app.py", "meshnode_assets/__init__.py", "meshnode_assets/icons/meshnode.svg",
         "meshnode_assets/examples/config.toml", "meshnode_assets/examples/model-package.json",
         *(f"meshnode_assets/icons/meshnode-{s}.png" for s in ICON_SIZES),

@@ -298,13 +298,15 @@ def _restore_terminal(saved: list | None) -> None:
             termios.tcsetattr(sys.__stdin__.fileno(), termios.TCSANOW, saved)
 
 
-def run_tui(make_node: Callable[[], ManagedNode], *, refresh_hz: float = 4.0) -> int:
+def run_tui(make_node: Callable[[], ManagedNode], *, refresh_hz: float = 4.0,
+            loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> int:
     """Run the node and the TUI in one asyncio loop until the user quits.
 
     ``make_node`` is called inside the loop (so the node may bind loop resources in its
     constructor); the node is started once the UI is up and stopped when it closes,
     however it closes (q, SIGINT or SIGTERM; a second signal exits at once with 128 + its
     number). Returns the process exit code (1 when the node failed to start).
+    ``loop_factory``: the node's event loop (e.g. busy polling), as for :class:`asyncio.Runner`.
     """
 
     async def main() -> int:
@@ -335,5 +337,5 @@ def run_tui(make_node: Callable[[], ManagedNode], *, refresh_hz: float = 4.0) ->
         code = app.return_code
         return 1 if code is None and app.node_state == "failed" else int(code or 0)
 
-    with _terminal_logging_muted():
-        return asyncio.run(main())
+    with _terminal_logging_muted(), asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(main())

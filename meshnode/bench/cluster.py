@@ -114,6 +114,16 @@ class LocalNode:
                 self.proc.wait()
 
 
+def add_busy_poll_option(p) -> None:
+    """``--busy-poll`` of the benchmarks that start nodes (:func:`busy_poll_flags`)."""
+    p.add_argument("--busy-poll", action="store_true",
+                   help="every node busy-polls (meshnode serve --busy-poll; default: they sleep)")
+
+
+def busy_poll_flags(args) -> tuple[str, ...]:
+    return ("--busy-poll",) if args.busy_poll else ()
+
+
 def cpu_flags(index: int, n_nodes: int, threads: int, *, pin: bool) -> tuple[str, ...]:
     """``--cpus`` for node ``index`` of ``n_nodes`` on this machine: its own ``threads``
     CPUs, when the machine has enough for every node (else none: leave it to the OS).

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
-from meshnode.bench.cluster import sse_chunks
+from meshnode.bench.cluster import add_busy_poll_option, busy_poll_flags, sse_chunks
 from meshnode.bench.timeline import TokenPath
 from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, positive_int
 
@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPUs for the nodes, e.g. 0,1: node i of each configuration sees only "
                         "device LIST[i mod len] (CUDA_VISIBLE_DEVICES), one node process per GPU "
                         "(default: every node sees every GPU)")
+    add_busy_poll_option(p)
     p.add_argument("--pin", action="store_true",
                    help="give each node of a configuration CPUs of its own (--cpus), when the "
                         "machine has enough (default: the OS places them)")
@@ -204,7 +205,8 @@ def _run_configs(model_ref, args, stage_counts, concurrency, marks: "_Timeline")
 
     from meshnode.bench.cluster import LocalCluster, cpu_flags
 
-    gl = ("--gpu-layers", gpu_layers_flag(args.gpu_layers))
+    gl = ("--gpu-layers", gpu_layers_flag(args.gpu_layers),
+          *busy_poll_flags(args))
     flags = (*gl, "--threads", str(args.threads), "--parallel", str(max(concurrency)), "--ctx", "1024",
              "--batch", "64", "--spec-mode", "off", "--model", str(model_ref.path))
     ends: dict[int, tuple] = {}

@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 
-from meshnode.bench.cluster import sse_chunks
+from meshnode.bench.cluster import add_busy_poll_option, busy_poll_flags, sse_chunks
 from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, positive_int
 
 HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model on a 2-stage split"
@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-layers", type=gpu_layers, default=-1, metavar="N|all|auto", help=GPU_LAYERS_HELP)
     p.add_argument("--draft-max", type=positive_int, default=None, metavar="N",
                    help="largest verify window on every node (default: the node's, 32)")
+    add_busy_poll_option(p)
     p.add_argument("--pin", action="store_true",
                    help="give each node CPUs of its own (--cpus), when the machine has enough "
                         "(default: the OS places them)")
@@ -352,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
     common = ("--gpu-layers", gpu_layers_flag(args.gpu_layers), "--threads", str(args.threads), "--ctx", str(args.ctx),
               "--batch", "64", "--parallel", "1",
               *(("--decode-threads", str(args.decode_threads)) if args.decode_threads else ()),
-              *(("--draft-max", str(args.draft_max)) if args.draft_max else ()))
+              *(("--draft-max", str(args.draft_max)) if args.draft_max else ()), *busy_poll_flags(args))
     rounds = args.rounds or (2 if args.quick else 3)
     # raw[workload][strategy][prompt index] = one run per round
     raw = {w: {s: [[] for _ in workloads[w]] for s in strategies} for w in WORKLOADS}

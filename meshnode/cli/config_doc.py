@@ -39,6 +39,10 @@ KEYS: dict[str, tuple[str, str, str]] = {
                           "finished requests whose KV is kept on every stage, so a prompt that "
                           "begins with one's tokens prefills only the rest (docs/api.md, \"Prefix "
                           "reuse\"); at most `--parallel` - 1; 0: off"),
+    "node.busy_poll": ("bool", "--busy-poll, --no-busy-poll",
+                       "while tokens flow, the event loop waits for the network on a spinning CPU "
+                       "core instead of sleeping: shorter hops on a split's token path, for a core "
+                       "kept busy (docs/mesh.md, \"Busy polling\")"),
     "http.api_key": ("string", "--api-key, $MESHNODE_API_KEY",
                      "clients must send `Authorization: Bearer <key>`; a node bound off loopback "
                      "(`--host`) refuses to start without one. Keep the file private (mode 0600)"),
@@ -115,6 +119,7 @@ def defaults() -> dict[str, object]:
         "node.name": kw["name"], "node.http_port": kw["http_port"], "node.quic_port": kw["port"],
         "node.max_memory": kw["max_memory"], "node.shutdown_grace": kw["shutdown_grace"],
         "node.prefix_cache": kw["service"].prefix_cache if kw["service"] else None,
+        "node.busy_poll": False if args.busy_poll is None else args.busy_poll,   # cli/run.py: loop_factory
         "http.api_key": sec.api_key, "http.allowed_hosts": list(sec.allowed_hosts),
         "http.cors_origins": list(sec.cors_origins), "http.max_body": sec.max_body,
         "http.max_queue": kw["service"].max_queue if kw["service"] else _max_queue(args),

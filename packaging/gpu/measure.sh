@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-12}
+PART=${1:?part 1-15}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -201,5 +201,36 @@ if [ "$PART" = 12 ]; then
   serve_l8b "bench serve 8b, both stages on GPU 0 (--cuda-devices 0), --threads $T" --cuda-devices 0 --threads "$T"
   serve_l8b "bench serve 8b, one node process per GPU (--cuda-devices 0,1), --threads $T" --cuda-devices 0,1 --threads "$T"
   nvidia-smi --query-gpu=name,memory.total --format=csv >>"$LOG" 2>&1
+fi
+# Parts 13-15: busy polling (meshnode serve --busy-poll, net/busypoll.py) against sleeping
+# waits, each in its own bench serve run with its own one-node baseline: part 13 on two
+# GPUs (one node process per GPU), part 14 on one; part 15 runs n-gram speculation on a
+# 2-stage split of SmolLM2 on one GPU (windows up to 8 rows, exact with steps padded to 8),
+# its GGUF carried in two halves (.gpuwt/smol/part1 with part 13 or 14, part2 with part 15:
+# .gpukit and part2 together exceed what a call carries). On a 2-GPU machine, fresh, then
+# part 15 on the same warm machine (within 30 s, naming the same kind):
+#   carry [.gpukit, .gpuwt/smol], kind nvidia-h100-x2:
+#     . .gpukit/device-setup.sh && bash packaging/gpu/measure.sh 14 "$OUT"
+#   carry [.gpuwt/smol] (part2 now), kind nvidia-h100-x2, with what device-setup.sh set by hand:
+#     export PYTHONPATH=$PWD:/tmp/site MESHNODE_KEYRING=file LD_PRELOAD=<system libstdc++.so.6>
+#     bash packaging/gpu/measure.sh 15 "$OUT"
+if [ "$PART" = 13 ] || [ "$PART" = 14 ]; then
+  mkdir -p "$SMOLDIR" && cp "$(dirname "$KIT")"/.gpuwt/smol/part1 "$SMOLDIR"/ 2>/dev/null
+  write_l8b
+  T=${MEASURE_THREADS:-1}
+  if [ "$PART" = 13 ]; then DEV=0,1; WHERE="one node process per GPU"; else DEV=0; WHERE="both stages on GPU 0"; fi
+  serve_l8b "bench serve 8b, $WHERE, sleeping waits" --cuda-devices $DEV --threads "$T"
+  serve_l8b "bench serve 8b, $WHERE, --busy-poll" --cuda-devices $DEV --threads "$T" --busy-poll
+  nvidia-smi --query-gpu=name,memory.total --format=csv >>"$LOG" 2>&1
+fi
+if [ "$PART" = 15 ]; then
+  mkdir -p "$SMOLDIR" && cp "$(dirname "$KIT")"/.gpuwt/smol/part2 "$SMOLDIR"/ 2>/dev/null
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  step 200 "bench spec SmolLM2, 2 stages on GPU 0, steps padded to 8 rows (windows <= 8), --busy-poll" \
+    env MESHNODE_GPU_PAD_ROWS=8 CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" --quick \
+    --strategies baseline,ngram_auto --gpu-layers all --delay-ms 0 --busy-poll --json
+  step 120 "bench serve SmolLM2, one GPU (one node's plain decoding), --busy-poll" env CUDA_VISIBLE_DEVICES=0 \
+    "$PY" -m meshnode bench serve --model "$SMOL" --stages 1,2 --concurrency 1 --tokens 64 --rounds 2 \
+    --gpu-layers all --busy-poll --json
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
