@@ -17,6 +17,7 @@ import pytest
     ["bench", "spec", "--draft-quant", "half"],
     ["bench", "spec", "--draft-layers", "0"],
     ["bench", "serve", "--rounds", "0"],
+    ["bench", "serve", "--temperature", "-1"],
     ["bench", "serve", "--cuda-devices", "0,gpu1"],
     ["bench", "engine", "--gap-ms", "-1"],
     ["bench", "engine", "--gap-ms", "soon"],

@@ -246,3 +246,47 @@ def test_greedy_token_rejects_what_as_row_rejects(bad, message):
 
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
         greedy_token(np.asarray(bad, dtype=np.float32))
+
+
+# ---- the two-level inverse-CDF draw ----------------------------------------------
+
+
+class _FixedUniform:
+    """An rng whose every uniform is ``u``."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def _plain_draw(p: np.ndarray, u: float) -> int:
+    cum = np.cumsum(p)
+    i = int(np.searchsorted(cum, u * cum[-1], side="right"))
+    return i if i < p.size and p[i] > 0 else int(np.flatnonzero(p > 0)[-1])
+
+
+def test_the_two_level_draw_picks_what_a_plain_inverse_cdf_does():
+    from meshnode.spec.acceptance import _DRAW_BLOCK, _draw
+
+    rng = np.random.default_rng(3)
+    for size in (1, 7, _DRAW_BLOCK, _DRAW_BLOCK + 1, 5 * _DRAW_BLOCK + 17):
+        p = rng.random(size) ** 4
+        p[rng.random(size) < 0.3] = 0.0          # zero weights, some at block edges
+        p[-1] = 0.0
+        if not p.any():
+            p[0] = 1.0
+        cum = np.cumsum(p)
+        for u in (*rng.random(200), 0.0, 0.9999999999999999):
+            got, want = _draw(p, _FixedUniform(u)), _plain_draw(p, u)
+            assert p[got] > 0
+            # the same index, but where rounding puts u on a boundary (then a neighbour)
+            assert got == want or abs(cum[min(got, want)] - u * cum[-1]) < 1e-9 * cum[-1], (size, u, got, want)
+
+
+def test_a_draw_from_nothing_is_refused():
+    from meshnode.spec.acceptance import _draw
+
+    with pytest.raises(ValueError, match="zero distribution"):
+        _draw(np.zeros(3000), _FixedUniform(0.5))

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from meshnode.bench.cluster import add_busy_poll_option, busy_poll_flags, sse_chunks
 from meshnode.bench.timeline import TokenPath
-from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, positive_int
+from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, non_negative_float, positive_int
 
 HELP = "serving benchmark: single node vs 2/3-stage splits (decode, TTFT, prefill, concurrency)"
 
@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="give each node of a configuration CPUs of its own (--cpus), when the "
                         "machine has enough (default: the OS places them)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream (default 64)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="sampling temperature of the streams (default 0: greedy; seeded, so "
+                        "every configuration samples the same text)")
     p.add_argument("--concurrency", default="1,4,8", help="concurrent streams (default 1,4,8)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="interleaved rounds over all configurations (default 3; medians reported)")
@@ -107,20 +110,20 @@ class _Timeline:
             self.root = None
 
 
-def _stream(base: str, model: str, prompt: str, max_tokens: int, inside=None) -> dict:
+def _stream(base: str, model: str, prompt: str, max_tokens: int, inside=None, temperature: float = 0.0) -> dict:
     """One streamed chat completion: TTFT, tokens, timings. ``inside``: a context manager
     putting this thread in the node's namespace (``--netns``) for the request."""
     import contextlib
 
     with (inside or contextlib.nullcontext)():
-        return _stream_here(base, model, prompt, max_tokens)
+        return _stream_here(base, model, prompt, max_tokens, temperature)
 
 
-def _stream_here(base: str, model: str, prompt: str, max_tokens: int) -> dict:
+def _stream_here(base: str, model: str, prompt: str, max_tokens: int, temperature: float) -> dict:
     import httpx
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": temperature, "seed": 1, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft = t_first = None
     stamps: list[float] = []
@@ -139,12 +142,12 @@ def _stream_here(base: str, model: str, prompt: str, max_tokens: int) -> dict:
             "tokens": (usage or {}).get("completion_tokens", 0), "timings": timings or {}}
 
 
-def _aggregate(base: str, model: str, inside, tokens: int, c: int) -> float:
+def _aggregate(base: str, model: str, inside, tokens: int, c: int, temperature: float) -> float:
     """Aggregate decode tokens/s of ``c`` concurrent streams in the steady state: text
     chunks (~tokens) that arrive while every stream is decoding, i.e. between the last
     stream's first token and the first stream's end, over that window."""
     with ThreadPoolExecutor(c) as ex:
-        results = list(ex.map(lambda _: _stream(base, model, STORY, tokens, inside), range(c)))
+        results = list(ex.map(lambda _: _stream(base, model, STORY, tokens, inside, temperature), range(c)))
     lo = max(r["t_first"] for r in results)
     hi = min(r["stamps"][-1] if r["stamps"] else r["t_end"] for r in results)
     n = sum(sum(1 for t in r["stamps"] if lo < t <= hi) for r in results)
@@ -241,7 +244,7 @@ def _run_configs(model_ref, args, stage_counts, concurrency, marks: "_Timeline")
             for n in _rotated(stage_counts, r):
                 base, model, inside = ends[n]
                 t0 = time.perf_counter_ns()
-                one = _stream(base, model, STORY, args.tokens, inside)
+                one = _stream(base, model, STORY, args.tokens, inside, args.temperature)
                 marks.window(n, t0, time.perf_counter_ns())
                 pre = _stream(base, model, LONG_PROMPT, 1, inside)
                 got[n] = {"decode_tok_s": one["timings"].get("predicted_per_second", 0.0),
@@ -251,7 +254,7 @@ def _run_configs(model_ref, args, stage_counts, concurrency, marks: "_Timeline")
             for c in concurrency:
                 got["ceiling"][str(c)] = ceiling.tok_s(c)
                 for n in _rotated(stage_counts, r):
-                    got[n]["aggregate_tok_s"][str(c)] = _aggregate(*ends[n], args.tokens, c)
+                    got[n]["aggregate_tok_s"][str(c)] = _aggregate(*ends[n], args.tokens, c, args.temperature)
             rounds.append(got)
         stack.close()   # the nodes write their marks when they stop
     out = _summarize(rounds, stage_counts, concurrency)
@@ -355,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     paths = NodePaths.resolve(args.home).ensure()
     place = "network namespaces on a bridge (own addresses, 1500-byte MTU)" if args.netns else "loopback"
-    print(f"serve benchmark: {place}, {args.threads} thread(s) per stage, speculation off, "
+    sampling = f"temperature {args.temperature:g} (seeded)" if args.temperature else "greedy"
+    print(f"serve benchmark: {place}, {args.threads} thread(s) per stage, speculation off, {sampling}, "
           f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
     out = {}
     ref = resolve_model(args.model, paths)

@@ -143,15 +143,32 @@ def probs(
     return out
 
 
+_DRAW_BLOCK = 1024
+
+
 def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
-    """Inverse-CDF draw from an (unnormalised, non-negative) distribution."""
-    cum = np.cumsum(p, dtype=np.float64)
+    """Inverse-CDF draw from an (unnormalised, non-negative) distribution.
+
+    In two levels, sums of blocks of :data:`_DRAW_BLOCK` weights and then the cumulative
+    sums of the one block the draw falls in: a float64 ``cumsum`` over the vocabulary took
+    110 us a sampled token for 49k entries and 296 us for 128k on the 2-core VM, the two
+    levels 20 and 36 us. One ``rng.random()`` per draw, as a plain inverse CDF; the index
+    differs from it only where rounding puts the uniform within ~1e-16 of a boundary."""
+    n = p.size
+    starts = np.arange(0, n, _DRAW_BLOCK)
+    cum = np.cumsum(np.add.reduceat(p, starts), dtype=np.float64)
     total = cum[-1]
     if not total > 0:
         raise ValueError("cannot sample from a zero distribution")
-    idx = int(np.searchsorted(cum, rng.random() * total, side="right"))
-    if idx >= p.size or p[idx] <= 0:  # u * total rounded up to total
-        idx = int(np.flatnonzero(p > 0)[-1])
+    u = rng.random() * total
+    b = min(int(np.searchsorted(cum, u, side="right")), cum.size - 1)   # u rounded up to total
+    lo = int(starts[b])
+    block = p[lo:lo + _DRAW_BLOCK]
+    inner = (cum[b - 1] if b else 0.0) + np.cumsum(block, dtype=np.float64)
+    idx = lo + min(int(np.searchsorted(inner, u, side="right")), block.size - 1)
+    if p[idx] <= 0:   # rounding landed on a zero weight: the block's last positive one
+        positive = np.flatnonzero(block > 0)
+        idx = lo + int(positive[-1]) if positive.size else int(np.flatnonzero(p > 0)[-1])
     return idx
 
 
