@@ -290,3 +290,32 @@ def test_a_draw_from_nothing_is_refused():
 
     with pytest.raises(ValueError, match="zero distribution"):
         _draw(np.zeros(3000), _FixedUniform(0.5))
+
+
+def _top_p_reference(row: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """top-p by its definition: the whole vocabulary sorted (stable), then tempered."""
+    row = np.asarray(row, dtype=np.float64)
+    p = np.exp(row - row.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    n = int(np.searchsorted(np.cumsum(p[order]), top_p, side="left")) + 1
+    keep = order[:min(n, order.size)]
+    z = row[keep] / temperature
+    out = np.zeros(row.size)
+    out[keep] = np.exp(z - z.max())
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat", "ties", "two_peaks"])
+def test_top_p_sorts_only_the_head_yet_equals_the_definition(shape):
+    rng = np.random.default_rng(11)
+    for trial in range(20):
+        v = int(rng.integers(2, 70_000))
+        row = rng.standard_normal(v) * {"peaked": 4.0, "flat": 0.05, "ties": 2.0, "two_peaks": 1.0}[shape]
+        if shape == "ties":
+            row = np.round(row)                   # many equal logits: stable order decides
+        if shape == "two_peaks":
+            row[rng.integers(0, v, 2)] += 12.0
+        for top_p in (0.5, 0.9, 0.95, 0.999):
+            got = probs(row.astype(np.float32), 0.8, top_p=top_p)
+            assert np.array_equal(got, _top_p_reference(row.astype(np.float32), 0.8, top_p)), (shape, trial, v, top_p)

@@ -3,10 +3,10 @@
 Theory of operation. On a split's token path every message wakes a process that went to
 sleep in ``epoll_wait`` a millisecond or two earlier: the sending stage's next stage, then
 the coordinator when the token comes back. Waking a sleeping process (and the idle CPU
-under it) is most of what a hop costs on a fast host: a UDP ping-pong between two asyncio
-processes takes ~45 us a hop on the 2-core VM, and the token path's hops measured
-110-160 us on the GPU host, with a token every 4-5 ms. Spinning on the socket instead of
-sleeping removes that wake-up, at the price of a CPU kept busy while the loop waits.
+under it) is a good part of what a hop costs: with busy polling the token path's hops
+measured 79-104 us against 124-143 us on a two-H200 host, 55 against 112 us on the 2-core
+VM (docs/mesh.md, "Busy polling"). Spinning on the socket instead of sleeping removes that
+wake-up, at the price of a CPU core kept busy while the loop waits.
 
 :class:`BusyPollSelector` is the loop's ordinary selector (epoll on Linux, kqueue on
 macOS) that, for ``window_s`` after the last time something was ready, waits by polling
@@ -16,8 +16,8 @@ nothing to read for ``window_s`` sleeps as before, so an idle node costs nothing
 
 It pays where a CPU can be spared: a node whose stages run on a GPU (the CPU mostly waits
 anyway). On a CPU node whose llama.cpp threads use every core, the spinning loop takes a
-core from them. ``busy_poll`` in the node's config (docs/config.md) turns it on;
-:func:`busy_poll_loop_factory` builds the loop.
+core from them. So it is off unless ``--busy-poll`` or ``[node] busy_poll`` turns it on
+(``cli/run.py``: ``loop_factory``); :func:`busy_poll_loop_factory` builds the loop.
 """
 
 from __future__ import annotations

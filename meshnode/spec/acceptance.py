@@ -118,15 +118,15 @@ def probs(
         p = np.exp(vals - vals.max())
         p /= p.sum()
         sub = np.arange(cand.size)
-        m = _TOP_P_PRESELECT
-        while m < cand.size:
-            # real distributions are peaked: a small head usually holds top_p of the
-            # mass, so sort only that (growing it 16x at a time), not the vocabulary
-            head = np.argpartition(-p, m - 1)[:m]
+        for tau in _top_p_thresholds(p):
+            # Real distributions are peaked: the few tokens of probability >= tau usually
+            # hold top_p of the mass. Every other token is less probable than each of
+            # them, so the prefix sought lies among them, in the same stable order: sort
+            # only those, not the vocabulary.
+            head = np.flatnonzero(p >= tau)
             if p[head].sum() >= top_p:
                 sub = head
                 break
-            m *= 16
         order = sub[np.argsort(-p[sub], kind="stable")]
         cum = np.cumsum(p[order])
         # smallest prefix whose mass reaches top_p (always at least one token)
@@ -144,6 +144,19 @@ def probs(
 
 
 _DRAW_BLOCK = 1024
+
+
+def _top_p_thresholds(p: np.ndarray):
+    """Probabilities to cut a top-p head at, cheapest first: 1/256 (at most 256 tokens are
+    that probable: one comparison over the vocabulary), then the 256th, 4096th and
+    65536th largest probabilities (a partition each, ~0.15 ms over 49k). None for a
+    vocabulary that small: the caller sorts it whole."""
+    m = _TOP_P_PRESELECT
+    if p.size > m:
+        yield 1.0 / m
+    while m < p.size:
+        yield np.partition(p, p.size - m)[p.size - m]
+        m *= 16
 
 
 def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
