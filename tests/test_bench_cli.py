@@ -6,6 +6,7 @@ The checks run :func:`meshnode.cli.main` in this process; the ``slow`` tests run
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -34,6 +35,7 @@ import pytest
     ["bench", "prefix", "--spec-mode", "maybe"],
     ["bench", "net", "--iters", "0"],
     ["bench", "net", "--bulk-rows", "x"],
+    ["bench", "sample", "--iters", "0"],
 ])
 def test_bad_benchmark_options_are_refused_up_front(tmp_path, args, meshnode_main):
     r = meshnode_main("--home", str(tmp_path), *args)
@@ -69,3 +71,18 @@ def test_the_meshnode_command_refuses_bad_benchmark_options(tmp_path, args, mess
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
     assert message in r.stderr.strip().splitlines()[-1]   # one line says what is wrong
+
+
+@pytest.mark.slow
+def test_bench_sample_times_every_setting_against_greedy(tmp_path, synthetic_gguf):
+    model = synthetic_gguf("tiny.gguf", n_layer=2, vocab=4096)
+    r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), "bench", "sample",
+                        "--model", str(model), "--iters", "3", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["vocab"] == 4096
+    assert set(res["us"]) == {"code", "story", "question", "random"}
+    for by in res["us"].values():
+        assert set(by) == {"greedy", "T=0.7", "T=0.7 top_p=0.9", "T=1 top_p=0.95", "T=0.7 top_k=40"}
+        assert all(us > 0 for us in by.values())
+    assert "ratio against greedy" in r.stdout

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "prefix": "prefix_bench",
     "replay": "replay_bench",
     "report": "report",
+    "sample": "sample_bench",
     "serve": "serve_bench",
     "share": "share_bench",
     "soak": "soak_bench",
