@@ -18,7 +18,6 @@ import pytest
 from meshnode.cli.run import loop_factory
 from meshnode.net import busypoll
 from meshnode.net.busypoll import BusyPollSelector, busy_poll_loop_factory
-from meshnode.paths import NodePaths
 
 
 @pytest.fixture(scope="module")
@@ -130,16 +129,17 @@ def test_a_busy_polling_loop_serves_datagrams(spin):
         assert runner.run(echo_round_trips(50)) > 0
 
 
-def test_the_flag_over_the_config_over_off(tmp_path, monkeypatch):
-    paths = NodePaths.resolve(tmp_path).ensure()
+def test_the_flag_over_the_config_over_off(monkeypatch):
+    from meshnode.config import parse_config
+
     windows: list[float] = []
     monkeypatch.setattr(busypoll, "busy_poll_loop_factory", lambda w: windows.append(w))
     flag = lambda v: argparse.Namespace(busy_poll=v)   # noqa: E731
-    loop_factory(flag(None), paths)                            # default: off
-    loop_factory(flag(True), paths)
-    paths.config_file.write_text("[node]\nbusy_poll = true\n")
-    loop_factory(flag(None), paths)                            # the file
-    loop_factory(flag(False), paths)                           # --no-busy-poll wins
+    none, on_file = parse_config(""), parse_config("[node]\nbusy_poll = true\n")
+    loop_factory(flag(None), none)                             # default: off
+    loop_factory(flag(True), none)
+    loop_factory(flag(None), on_file)                          # the file
+    loop_factory(flag(False), on_file)                         # --no-busy-poll wins
     on = busypoll.WINDOW_S
     assert windows == [0.0, on, on, 0.0]
 

@@ -169,16 +169,16 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise MeshnodeError("--draft-model and --no-draft contradict each other")
 
 
-def _node_kwargs(args: argparse.Namespace, paths) -> dict:
-    """Node arguments from CLI flags over config.toml over defaults. Raises MeshnodeError."""
+def _node_kwargs(args: argparse.Namespace, paths, config=None) -> dict:
+    """Node arguments from CLI flags over config.toml (``config``, read from ``paths``
+    when None; reading it logs its warnings) over defaults. Raises MeshnodeError."""
     from meshnode.config import load_config
     from meshnode.node import DEFAULT_SHUTDOWN_GRACE
     from meshnode.serve.service import ServiceOptions
     from meshnode.spec.strategy import CliSpecOptions
 
-    config = load_config(paths.config_file)
-    for w in config.warnings:
-        log.warning("%s", w)
+    if config is None:
+        config = load_config(paths.config_file)
     node_cfg = config.node
     max_memory = args.max_memory if args.max_memory is not None else node_cfg.max_memory
     service = None
@@ -255,10 +255,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from meshnode.paths import NodePaths
 
     pin_cpus(args.cpus)
+    from meshnode.config import load_config
+
     paths = NodePaths.resolve(args.home).ensure()
     _log_to_file(args.log_level, paths.state / "meshnode.log")
-    kwargs = _node_kwargs(args, paths)
-    return int(run_tui(lambda: Node(paths, **kwargs), loop_factory=loop_factory(args, paths)) or 0)
+    config = load_config(paths.config_file)
+    kwargs = _node_kwargs(args, paths, config)
+    return int(run_tui(lambda: Node(paths, **kwargs), loop_factory=loop_factory(args, config)) or 0)
 
 
 def _log_to_file(level_name: str | None, path) -> None:
@@ -302,19 +305,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return cmd_run(args)
     pin_cpus(args.cpus)
     logging.getLogger("quic").setLevel(logging.WARNING)
+    from meshnode.config import load_config
     from meshnode.paths import NodePaths
 
-    with asyncio.Runner(loop_factory=loop_factory(args, NodePaths.resolve(args.home))) as runner:
-        return runner.run(serve_headless(args))
+    config = load_config(NodePaths.resolve(args.home).config_file)   # read once: it logs its warnings
+    with asyncio.Runner(loop_factory=loop_factory(args, config)) as runner:
+        return runner.run(serve_headless(args, config))
 
 
-def loop_factory(args: argparse.Namespace, paths) -> Callable[[], asyncio.AbstractEventLoop] | None:
+def loop_factory(args: argparse.Namespace, config) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The node's event loop: busy-polling (net/busypoll.py) or asyncio's default (None);
-    ``--busy-poll`` / ``--no-busy-poll`` over ``[node] busy_poll`` over off."""
-    from meshnode.config import load_config
+    ``--busy-poll`` / ``--no-busy-poll`` over ``[node] busy_poll`` (``config``) over off."""
     from meshnode.net.busypoll import WINDOW_S, busy_poll_loop_factory
 
-    on = _first(args.busy_poll, load_config(paths.config_file).node.busy_poll, False)
+    on = _first(args.busy_poll, config.node.busy_poll, False)
     return busy_poll_loop_factory(WINDOW_S if on else 0.0)
 
 
@@ -343,7 +347,7 @@ def _exit_after(seconds: float, code: int, why: str) -> threading.Timer:
     return timer
 
 
-async def serve_headless(args: argparse.Namespace) -> int:
+async def serve_headless(args: argparse.Namespace, config=None) -> int:
     """Run the node until SIGINT / SIGTERM, then stop it gracefully (status 0); a second
     signal exits at once with 128 + its number (130, 143), as a shell reports a process
     killed by it."""
@@ -351,7 +355,7 @@ async def serve_headless(args: argparse.Namespace) -> int:
     from meshnode.paths import NodePaths
 
     paths = NodePaths.resolve(args.home)
-    node = Node(paths, **_node_kwargs(args, paths))
+    node = Node(paths, **_node_kwargs(args, paths, config))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
