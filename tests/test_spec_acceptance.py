@@ -319,3 +319,16 @@ def test_top_p_sorts_only_the_head_yet_equals_the_definition(shape):
         for top_p in (0.5, 0.9, 0.95, 0.999):
             got = probs(row.astype(np.float32), 0.8, top_p=top_p)
             assert np.array_equal(got, _top_p_reference(row.astype(np.float32), 0.8, top_p)), (shape, trial, v, top_p)
+
+
+def test_probs_leaves_the_callers_logits_alone():
+    # probs works in place on its own float64 copy: a float64 row passed in stays as it was
+    row = np.random.default_rng(2).standard_normal(3000)
+    before = row.copy()
+    probs(row, 0.7)
+    probs(row, 0.7, top_k=50)
+    probs(row, 1.3, top_p=0.8)
+    assert np.array_equal(row, before)
+    z = row / 0.7                               # and gives the out-of-place softmax, bit for bit
+    ref = np.exp(z - z.max())
+    assert np.array_equal(probs(row, 0.7), ref / ref.sum())
