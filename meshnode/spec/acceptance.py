@@ -134,7 +134,10 @@ def probs(
         keep = cand[order[: min(n_keep, order.size)]]
     # in place: no new vocabulary-sized temporaries (each is ~0.4 MB of fresh pages for a
     # 49k vocabulary); the same operations in the same order, so the same bits
-    z = row[keep] if keep is not None else row.copy() if row is logits_row else row
+    if keep is not None:
+        z = row[keep]                       # fancy indexing: already a copy
+    else:                                   # _as_row returns a float64 input itself
+        z = row.copy() if row is logits_row else row
     z /= temperature
     z -= z.max()
     np.exp(z, out=z)
