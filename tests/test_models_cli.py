@@ -48,3 +48,70 @@ def test_user_errors_are_one_line(tmp_path: Path, synthetic_gguf, capsys):
 
 def test_parse_range():
     assert parse_range("0:10") == (0, 10)
+
+
+def test_quantize_writes_a_store_model(tmp_path: Path, synthetic_gguf, meshnode_main):
+    home = str(tmp_path / "home")
+    src = synthetic_gguf("tiny-f32.gguf", n_layer=2)
+    r = meshnode_main("models", "quantize", str(src), "q8_0", "--home", home, "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert "tiny-q8_0: tiny-f32 quantized to Q8_0" in r.stdout
+    assert "meshnode --model tiny-q8_0" in r.stdout
+    r = meshnode_main("models", "info", "tiny-q8_0", "--home", home, "--json")
+    info = json.loads(r.stdout)
+    assert (info["file_type"], info["n_layers"]) == ("MOSTLY_Q8_0", 2)
+    assert info["size"] < src.stat().st_size / 2          # 8.5 bits a weight against 32
+    r = meshnode_main("models", "list", "--home", home, "--json")
+    assert [m["name"] for m in json.loads(r.stdout)] == ["tiny-q8_0"]
+
+    # the same name again: refused, the first copy kept
+    before = Path(info["path"]).read_bytes()
+    r = meshnode_main("models", "quantize", str(src), "Q8_0", "--home", home)
+    assert r.returncode == 2 and "tiny-q8_0 is already in the store" in r.stderr
+    assert Path(info["path"]).read_bytes() == before
+    # a name of its own works
+    r = meshnode_main("models", "quantize", "tiny-q8_0", "q4_0", "--name", "tiny.small", "--home", home)
+    assert r.returncode == 0, r.stderr
+    r = meshnode_main("models", "info", "tiny.small", "--home", home, "--json")
+    assert json.loads(r.stdout)["file_type"] == "MOSTLY_Q4_0"
+
+
+def test_quantize_user_errors(tmp_path: Path, synthetic_gguf, meshnode_main):
+    home = str(tmp_path / "home")
+    src = synthetic_gguf(n_layer=2)
+    r = meshnode_main("models", "quantize", str(src), "Q9_X", "--home", home)
+    assert r.returncode == 2 and "unknown quantization type 'Q9_X'; choose one of Q4_0" in r.stderr
+    for bad in ("../up", ".hidden", "a/b", ""):
+        r = meshnode_main("models", "quantize", str(src), "q8_0", "--name", bad, "--home", home)
+        assert r.returncode == 2 and "--name" in r.stderr and "Traceback" not in r.stderr, bad
+    notgguf = tmp_path / "x.gguf"
+    notgguf.write_bytes(b"not a model at all" * 10)
+    r = meshnode_main("models", "quantize", str(notgguf), "q8_0", "--home", home)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert not (tmp_path / "home").exists() or not any((tmp_path / "home").rglob("*.gguf"))
+
+
+def test_quantize_reports_each_tensor(tmp_path: Path, synthetic_gguf):
+    from meshnode.engine.quantize import requantize
+    from meshnode.models.gguf_info import read_model_info
+
+    src = synthetic_gguf(n_layer=2)
+    info = read_model_info(src)
+    n_tensors = len(info.other_tensors) + sum(len(b) for b in info.blocks)
+    seen: list[tuple[int, int]] = []
+    requantize(src, tmp_path / "q.gguf", "Q8_0", progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(i, n_tensors) for i in range(n_tensors)]
+
+
+@pytest.mark.parametrize("name, ftype, want", [
+    ("smollm2-135m-instruct-q4_1", "Q4_0", "smollm2-135m-instruct-q4_0"),
+    ("SmolLM2-135M-Instruct.Q4_1", "Q8_0", "SmolLM2-135M-Instruct-q8_0"),
+    ("gemma-3-270m-q4_k_m", "Q8_0", "gemma-3-270m-q8_0"),
+    ("llama-f16", "Q4_K_M", "llama-q4_k_m"),
+    ("mymodel", "Q4_0", "mymodel-q4_0"),
+    ("q4_0", "Q8_0", "q4_0-q8_0"),
+])
+def test_derived_name(name, ftype, want):
+    from meshnode.cli.models import derived_name
+
+    assert derived_name(name, ftype) == want

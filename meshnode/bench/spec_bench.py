@@ -104,12 +104,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _quant_type(name: str) -> str:
-    """argparse type: a llama.cpp quantization name (checked here, before any work)."""
-    from meshnode.engine.quantize import QUANT_TYPES
+    """argparse type: a llama.cpp quantization name (checked here, before any work; the
+    engine is imported only when the option is given)."""
+    from meshnode.engine.quantize import quant_type_name
 
-    if name.upper() not in QUANT_TYPES:
-        raise argparse.ArgumentTypeError(f"unknown type {name!r}; choose one of {', '.join(QUANT_TYPES)}")
-    return name.upper()
+    try:
+        return quant_type_name(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # ---- the relay, in a thread of its own (the benchmark itself blocks on HTTP) ----------

@@ -4,6 +4,7 @@
     meshnode models fetch [MODEL] [--verify]   fetch (or re-check) the default / a known model
     meshnode models info MODEL [--tensors]     GGUF metadata summary
     meshnode models slice MODEL --range A:B -o OUT
+    meshnode models quantize MODEL TYPE [--name NAME]   a requantized copy in the store
     meshnode models certify ...                (registered by meshnode/cli/certify.py)
 
 MODEL is a path to a GGUF, a name in the store, or a known model's name; omitted where
@@ -13,9 +14,13 @@ optional, it means the default model. Heavy modules are imported inside the hand
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import sys
 
+from meshnode.argtypes import positive_int
 from meshnode.cli import add_common_options
 from meshnode.errors import MeshnodeError
 
@@ -26,8 +31,8 @@ class UsageError(MeshnodeError):
 
 def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """Add ``meshnode models`` to ``sub``; return its subcommand group (``models_sub``)."""
-    p = sub.add_parser("models", help="list, fetch, inspect and slice models",
-                       description="The model store: list, fetch, inspect and slice GGUF models.")
+    p = sub.add_parser("models", help="list, fetch, inspect, slice and requantize models",
+                       description="The model store: list, fetch, inspect, slice and requantize GGUF models.")
     add_common_options(p)
     models_sub = p.add_subparsers(dest="models_command", metavar="SUBCOMMAND", required=True)
 
@@ -71,6 +76,26 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     sp.add_argument("-o", "--output", required=True, metavar="OUT", help="file to write")
     sp.set_defaults(func=cmd_slice)
 
+    qp = models_sub.add_parser(
+        "quantize", help="write a copy of a model at another quantization into the store",
+        description="Write a copy of MODEL quantized to TYPE by llama.cpp's quantizer into the "
+                    "store, as a model of its own. On a CPU, weight types with batched kernels "
+                    "(Q4_0, Q8_0) make speculation's verify windows and prefill cheaper than "
+                    "Q4_1 or the k-quants (docs/speculative.md, 'What bounds the gain'). "
+                    "The copy is a different model: its answers can differ from the source's, "
+                    "and every node of a split serves the same file (peers pull it when they "
+                    "lack it).")
+    add_common_options(qp)
+    qp.add_argument("model", metavar="MODEL", help="path, store name or known model")
+    qp.add_argument("type", metavar="TYPE", type=_quant_type,
+                    help="llama.cpp's name of the target type: Q4_0, Q8_0, Q4_K_M, F16, ...")
+    qp.add_argument("--name", default=None,
+                    help="the copy's name in the store (default: the source's name with its "
+                         "quantization replaced, e.g. smollm2-135m-instruct-q4_0)")
+    qp.add_argument("--threads", type=positive_int, default=None,
+                    help="quantizer threads (default: every core)")
+    qp.set_defaults(func=cmd_quantize)
+
     for name, helptext in (("share", "let members pull a model of the store (the default while sharing is on)"),
                            ("unshare", "keep a model of the store from members"),
                            ("rm", "delete a model from the store")):
@@ -90,6 +115,17 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     return models_sub
 
 
+def _quant_type(name: str) -> str:
+    """argparse type: a llama.cpp quantization name (the engine is imported only when the
+    command is parsed with one)."""
+    from meshnode.engine.quantize import quant_type_name
+
+    try:
+        return quant_type_name(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_range(text: str) -> tuple[int, int]:
     """'A:B' -> (A, B). UsageError for anything else."""
     parts = text.split(":")
@@ -99,6 +135,19 @@ def parse_range(text: str) -> tuple[int, int]:
         return int(parts[0]), int(parts[1])
     except ValueError:
         raise UsageError(f"--range must look like A:B with integers, got {text!r}") from None
+
+
+# a store name: one path component, nothing hidden
+_STORE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+# a quantization at the end of a model's name: -q4_1, .Q8_0, -f16, -q4_k_m, ...
+_QUANT_SUFFIX = re.compile(r"[-._](?:i?q\d\w*|bf16|f16|f32)$", re.IGNORECASE)
+
+
+def derived_name(name: str, ftype: str) -> str:
+    """The store name of ``name`` quantized to ``ftype``: its own quantization suffix, if
+    it has one, replaced (``smollm2-135m-instruct-q4_1`` -> ``smollm2-135m-instruct-q4_0``)."""
+    base = _QUANT_SUFFIX.sub("", name.split("/")[-1]) or "model"
+    return f"{base}-{ftype.lower()}"
 
 
 def _paths(args: argparse.Namespace):  # -> NodePaths
@@ -313,4 +362,37 @@ def cmd_slice(args: argparse.Namespace) -> int:
                     keep_head=role.keep_head, progress=bar)
     print(f"{out}: blocks [{start}, {end}) of {ref.name} ({role.value} stage, {_mib(out.stat().st_size)})",
           file=sys.stdout)
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from meshnode.engine.quantize import requantize
+    from meshnode.models.index import file_record, record_path
+    from meshnode.models.progress import TqdmProgress
+    from meshnode.models.store import resolve_model
+
+    paths = _paths(args)
+    with TqdmProgress() as bar:
+        ref = resolve_model(args.model, paths, progress=bar)
+        name = derived_name(ref.name, args.type) if args.name is None else args.name
+        if not _STORE_NAME.fullmatch(name):
+            raise UsageError(f"--name {name!r}: use letters, digits, '.', '_', '+' and '-' "
+                             "(starting with a letter or digit), at most 128 characters")
+        folder = paths.models / name
+        if folder.exists():
+            raise UsageError(f"{name} is already in the store ({folder}): pick another --name, "
+                             f"or delete it first with `meshnode models rm {name}`")
+        size = ref.path.stat().st_size
+        dest = folder / f"{name}.gguf"
+        try:
+            requantize(ref.path, dest, args.type, n_threads=args.threads or os.cpu_count() or 1,
+                       progress=lambda done, total: bar("quantize", size * done // max(total, 1), size))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                folder.rmdir()   # empty unless the copy was written
+            raise
+        bar("quantize", size, size)
+        made = file_record(dest, record_path(dest), name, progress=bar)
+    print(f"{name}: {ref.name} quantized to {args.type}, {_mib(size)} -> {_mib(dest.stat().st_size)} "
+          f"(sha256 {made.sha256[:12]})\n  {dest}\n  serve it with: meshnode --model {name}")
     return 0

@@ -11,7 +11,8 @@ import logging
 
 import llama_cpp
 
-_log = logging.getLogger("meshnode.llama_cpp")
+LLAMA_LOGGER = "meshnode.llama_cpp"
+_log = logging.getLogger(LLAMA_LOGGER)
 _installed = False
 
 
