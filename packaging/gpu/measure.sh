@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-15}
+PART=${1:?part 1-16}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -229,6 +229,35 @@ if [ "$PART" = 15 ]; then
   step 200 "bench spec SmolLM2, 2 stages on GPU 0, steps padded to 8 rows (windows <= 8), --busy-poll" \
     env MESHNODE_GPU_PAD_ROWS=8 CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" --quick \
     --strategies baseline,ngram_auto --gpu-layers all --delay-ms 0 --busy-poll --json
+  step 120 "bench serve SmolLM2, one GPU (one node's plain decoding), --busy-poll" env CUDA_VISIBLE_DEVICES=0 \
+    "$PY" -m meshnode bench serve --model "$SMOL" --stages 1,2 --concurrency 1 --tokens 64 --rounds 2 \
+    --gpu-layers all --busy-poll --json
+fi
+# Part 16: the verify-window controller on a GPU split (spec/window.py, spec/cost_model.py):
+# n-gram on a 2-stage SmolLM2 split on GPU 0, steps padded to 8 rows and to 2 (the
+# default), each bench spec run against its own baseline; with MEASURE_OLD=DIR (a tree
+# of an earlier commit, e.g. `git archive` unpacked there) the same runs with that tree
+# first on PYTHONPATH, for a before/after in one call. Carried like part 15 (part1 of the
+# GGUF in a first call that also runs device-setup.sh, part2 in this one):
+#   carry [.gpukit, .gpuwt/smol/part1]:  . .gpukit/device-setup.sh &&
+#     mkdir -p /tmp/smol && cp .gpuwt/smol/part1 /tmp/smol/
+#   carry [.gpuwt/smol/part2, .gpuwt/old.tgz], at once (the machine waits 30 s):
+#     export PYTHONPATH=$PWD:/tmp/site MESHNODE_KEYRING=file LD_PRELOAD=<system libstdc++.so.6>
+#     mkdir -p /tmp/old && tar xzf .gpuwt/old.tgz -C /tmp/old && MEASURE_OLD=/tmp/old bash packaging/gpu/measure.sh 16 "$OUT"
+if [ "$PART" = 16 ]; then
+  mkdir -p "$SMOLDIR" && cp "$(dirname "$KIT")"/.gpuwt/smol/part2 "$SMOLDIR"/ 2>/dev/null
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  OLD=${MEASURE_OLD:-}
+  for pad in 8 2; do
+    spec_smol() {   # spec_smol LABEL [ENV=V ...]
+      local label=$1; shift
+      step 200 "bench spec SmolLM2, 2 stages on GPU 0, pad $pad, --busy-poll$label" \
+        env "$@" MESHNODE_GPU_PAD_ROWS=$pad CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
+        --quick --strategies baseline,ngram_auto --gpu-layers all --delay-ms 0 --busy-poll --json
+    }
+    [ -n "$OLD" ] && spec_smol " (earlier tree)" PYTHONPATH="$OLD:${PYTHONPATH:-}"
+    spec_smol "" PYTHONPATH="${PYTHONPATH:-}"
+  done
   step 120 "bench serve SmolLM2, one GPU (one node's plain decoding), --busy-poll" env CUDA_VISIBLE_DEVICES=0 \
     "$PY" -m meshnode bench serve --model "$SMOL" --stages 1,2 --concurrency 1 --tokens 64 --rounds 2 \
     --gpu-layers all --busy-poll --json
