@@ -10,16 +10,6 @@ that grows by ``row_slope`` steps per extra row; ~0.45 was measured on CPU). Its
 (:mod:`meshnode.spec.window`), and its ``speedup`` is the auto policy's fallback gate
 (:mod:`meshnode.spec.policy`) for windows reported without their time.
 
-Beyond the widest measured window the estimate grows by a per-row cost taken from the
-windows alone, never from the plain step: a plain step may travel another path (the fast
-lane; a verify window takes QUIC streams) and so differ from a window by a fixed amount
-that is no cost per row. On a GPU split, where rows are nearly free, a 1-draft window
-measured 1-2 ms over a plain step; read as a per-row slope that kept every window at one
-draft. With one window size measured, the per-row cost is the prior's, relative to it.
-And ``best_window`` takes the next size up, while unmeasured, to cost what the widest
-measured one did: a window that was worth widening is tried one size wider once, which
-measures it (a climb that stops where the measured costs say wider does not pay).
-
 Pure logic: no clock (callers pass measured seconds), no I/O.
 """
 
@@ -97,24 +87,15 @@ class CostModel:
         """Current EWMA per measured window (a copy)."""
         return dict(self._ewma)
 
-    def _slope(self, xs: list[int]) -> float:
-        """Least-squares seconds per extra draft over the measured windows ``xs`` (>= 0)."""
+    def _slope(self) -> float:
+        """Least-squares seconds per extra draft over measured windows (>= 0)."""
+        xs = list(self._ewma)
         n = len(xs)
         mx = sum(xs) / n
-        my = sum(self._ewma[x] for x in xs) / n
+        my = sum(self._ewma.values()) / n
         sxx = sum((x - mx) ** 2 for x in xs)
         sxy = sum((x - mx) * (self._ewma[x] - my) for x in xs)
         return max(0.0, sxy / sxx)
-
-    def _row_s(self, ref: int) -> float:
-        """Seconds per extra draft beyond the widest measured window ``ref``: fitted over
-        the measured verify windows when there are two or more (plain steps left out, see
-        the module docstring), else the prior's per-row cost relative to its cost at
-        ``ref``, scaled to what ``ref`` measured."""
-        windows = [x for x in self._ewma if x >= 1]
-        if len(windows) >= 2:
-            return self._slope(windows)
-        return self._ewma[ref] * (self.prior(ref + 1) - self.prior(ref)) / self.prior(ref)
 
     def seconds(self, window: int) -> float:
         """Estimated seconds for a step of ``window`` drafts."""
@@ -129,12 +110,14 @@ class CostModel:
         if lower is not None and upper is not None:
             f = (k - lower) / (upper - lower)
             return obs[lower] + f * (obs[upper] - obs[lower])
-        if lower is not None:   # wider than every measured window
-            return max(obs[lower] + self._row_s(lower) * (k - lower), 1e-9)
-        assert upper is not None   # narrower than every measured window (no plain step yet)
+        near = lower if lower is not None else upper
+        if near is None:  # unreachable: obs is non-empty
+            return self.prior(k)
         if len(obs) >= 2:
-            return max(obs[upper] + self._slope(list(obs)) * (k - upper), 1e-9)
-        return obs[upper] * self.prior(k) / self.prior(upper)   # the prior's shape through it
+            est = obs[near] + self._slope() * (k - near)
+        else:  # one measurement: shift the prior's shape through it
+            est = obs[near] + self.prior(k) - self.prior(near)
+        return max(est, 1e-9)
 
     def relative(self, window: int) -> float:
         """Step cost in units of a plain decode step."""
@@ -148,16 +131,12 @@ class CostModel:
         return self.tokens_per_second(window, acceptance) * self.seconds(0)
 
     def best_window(self, acceptance: float, lo: int = 1, hi: int = MAX_VERIFY_WINDOW) -> int:
-        """The ``k`` in ``[lo, hi]`` maximising expected tokens per second (smallest on
-        ties), the size above the widest measured window costed as that window (see the
-        module docstring: it gets tried, and so measured)."""
+        """The ``k`` in ``[lo, hi]`` maximising expected tokens per second (smallest on ties)."""
         lo = max(0, lo)
         hi = min(MAX_VERIFY_WINDOW, max(lo, hi))
-        widest = max(self._ewma, default=None)
         best_k, best = lo, -1.0
         for k in range(lo, hi + 1):
-            seconds = self._ewma[widest] if widest is not None and k == widest + 1 else self.seconds(k)
-            v = expected_tokens(k, acceptance) / seconds
+            v = self.tokens_per_second(k, acceptance)
             if v > best * (1 + 1e-9):
                 best_k, best = k, v
         return best_k

@@ -143,21 +143,13 @@ def _check_update(proposed: int, accepted: int) -> None:
         raise ValueError(f"need 0 <= accepted <= proposed, got {accepted} of {proposed}")
 
 
-# The shrink after a rejection narrows a window only where that saves more than this
-# fraction of the step (a GPU stage computes a few more rows for almost nothing).
-NEARLY_FREE = 0.10
-
-
 class AdaptiveWindow:
     """Window that grows on full acceptance, shrinks on early rejection, capped by cost.
 
     Full acceptance grows the window by half (at least 1); a rejection within the
     first half of the window shrinks it to ``max(accepted + 1, size // 2)``. With a
     :class:`CostModel`, :meth:`next_window` never exceeds the window that maximises
-    expected tokens per second at the current acceptance estimate, and never stays
-    under it when the wider window costs at most :data:`NEARLY_FREE` more: the shrink
-    saves time where each row costs (a CPU), and only loses tokens where rows are
-    nearly free (a GPU).
+    expected tokens per second at the current acceptance estimate.
     """
 
     def __init__(
@@ -196,11 +188,7 @@ class AdaptiveWindow:
         return self.cost.best_window(self.acceptance, self.min, self.max)
 
     def next_window(self) -> int:
-        cap = self.cap
-        k = max(self.min, min(self._size, cap))
-        if self.cost is not None and k < cap and self.cost.seconds(cap) <= (1 + NEARLY_FREE) * self.cost.seconds(k):
-            return cap   # narrower would save (almost) no time here: rows are nearly free
-        return k
+        return max(self.min, min(self._size, self.cap))
 
     def seed_acceptance(self, hits: int, trials: int) -> None:
         """Fold in would-be hits counted while COLD (free evidence)."""

@@ -233,7 +233,8 @@ if [ "$PART" = 15 ]; then
     "$PY" -m meshnode bench serve --model "$SMOL" --stages 1,2 --concurrency 1 --tokens 64 --rounds 2 \
     --gpu-layers all --busy-poll --json
 fi
-# Part 16: the verify-window controller on a GPU split (spec/window.py, spec/cost_model.py):
+# Part 16: n-gram speculation on a GPU split, a change against an earlier tree (written
+# to compare window controllers, spec/window.py and spec/cost_model.py):
 # n-gram on a 2-stage SmolLM2 split on GPU 0, steps padded to 8 rows and to 2 (the
 # default), each bench spec run against its own baseline; with MEASURE_OLD=DIR (a tree
 # of an earlier commit, e.g. `git archive` unpacked there) the same runs with that tree
