@@ -115,3 +115,40 @@ def test_derived_name(name, ftype, want):
     from meshnode.cli.models import derived_name
 
     assert derived_name(name, ftype) == want
+
+
+@pytest.mark.slow
+def test_quantize_answers_ctrl_c(tmp_path: Path, synthetic_gguf):
+    """A real `meshnode models quantize` process, interrupted while llama.cpp quantizes:
+    it stops at once and leaves nothing in the store."""
+    import signal
+    import subprocess
+    import time
+
+    from meshnode.paths import NodePaths
+    from tests.nodeproc import env, meshnode_argv
+
+    # ~360 MB of f32 weights: seconds of Q4_K_M work on one thread
+    src = synthetic_gguf("big-f32.gguf", n_layer=6, n_embd=1024, n_head=16, n_kv_head=4, n_ff=4096, vocab=4096)
+    home = tmp_path / "home"
+    folder = NodePaths.resolve(str(home)).models / "big-q4_k_m"
+    proc = subprocess.Popen(meshnode_argv("models", "quantize", str(src), "Q4_K_M", "--threads", "1",
+                                          "--home", str(home)),
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not folder.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert folder.exists() and proc.poll() is None, "quantizing did not start"
+        time.sleep(0.5)
+        assert proc.poll() is None, "quantizing ended before it could be interrupted"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert time.monotonic() - t0 < 5
+    assert "quantize cancelled: nothing was added to the store" in err and "Traceback" not in err
+    assert not folder.exists()

@@ -18,7 +18,9 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import sys
+import threading
 
 from meshnode.argtypes import positive_int
 from meshnode.cli import add_common_options
@@ -384,13 +386,36 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                              f"or delete it first with `meshnode models rm {name}`")
         size = ref.path.stat().st_size
         dest = folder / f"{name}.gguf"
+        cancelled = threading.Event()
+        failed: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                requantize(ref.path, dest, args.type, n_threads=args.threads or os.cpu_count() or 1,
+                           progress=lambda done, total: cancelled.is_set()
+                           or bar("quantize", size * done // max(total, 1), size))
+            except BaseException as exc:  # noqa: BLE001 - raised again in the main thread
+                failed.append(exc)
+
+        # llama.cpp's quantizer holds the thread it runs on until it is done (minutes for a
+        # big model): run it on another, so that Ctrl-C is answered at once.
+        worker = threading.Thread(target=work, name="quantize", daemon=True)
+        worker.start()
         try:
-            requantize(ref.path, dest, args.type, n_threads=args.threads or os.cpu_count() or 1,
-                       progress=lambda done, total: bar("quantize", size * done // max(total, 1), size))
-        except BaseException:
+            while worker.is_alive():
+                worker.join(0.2)
+        except KeyboardInterrupt:
+            cancelled.set()
+            bar.close()
+            # the partial copy goes (the quantizer writes on into a deleted file until
+            # this process exits, a moment later)
+            shutil.rmtree(folder, ignore_errors=True)
+            print("quantize cancelled: nothing was added to the store", file=sys.stderr)
+            return 130
+        if failed:
             with contextlib.suppress(OSError):
                 folder.rmdir()   # empty unless the copy was written
-            raise
+            raise failed[0]
         bar("quantize", size, size)
         made = file_record(dest, record_path(dest), name, progress=bar)
     print(f"{name}: {ref.name} quantized to {args.type}, {_mib(size)} -> {_mib(dest.stat().st_size)} "
