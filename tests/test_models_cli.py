@@ -134,7 +134,11 @@ def test_quantize_answers_ctrl_c(tmp_path: Path, synthetic_gguf):
     folder = NodePaths.resolve(str(home)).models / "big-q4_k_m"
     proc = subprocess.Popen(meshnode_argv("models", "quantize", str(src), "Q4_K_M", "--threads", "1",
                                           "--home", str(home)),
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as a terminal starts it: a runner that started the tests in
+                            # the background passes SIGINT on ignored, and Python then
+                            # keeps ignoring it (as it should: Ctrl-C is not meant for it)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not folder.exists() and proc.poll() is None and time.monotonic() < deadline:
