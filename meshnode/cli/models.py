@@ -389,11 +389,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         cancelled = threading.Event()
         failed: list[BaseException] = []
 
+        def tensor_done(done: int, total: int) -> None:
+            if not cancelled.is_set():   # a closed bar must not be drawn again
+                bar("quantize", size * done // max(total, 1), size)
+
         def work() -> None:
             try:
                 requantize(ref.path, dest, args.type, n_threads=args.threads or os.cpu_count() or 1,
-                           progress=lambda done, total: cancelled.is_set()
-                           or bar("quantize", size * done // max(total, 1), size))
+                           progress=tensor_done)
             except BaseException as exc:  # noqa: BLE001 - raised again in the main thread
                 failed.append(exc)
 

@@ -251,12 +251,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"meshnode: the TUI is not available ({exc}); running headless (Ctrl-C stops)",
               file=sys.stderr)
         return cmd_serve(args)
+    from meshnode.config import load_config
     from meshnode.node import Node
     from meshnode.paths import NodePaths
 
     pin_cpus(args.cpus)
-    from meshnode.config import load_config
-
     paths = NodePaths.resolve(args.home).ensure()
     _log_to_file(args.log_level, paths.state / "meshnode.log")
     config = load_config(paths.config_file)
