@@ -70,6 +70,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # The standard library runs `uname -p` the first time anyone asks for the processor
     # (the openai client does, for its headers) and caches it: ask once, before the rule.
     platform.processor()
+    # ifaddr (zeroconf's) looks for libc at import through ctypes.util.find_library, which
+    # runs ldconfig: import it before the rule too, or whichever fast test imports the
+    # mesh first (a file run alone) fails.
+    import ifaddr  # noqa: F401
     # Every way a test could start a process goes through one of these: subprocess.run,
     # asyncio's subprocesses and multiprocessing's spawn through Popen._execute_child
     # (or _posixsubprocess), forks and os.system directly.

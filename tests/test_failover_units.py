@@ -144,7 +144,8 @@ def test_scheduler_fails_steps_meant_for_the_old_route():
     async def main():
         old, new = OraclePipeline([1] * 10), OraclePipeline([1] * 10)
         sched = BatchScheduler(old)
-        stuck = sched.enqueue(Step(1, 0, np.asarray([1], dtype=np.int32)))   # not yet taken
+        sched.enter(3)   # a decoding session the batch waits for: the step is not taken yet
+        stuck = sched.enqueue(Step(1, 0, np.asarray([1], dtype=np.int32)))
         sched.set_pipeline(new)
         assert sched.epoch == 1
         with pytest.raises(PipelineUnavailableError):

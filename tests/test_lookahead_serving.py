@@ -192,3 +192,41 @@ def test_exact_under_random_timing_and_request_ends():
     for seed in range(40):
         for text, want in asyncio.run(main(seed)):
             assert text == want, seed
+
+
+class _OrderPipeline(OraclePipeline):
+    """Records, as each decode step starts, which generated token it feeds, how many
+    tokens the model server had taken from the steps before it, and its rows."""
+
+    server: ModelServer
+
+    def __init__(self, truth: list[int]) -> None:
+        super().__init__(truth)
+        self.order: list[tuple[int, int, int]] = []   # (index of the token fed, tokens taken, rows)
+
+    async def run(self, steps):
+        (ar,) = self.server._active.values()
+        if steps[0].pos >= len(ar.prompt):
+            self.order.append((steps[0].pos - len(ar.prompt), len(ar.generated), len(steps[0].tokens)))
+        return await super().run(steps)
+
+
+@pytest.mark.parametrize("spec", [None, _spec()])
+def test_the_next_step_starts_before_the_text_of_this_one(spec):
+    """docs/speculative.md, "The next step goes first": a decode step is sent before the
+    model server takes the tokens of the step before it (their text, the SSE chunk)."""
+    async def main():
+        pipe = _OrderPipeline(CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER))
+        server = pipe.server = _server(pipe, spec)
+        text, _ = await _generate(server, 60)
+        await server.scheduler.close()
+        return pipe, text
+
+    pipe, text = asyncio.run(main())
+    assert text == ANSWER[:60]
+    (first, *later) = pipe.order
+    assert first[:2] == (0, 1)                    # fed after the prefill's token was taken
+    # ... every later plain step before the tokens of the step ahead of it (fed, its last
+    # token, lies at or past what was taken); windows may be lookaheads queued behind one
+    plain = [(fed, taken) for fed, taken, rows in later if rows == 1]
+    assert len(plain) >= 5 and all(taken <= fed for fed, taken in plain)

@@ -36,8 +36,12 @@ async def _decode(n_sessions: int, n_stages: int, steps: int = 6) -> _RecordingP
     pipe = _RecordingPipeline(n_stages)
     sched = BatchScheduler(pipe)
 
-    async def session(sid: int) -> None:
+    # Every session is in its decode loop before the first submits (as on a node where
+    # they decode together): a step submitted while its session is alone may run at once.
+    for sid in range(n_sessions):
         sched.enter(sid)
+
+    async def session(sid: int) -> None:
         try:
             for pos in range(steps):
                 res = await sched.submit(Step(sid, pos, np.asarray([1], dtype=np.int32)))
@@ -70,6 +74,38 @@ def test_a_split_deals_sessions_into_one_lane_per_stage(n_sessions, n_stages, la
 def test_a_lone_stream_is_never_split():
     pipe = asyncio.run(_decode(1, n_stages=3))
     assert [len(b) for b, _, _ in pipe.batches] == [1] * 6
+
+
+def test_a_step_the_loop_would_run_at_once_starts_without_its_wake_up():
+    """A lone stream's step is dispatched by enqueue itself: it reaches the pipeline in
+    the next loop iteration (through the scheduler's loop it would take two); a step
+    that must wait for another session's is left to the loop."""
+    async def main() -> tuple[int, int]:
+        pipe = _RecordingPipeline(2, delay=0.01)
+        started = []
+        run = pipe.run
+
+        async def recording_run(steps):
+            started.append(steps[0].session)
+            return await run(steps)
+
+        pipe.run = recording_run
+        sched = BatchScheduler(pipe)
+        sched.enter(1)
+        lone = sched.enqueue(Step(1, 0, np.asarray([1], dtype=np.int32)))
+        await asyncio.sleep(0)
+        at_once = len(started)
+        await lone
+        sched.enter(2)    # now a batch waits for session 2's step too (up to GATHER_S)
+        both = sched.enqueue(Step(1, 1, np.asarray([1], dtype=np.int32)))
+        await asyncio.sleep(0)
+        waited = len(started) - at_once
+        await sched.submit(Step(2, 0, np.asarray([1], dtype=np.int32)))
+        await both
+        await sched.close()
+        return at_once, waited
+
+    assert asyncio.run(main()) == (1, 0)
 
 
 def test_a_withdrawn_step_never_runs():

@@ -51,7 +51,8 @@ class SentStep:
 
     step: Step
     result: asyncio.Future
-    lookahead: bool = False
+    lookahead: bool = False      # sent on a guess (meshnode.spec.lookahead)
+    t0: float = 0.0              # perf_counter when its drafting began
 
     @property
     def pos(self) -> int:
@@ -100,7 +101,7 @@ class ActiveRequest:
     done: bool = False
     # speculation state, driven by meshnode.serve.speculation
     ngram: SuffixProposer | None = None  # the whole context: prompt + every generated token
-    ahead: SentStep | None = None        # a lookahead window in flight
+    ahead: SentStep | None = None        # the next step, sent already (a lookahead or the next one)
     # grammar-constrained sampling (meshnode.serve.structured.Constraint), or None
     constraint: Any = None
     index: int = 0                       # the choice this is (requests with n > 1)
@@ -157,7 +158,7 @@ class ActiveRequest:
         return out
 
     def withdraw_lookahead(self) -> None:
-        """The request ends: a lookahead window still in flight is given up."""
+        """The request ends: a step sent ahead (a lookahead, the next step) is given up."""
         if self.ahead is not None:
             self.ahead.withdraw()
 

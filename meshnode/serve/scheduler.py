@@ -14,6 +14,10 @@ of every session would leave each stage idle while the others work (a lone strea
 cannot be pipelined: its next token needs the last one). Lanes form by themselves:
 a returning batch's sessions submit together and leave together again.
 
+A step that the loop would run at once (nothing else waiting, every decoding session
+accounted for, a batch slot free: a lone stream's next step) is dispatched by
+:meth:`BatchScheduler.enqueue` itself, which saves the loop's wake-up on every token.
+
 Batches stay small enough for batch invariance (docs/engine.md: identical logits up to
 32 rows); a prefill chunk larger than that travels alone, exactly as on a single node.
 
@@ -44,6 +48,30 @@ log = logging.getLogger(__name__)
 GATHER_S = 0.002   # longest wait for the other decoding sessions to submit
 
 
+class _Slots:
+    """Batches in flight on one route: at most ``n``. Taken at once when one is free
+    (:meth:`BatchScheduler.enqueue`'s direct path), awaited by the loop otherwise."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._freed = asyncio.Event()
+
+    def try_take(self) -> bool:
+        if self.free > 0:
+            self.free -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        while not self.try_take():
+            self._freed.clear()
+            await self._freed.wait()
+
+    def give(self) -> None:
+        self.free += 1
+        self._freed.set()
+
+
 class BatchScheduler:
     def __init__(self, pipeline: Pipeline, *, max_rows: int = MAX_VERIFY_WINDOW, max_inflight: int | None = None) -> None:
         self.pipeline = pipeline
@@ -51,7 +79,7 @@ class BatchScheduler:
         self._pending: list[tuple[Step, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._max_inflight = max_inflight
-        self._inflight = asyncio.Semaphore(max_inflight or max(1, pipeline.n_stages))
+        self._slots = _Slots(max_inflight or max(1, pipeline.n_stages))
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="batch-scheduler")
         self._running: set[asyncio.Task] = set()
         self.batches = 0
@@ -65,7 +93,7 @@ class BatchScheduler:
         meant for the old one and fail as unavailable."""
         self.pipeline = pipeline
         self.epoch += 1
-        self._inflight = asyncio.Semaphore(self._max_inflight or max(1, pipeline.n_stages))
+        self._slots = _Slots(self._max_inflight or max(1, pipeline.n_stages))
         stale, self._pending = self._pending, []
         for _, fut in stale:
             if not fut.done():
@@ -97,8 +125,12 @@ class BatchScheduler:
         if epoch is not None and epoch != self.epoch:
             fut.set_exception(PipelineUnavailableError("the route changed"))
             return fut
+        idle = not self._pending and not self._wake.is_set()
         self._pending.append((step, fut))
-        self._wake.set()
+        if idle and self._all_ready() and self._slots.try_take():
+            self._dispatch(self._take(), self._slots)   # what the loop would do now, a wake-up sooner
+        else:
+            self._wake.set()
         return fut
 
     async def submit(self, step: Step, epoch: int | None = None) -> Finalized | None:
@@ -146,29 +178,36 @@ class BatchScheduler:
             while not self._all_ready() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0)
             while self._pending:
-                sem = self._inflight
-                await sem.acquire()
-                if sem is not self._inflight:   # the route changed meanwhile
-                    sem.release()
+                slots = self._slots
+                await slots.take()
+                if slots is not self._slots:   # the route changed meanwhile
+                    slots.give()
                     continue
                 batch = self._take()   # [] when every waiting step was withdrawn meanwhile
                 if not batch:
-                    sem.release()
+                    slots.give()
                     break
-                task = asyncio.get_running_loop().create_task(self._run(batch, self.pipeline, sem))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
+                self._dispatch(batch, slots)
 
-    async def _run(self, batch: Sequence[tuple[Step, asyncio.Future]], pipeline: Pipeline,
-                   sem: asyncio.Semaphore) -> None:
+    def _dispatch(self, batch: list[tuple[Step, asyncio.Future]], slots: _Slots) -> None:
+        """Run ``batch`` (holding one of ``slots``) on the current pipeline."""
+        # in flight from now on, so that the other sessions' gathering counts them
+        sessions = [s.session for s, _ in batch]
+        self._in_flight.update(sessions)
+        task = asyncio.get_running_loop().create_task(self._run(batch, sessions, self.pipeline, slots))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run(self, batch: Sequence[tuple[Step, asyncio.Future]], sessions: list[int],
+                   pipeline: Pipeline, slots: _Slots) -> None:
         # withdrawn between _take and now: must not reach the engine (its session may be
         # gone already, and its KV would never be freed)
         batch = [item for item in batch if not item[1].done()]
         if not batch:
-            sem.release()
+            self._in_flight.difference_update(sessions)
+            slots.give()
             return
         steps = [s for s, _ in batch]
-        self._in_flight.update(s.session for s in steps)
         try:
             results = await pipeline.run(steps)
             self.batches += 1
@@ -187,8 +226,8 @@ class BatchScheduler:
                 if not fut.done():
                     fut.set_exception(exc)
         finally:
-            self._in_flight.difference_update(s.session for s in steps)
-            sem.release()
+            self._in_flight.difference_update(sessions)
+            slots.give()
 
     async def close(self) -> None:
         self._task.cancel()

@@ -22,6 +22,9 @@ at an earlier position. Every outcome feeds the policy, the window, the cost mod
 gate and the telemetry. On a split, a lone greedy n-gram stream may send the next window
 before this one returns (a *lookahead*, :mod:`meshnode.spec.lookahead`): taken as the
 next step when its guess held (full acceptance, bonus guessed), dropped otherwise.
+When a step returns, the next one is sent before the model server turns its tokens into
+text (:meth:`SpeculativeDecoder._send_ahead`, docs/speculative.md "The next step goes
+first"), so on a split that work overlaps the next step's trip through the stages.
 """
 
 from __future__ import annotations
@@ -117,34 +120,18 @@ class SpeculativeDecoder:
 
     async def step(self, req: ActiveRequest, last: int) -> list[int]:
         """One decode step of ``last`` at ``req.pos``: the tokens it produced (the
-        accepted drafts and the bonus token). ``req.ahead``, the lookahead sent during
-        the previous step, is taken as this step when its guess held, dropped
-        otherwise; afterwards it is the lookahead sent behind this step (if any)."""
+        accepted drafts and the bonus token). ``req.ahead``, the step already sent for
+        this position (see :meth:`_send_ahead`), is taken as this step; afterwards it is
+        the step sent for the next one, if any."""
         ngram, ahead = req.ngram, req.ahead
         assert ngram is not None, "start() first"
-        t0 = time.perf_counter()
-        step = None
-        if ahead is not None:
-            used = ahead.pos == req.pos and ahead.last == last   # full acceptance, bonus guessed
-            self.gate.outcome(used)
-            self.telemetry.record_lookahead(req.id, used)
-            if used:
-                step = ahead
-            else:
-                log.debug("step %s: lookahead at %d dropped", req.id, ahead.pos)
+        req.ahead = None
+        if ahead is not None and ahead.pos == req.pos and ahead.last == last:
+            step = ahead
+        else:
+            if ahead is not None:   # (a step sent again after a failover: not for this one)
                 ahead.withdraw()
-        if step is None:
-            drafts: list[int] = []
-            room = min(req.remaining - 1, self.n_ctx - req.pos - 2, MAX_DRAFT)
-            if self.policy.should_draft and room > 0:
-                k = min(self.window.next_window(), room)
-                if self.draft is not None:
-                    drafts = await self._draft_call(self.draft.propose, [], k)
-                else:
-                    drafts = ngram.propose(k, min_match=self.min_match)
-                drafts = [int(t) for t in drafts[:k]]
-                self.telemetry.set_window(k)
-            step = self._send(req, req.pos, last, drafts)
+            step = await self._next_step(req, req.pos, last)
         nxt = self._look_ahead(req, step, ngram)
         try:
             res = await step.result
@@ -152,7 +139,7 @@ class SpeculativeDecoder:
             if nxt is not None:
                 nxt.withdraw()   # the caller never sees it
             raise
-        dt = time.perf_counter() - t0  # drafting included: it is part of what a step costs
+        dt = time.perf_counter() - step.t0  # drafting included: it is part of what a step costs
         assert res is not None
         tokens, drafts = list(res.tokens), step.drafts
         if req.constraint is not None:
@@ -168,22 +155,70 @@ class SpeculativeDecoder:
         if drafts:
             self.policy.record_verify(len(drafts), res.n_accepted, dt)
             self.window.update(len(drafts), res.n_accepted)
+        else:
+            if self.policy.should_observe:
+                self.policy.record_cold(ngram.would_hit(tokens[0], min_match=self.min_match))
+        ngram.observe(tokens)
+        if self.draft is not None:
+            await self._draft_call(self.draft.accept, tokens)
+        self.policy.on_generated(len(tokens))
+        req.last_logprobs = res.logprobs
+        await self._send_ahead(req, step.pos + len(tokens), tokens, nxt)
+        # what only the telemetry and the UI need, while the next step runs
+        if drafts:
             self.telemetry.record_window(req.id, drafts, res.n_accepted, tokens[-1], dt)
             self._publish(DraftVerified(
                 req.id, self.telemetry.strategy,
                 tuple(self.tokenizer.decode([t]) for t in drafts), res.n_accepted,
                 self.tokenizer.decode([tokens[-1]]), time.time()))
         else:
-            if self.policy.should_observe:
-                self.policy.record_cold(ngram.would_hit(tokens[0], min_match=self.min_match))
             self.telemetry.record_plain(req.id, dt, len(tokens))
-        ngram.observe(tokens)
-        if self.draft is not None:
-            await self._draft_call(self.draft.accept, tokens)
-        self.policy.on_generated(len(tokens))
-        req.ahead = nxt
-        req.last_logprobs = res.logprobs
         return tokens
+
+    async def _send_ahead(self, req: ActiveRequest, pos: int, tokens: list[int], guess: SentStep | None) -> None:
+        """Leave in ``req.ahead`` the step for position ``pos``, sent now, before the model
+        server turns ``tokens`` into text: on a split that work then overlaps the next
+        step's trip through the stages instead of delaying it. ``guess`` (a lookahead sent
+        behind this step) is that step when it guessed right.
+
+        Nothing is sent when the request may end here (an end-of-generation token, its
+        last token; a stop string can still end it, and the model server then withdraws
+        the step) or when the next step needs more than this (a draft model's proposal,
+        a grammar's masks)."""
+        if req.remaining <= len(tokens) or not self.tokenizer.eog_ids.isdisjoint(tokens):
+            if guess is not None:
+                guess.withdraw()   # the request ends
+            return
+        if guess is not None:
+            used = guess.pos == pos and guess.last == tokens[-1]   # full acceptance, bonus guessed
+            self.gate.outcome(used)
+            self.telemetry.record_lookahead(req.id, used)
+            if used:
+                req.ahead = guess
+                return
+            log.debug("step %s: lookahead at %d dropped", req.id, guess.pos)
+            guess.withdraw()
+        if self.draft is not None or req.constraint is not None:
+            return
+        req.ahead = await self._next_step(req, pos, tokens[-1])
+        await asyncio.sleep(0)   # the scheduler starts it before the caller goes on
+
+    async def _next_step(self, req: ActiveRequest, pos: int, last: int) -> SentStep:
+        """Send the step of ``last`` at ``pos``: a verify window when the policy drafts
+        and the proposer has drafts, else a plain step."""
+        t0 = time.perf_counter()
+        drafts: list[int] = []
+        room = min(req.remaining - (pos - req.pos) - 1, self.n_ctx - pos - 2, MAX_DRAFT)
+        if self.policy.should_draft and room > 0:
+            k = min(self.window.next_window(), room)
+            if self.draft is not None:
+                drafts = await self._draft_call(self.draft.propose, [], k)
+            else:
+                assert req.ngram is not None
+                drafts = req.ngram.propose(k, min_match=self.min_match)
+            drafts = [int(t) for t in drafts[:k]]
+            self.telemetry.set_window(k)
+        return self._send(req, pos, last, drafts, t0=t0)
 
     def remember(self, req: ActiveRequest) -> None:
         """A request finished: its text (prompt + generated) becomes draftable for the
@@ -197,11 +232,12 @@ class SpeculativeDecoder:
         fut.add_done_callback(self._remembering.discard)
 
     def _send(self, req: ActiveRequest, pos: int, last: int, drafts: list[int], *,
-              lookahead: bool = False) -> SentStep:
+              lookahead: bool = False, t0: float | None = None) -> SentStep:
         mask = req.constraint.masks(drafts) if req.constraint is not None else None
         step = Step(req.session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
                     tuple(drafts), req.sampling, mask)
-        return SentStep(step, self.scheduler.enqueue(step, req.epoch), lookahead)
+        return SentStep(step, self.scheduler.enqueue(step, req.epoch), lookahead,
+                        time.perf_counter() if t0 is None else t0)
 
     def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: SuffixProposer) -> SentStep | None:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is
