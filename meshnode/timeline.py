@@ -33,7 +33,8 @@ _CODE = {tag: i for i, tag in enumerate(TAGS)}
 class Recorder:
     """Marks ``(ns, tag)`` of one process. Tags used by the node: ``send<``/``send>``
     around a lane packet's ``sendto``, ``recv<``/``recv>`` around a lane packet's
-    handling (decryption to hand-off), ``dec<``/``dec>`` around one ``llama_decode``."""
+    decryption and decoding (up to the hand-off, inside which a stage may compute),
+    ``dec<``/``dec>`` around one ``llama_decode``."""
 
     __slots__ = ("times", "codes", "dropped")
 

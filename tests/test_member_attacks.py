@@ -91,6 +91,7 @@ async def test_token_return_from_a_stage_that_is_not_the_final_one_is_ignored(ho
             await real_forward(msg)
 
         host._forward = forging   # noqa: SLF001
+        host._forward_now = lambda msg: False   # noqa: SLF001 - every Forward through the hook
         got = await _greedy(sm.pipeline, prompt_tokens)
         assert got == reference
         assert sm.pipeline.refused >= len(reference)

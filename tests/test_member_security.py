@@ -87,6 +87,13 @@ class Worker:
             await self.gate.wait()
         return fn(*args)
 
+    # an ungated worker runs steps inline, so fast-lane frames take StageHost._forward_now
+    def runs_inline(self, rows) -> bool:
+        return self.gate is None
+
+    def run_inline(self, rows, fn, *args):
+        return fn(*args)
+
     async def drop(self, session):
         self.engine.kv.pop(session, None)
 

@@ -37,10 +37,20 @@ class _Engine:
 
 
 class _Worker:
-    def __init__(self, engine: _Engine) -> None:
+    """``inline``: whether steps run on the caller's thread (EngineWorker.runs_inline),
+    which lets the host compute a fast-lane step inside accept()."""
+
+    def __init__(self, engine: _Engine, inline: bool = False) -> None:
         self.engine = engine
+        self.inline = inline
 
     async def step(self, rows, fn, *args):
+        return fn(*args)
+
+    def runs_inline(self, rows) -> bool:
+        return self.inline
+
+    def run_inline(self, rows, fn, *args):
         return fn(*args)
 
     async def drop(self, session): ...
@@ -155,3 +165,33 @@ def test_a_step_arriving_after_its_session_ended_is_not_computed():
     assert [(type(m).__name__, m.batch_id) for m in fabric.sent] == [("TokenReturn", 1), ("DataError", 2)]
     assert fabric.sent[1].code == wire.ErrorCode.NO_SUCH_SESSION
     assert sessions == set()
+
+
+def test_a_lane_step_is_computed_inside_accept_when_nothing_waits():
+    """StageHost._forward_now: a fast-lane step that finds the stage idle (and a worker
+    that runs it inline) is computed and answered before accept() returns; behind a
+    queued message, or off the lane, it waits its turn in the queue."""
+    engine = _Engine({p: 101 + p for p in range(64)})
+
+    async def main():
+        fabric = _Fabric(lane=True)
+        host = StageHost(fabric, _Worker(engine, inline=True), StageRoute(coordinator="c", downstream=None))
+        host.accept("c", _window(1, 10, (), flags=wire.SEG_LANE))
+        at_once = (list(engine.calls), [(type(m).__name__, m.batch_id) for m in fabric.on_lane])
+        host.accept("c", _window(2, 5, (), session=2))                 # off the lane: queued
+        host.accept("c", _window(3, 11, (), flags=wire.SEG_LANE))    # behind it: queued too
+        queued = list(engine.calls)
+        for _ in range(100):
+            if len(fabric.sent) == 3:
+                break
+            await asyncio.sleep(0.01)
+        await host.close()
+        return at_once, queued, fabric
+
+    (calls, lane), queued, fabric = asyncio.run(main())
+    assert calls == [(10, 1)] and lane == [("TokenReturn", 1)]
+    assert queued == [(10, 1)]
+    assert engine.calls == [(10, 1), (5, 1), (11, 1)]     # in the order they came
+    assert [(type(m).__name__, m.batch_id) for m in fabric.sent] == [
+        ("TokenReturn", 1), ("TokenReturn", 2), ("TokenReturn", 3)]
+    assert fabric.sent[2].results[0].tokens == (112,)

@@ -91,18 +91,26 @@ class EngineWorker:
     async def step(self, rows: int, fn: Callable[..., T], *args: object) -> T:
         """Run a step of ``rows`` rows: inline if single-threaded and known to be short,
         else on the compute thread."""
-        est = self._step_s.get(rows)
-        if (est is not None and est <= self.inline_max_s and self._queued == 0
-                and self.engine.threads_for(rows) == 1):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                self.inline_steps += 1
-                self._measured(rows, time.perf_counter() - t0)
+        if self.runs_inline(rows):
+            return self.run_inline(rows, fn, *args)
         result, seconds = await self.call(_timed, fn, args)
         self._measured(rows, seconds)
         return result
+
+    def runs_inline(self, rows: int) -> bool:
+        """Whether :meth:`step` would run a step of ``rows`` rows on the calling thread."""
+        est = self._step_s.get(rows)
+        return (est is not None and est <= self.inline_max_s and self._queued == 0
+                and self.engine.threads_for(rows) == 1)
+
+    def run_inline(self, rows: int, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the calling thread, measured (check :meth:`runs_inline` first)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.inline_steps += 1
+            self._measured(rows, time.perf_counter() - t0)
 
     def _measured(self, rows: int, seconds: float) -> None:
         old = self._step_s.get(rows)

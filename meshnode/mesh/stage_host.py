@@ -101,6 +101,7 @@ class StageHost:
         # session's end, and must not bring the session back.
         self._ended: OrderedDict[int, None] = OrderedDict()
         self._replies: set[asyncio.Task] = set()
+        self._serving = False   # _serve is handling a message (a step may not overtake it)
         # Final stage: GrammarMask rows by (batch id, session), until their Forward comes.
         self._masks: dict[tuple[int, int], np.ndarray] = {}
 
@@ -136,6 +137,8 @@ class StageHost:
                     ref=0, batch_id=msg.batch_id, session=WHOLE_BATCH,
                     code=wire.ErrorCode.BUSY, message="stage queue full: not computed"))
             return True
+        if forward and self._forward_now(msg):
+            return True
         self._queued_bytes += size
         self._queued_frames += forward
         self._queue.put_nowait(msg)
@@ -144,7 +147,15 @@ class StageHost:
     def _reply_soon(self, msg: wire.Message) -> None:
         # At most one pending reply per refused frame, and refusals only happen while
         # QUEUE_MAX_FRAMES frames wait: the replies are bounded too.
-        task = asyncio.get_running_loop().create_task(self._send(self.route.coordinator, msg))
+        self._send_soon([(self.route.coordinator, msg, False)])
+
+    def _send_soon(self, sends: list[tuple[str | None, wire.Message, bool]]) -> None:
+        """Send ``sends`` in order from a task (for callers that cannot wait)."""
+        async def send_all() -> None:
+            for node, msg, lane in sends:
+                await self._send(node, msg, lane)
+
+        task = asyncio.get_running_loop().create_task(send_all())
         self._replies.add(task)
         task.add_done_callback(self._replies.discard)
 
@@ -171,7 +182,9 @@ class StageHost:
 
     async def _serve(self) -> None:
         while True:
+            self._serving = False
             msg = await self._queue.get()
+            self._serving = True
             self._queued_bytes -= _act_bytes(msg)
             self._queued_frames -= isinstance(msg, wire.Forward)
             try:
@@ -196,12 +209,18 @@ class StageHost:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bad batch must not stop the stage
-                log.warning("stage failed on %s: %s", type(msg).__name__, exc,
-                            exc_info=not isinstance(exc, EngineError))
-                if isinstance(msg, wire.Forward):
-                    await self._send(self.route.coordinator, wire.DataError(
-                        ref=0, batch_id=msg.batch_id, session=WHOLE_BATCH,
-                        code=wire.ErrorCode.ENGINE_ERROR, message=str(exc)))
+                err = self._failed(msg, exc)
+                if err is not None:
+                    await self._send(self.route.coordinator, err)
+
+    @staticmethod
+    def _failed(msg: wire.Message, exc: Exception) -> wire.DataError | None:
+        """Log why ``msg`` failed here; for a Forward, the DataError the coordinator gets."""
+        log.warning("stage failed on %s: %s", type(msg).__name__, exc, exc_info=not isinstance(exc, EngineError))
+        if not isinstance(msg, wire.Forward):
+            return None
+        return wire.DataError(ref=0, batch_id=msg.batch_id, session=WHOLE_BATCH,
+                              code=wire.ErrorCode.ENGINE_ERROR, message=str(exc))
 
     async def _mask(self, msg: wire.GrammarMask) -> None:
         """A constrained segment's masks: relayed downstream in order (before its Forward),
@@ -326,6 +345,37 @@ class StageHost:
             return
         masks = self._take_masks(msg) if self.is_last else None
         out = await self.worker.step(len(msg.act), self._compute, msg, masks)
+        for node, reply, lane in self._computed(msg, out):
+            await self._send(node, reply, lane)
+
+    def _forward_now(self, msg: wire.Forward) -> bool:
+        """Compute a fast-lane step right away, in its datagram's callback, when nothing
+        is queued or being served here and the worker runs it inline: on a split's every
+        token that saves the queue's wake-up. False: not such a step (queue it)."""
+        if (self._serving or not self._queue.empty() or not msg.segments
+                or not all(s.flags & wire.SEG_LANE and not s.flags & wire.SEG_MASKED for s in msg.segments)
+                or not self.worker.runs_inline(len(msg.act))):
+            return False
+        msg = self._without_ended(msg)
+        if self._refusal(msg) is not None:
+            return False   # the queue's path answers it
+        try:
+            out = self.worker.run_inline(len(msg.act), self._compute, msg, None)
+        except Exception as exc:  # noqa: BLE001 - as in _serve: the stage goes on
+            err = self._failed(msg, exc)
+            assert err is not None
+            self._reply_soon(err)
+            return True
+        sends = self._computed(msg, out)
+        while sends and sends[0][2] and self.fabric.send_lane(sends[0][0], sends[0][1]):
+            sends.pop(0)
+        if sends:   # (what must take the stream, in order)
+            self._send_soon(sends)
+        return True
+
+    def _computed(self, msg: wire.Forward, out) -> list[tuple[str | None, wire.Message, bool]]:
+        """``msg`` was computed into ``out``: note it, and return what goes out, in order
+        (node, message, whether it may take the fast lane)."""
         self.batches += 1
         now = time.monotonic()
         for s in msg.segments:
@@ -334,20 +384,18 @@ class StageHost:
         # stage 0 marks the frames that may take the fast lane, with their reply
         lane = all(s.flags & wire.SEG_LANE for s in msg.segments)
         if not self.is_last:
-            await self._send(self.route.downstream, wire.Forward(
-                ref=0, batch_id=msg.batch_id, step=msg.step, segments=msg.segments, act=out), lane)
-        else:
-            # One session's failure first, then the others' tokens, both on the data
-            # stream (in order; the lane carries no DataError): stage 0 then knows the
-            # failed sessions when the TokenReturn ends the batch.
-            failed = [r for r in out if isinstance(r, wire.DataError)]
-            results = tuple(r for r in out if isinstance(r, wire.SegmentResult))
-            for err in failed:
-                await self._send(self.route.coordinator, err)
-            if results:
-                await self._send(self.route.coordinator,
-                                 wire.TokenReturn(ref=0, batch_id=msg.batch_id, results=results),
-                                 lane and not failed)
+            return [(self.route.downstream, wire.Forward(
+                ref=0, batch_id=msg.batch_id, step=msg.step, segments=msg.segments, act=out), lane)]
+        # One session's failure first, then the others' tokens, both on the data stream
+        # (in order; the lane carries no DataError): stage 0 then knows the failed
+        # sessions when the TokenReturn ends the batch.
+        failed = [r for r in out if isinstance(r, wire.DataError)]
+        results = tuple(r for r in out if isinstance(r, wire.SegmentResult))
+        sends: list[tuple[str | None, wire.Message, bool]] = [(self.route.coordinator, err, False) for err in failed]
+        if results:
+            sends.append((self.route.coordinator, wire.TokenReturn(ref=0, batch_id=msg.batch_id, results=results),
+                          lane and not failed))
+        return sends
 
     async def _send(self, node: str | None, msg: wire.Message, lane: bool = False) -> None:
         if node is None or (lane and self.fabric.send_lane(node, msg)):

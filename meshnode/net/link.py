@@ -600,9 +600,9 @@ class PeerLink(QuicConnectionProtocol):
                           (time.monotonic_ns() - msg.sent_ns) / 1e6)
             return
         self.lane.frame_received()
-        self.owner.link_message(self, msg)
-        if timeline.RECORDER is not None:
+        if timeline.RECORDER is not None:   # (before the hand-off: a stage may compute inside it)
             timeline.RECORDER.mark("recv>")
+        self.owner.link_message(self, msg)
 
     def _start_lane(self) -> None:
         if not self.owner.settings.lane or self.closed_reason is not None or self.lane_rx is not None:

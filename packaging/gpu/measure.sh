@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-16}
+PART=${1:?part 1-17}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -262,5 +262,34 @@ if [ "$PART" = 16 ]; then
   step 120 "bench serve SmolLM2, one GPU (one node's plain decoding), --busy-poll" env CUDA_VISIBLE_DEVICES=0 \
     "$PY" -m meshnode bench serve --model "$SMOL" --stages 1,2 --concurrency 1 --tokens 64 --rounds 2 \
     --gpu-layers all --busy-poll --json
+fi
+# Part 17: the split's speed and token path, a change against an earlier tree (written
+# for stage 0's step ordering and the stage host's inline lane steps): bench serve, 1 vs 2
+# stages on GPU 0, --threads 1, for l8b and SmolLM2, the earlier tree (MEASURE_OLD=DIR, as
+# in part 16) and this one alternated MEASURE_REPS times (2), each run with its own
+# one-node baseline; MEASURE_WHICH="l8b smol" picks the models (a call has 10 minutes).
+# Carried like part 16, the first call also writing l8b:
+#   carry [.gpukit, .gpuwt/smol/part1]:  . .gpukit/device-setup.sh &&
+#     mkdir -p /tmp/smol && cp .gpuwt/smol/part1 /tmp/smol/ && python3 .gpukit/mkmodels.py 8b /tmp/gpumodels/l8b.gguf Q4_0
+#   carry [.gpuwt/smol/part2, .gpuwt/old.tgz], at once: (the exports of part 16)
+#     mkdir -p /tmp/old && tar xzf .gpuwt/old.tgz -C /tmp/old && MEASURE_OLD=/tmp/old bash packaging/gpu/measure.sh 17 "$OUT"
+if [ "$PART" = 17 ]; then
+  mkdir -p "$SMOLDIR" && cp "$(dirname "$KIT")"/.gpuwt/smol/part2 "$SMOLDIR"/ 2>/dev/null
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  write_l8b
+  OLD=${MEASURE_OLD:-}
+  serve_pair() {   # serve_pair LABEL PYTHONPATH MODEL
+    step 240 "bench serve $1, 1 vs 2 stages on GPU 0, --threads 1" env PYTHONPATH="$2" CUDA_VISIBLE_DEVICES=0 \
+      "$PY" -m meshnode bench serve --model "$3" --stages 1,2 --concurrency 1 --tokens ${TOK:-64} \
+      --rounds ${ROUNDS:-3} --gpu-layers all --threads 1 --json
+  }
+  for r in $(seq "${MEASURE_REPS:-2}"); do
+    for which in ${MEASURE_WHICH:-l8b smol}; do
+      if [ "$which" = l8b ]; then model=$M/l8b.gguf; else model=$SMOL; fi
+      name=$(basename "$model" .gguf)
+      [ -n "$OLD" ] && serve_pair "$name (earlier tree)" "$OLD:${PYTHONPATH:-}" "$model"
+      serve_pair "$name" "${PYTHONPATH:-}" "$model"
+    done
+  done
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
