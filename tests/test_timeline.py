@@ -135,6 +135,9 @@ def test_bench_serve_token_path_accounts_for_a_real_split(tmp_path, synthetic_gg
         assert all(us >= 0 for _, us in tl["pieces"])
         # the marked step is the decode speed the client saw (within the noise of a busy machine)
         assert 0.5 < tl["total_us"] / (1e6 / res[n]["decode_tok_s"]) < 2.0
-    assert res["token_path"]["2"]["layers"] == [[0, 2], [2, 4]]
+    # two contiguous ranges over the 4 layers (where the cut falls follows the nodes'
+    # measured speeds, which a busy machine moves)
+    (a0, a1), (b0, b1) = res["token_path"]["2"]["layers"]
+    assert a0 == 0 < a1 == b0 < b1 == 4
     names = [name for name, _ in res["token_path"]["2"]["pieces"]]
     assert names[0] == "s0 compute" and "s1 compute" in names and names[-1] == "s0 to next step"
