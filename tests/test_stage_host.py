@@ -195,3 +195,33 @@ def test_a_lane_step_is_computed_inside_accept_when_nothing_waits():
     assert [(type(m).__name__, m.batch_id) for m in fabric.sent] == [
         ("TokenReturn", 1), ("TokenReturn", 2), ("TokenReturn", 3)]
     assert fabric.sent[2].results[0].tokens == (112,)
+
+
+def test_a_lane_step_that_fails_inside_accept_is_answered_and_the_stage_goes_on():
+    """The engine raising in StageHost._forward_now fails that batch alone (DataError to
+    the coordinator, from a task); the next lane step is computed as usual."""
+    class _Failing(_Engine):
+        def forward(self, segs, rewind=False):
+            if segs[0].pos == 10:
+                raise RuntimeError("boom")
+            return super().forward(segs, rewind)
+
+    engine = _Failing({p: 101 + p for p in range(64)})
+
+    async def main():
+        fabric = _Fabric(lane=True)
+        host = StageHost(fabric, _Worker(engine, inline=True), StageRoute(coordinator="c", downstream=None))
+        assert host.accept("c", _window(1, 10, (), flags=wire.SEG_LANE))
+        host.accept("c", _window(2, 11, (), flags=wire.SEG_LANE))
+        for _ in range(100):
+            if len(fabric.sent) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await host.close()
+        return fabric
+
+    fabric = asyncio.run(main())
+    sent = sorted(fabric.sent, key=lambda m: m.batch_id)
+    assert [(type(m).__name__, m.batch_id) for m in sent] == [("DataError", 1), ("TokenReturn", 2)]
+    assert sent[0].code == wire.ErrorCode.ENGINE_ERROR and "boom" in sent[0].message
+    assert sent[1].results[0].tokens == (112,)

@@ -361,14 +361,14 @@ class StageHost:
             return False   # the queue's path answers it
         try:
             out = self.worker.run_inline(len(msg.act), self._compute, msg, None)
-        except Exception as exc:  # noqa: BLE001 - as in _serve: the stage goes on
+            sends = self._computed(msg, out)
+            while sends and sends[0][2] and self.fabric.send_lane(sends[0][0], sends[0][1]):
+                sends.pop(0)
+        except Exception as exc:  # noqa: BLE001 - as in _serve: a bad batch must not stop the stage
             err = self._failed(msg, exc)
             assert err is not None
             self._reply_soon(err)
             return True
-        sends = self._computed(msg, out)
-        while sends and sends[0][2] and self.fabric.send_lane(sends[0][0], sends[0][1]):
-            sends.pop(0)
         if sends:   # (what must take the stream, in order)
             self._send_soon(sends)
         return True
