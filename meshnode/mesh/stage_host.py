@@ -146,7 +146,8 @@ class StageHost:
 
     def _reply_soon(self, msg: wire.Message) -> None:
         # At most one pending reply per refused frame, and refusals only happen while
-        # QUEUE_MAX_FRAMES frames wait: the replies are bounded too.
+        # QUEUE_MAX_FRAMES frames wait; _forward_now adds tasks only while fewer than
+        # that many are pending: the replies are bounded too.
         self._send_soon([(self.route.coordinator, msg, False)])
 
     def _send_soon(self, sends: list[tuple[str | None, wire.Message, bool]]) -> None:
@@ -352,7 +353,9 @@ class StageHost:
         """Compute a fast-lane step right away, in its datagram's callback, when nothing
         is queued or being served here and the worker runs it inline: on a split's every
         token that saves the queue's wake-up. False: not such a step (queue it)."""
+        # (replies waiting for the stream are tasks: past the queue's bound, the queue)
         if (self._serving or not self._queue.empty() or not msg.segments
+                or len(self._replies) >= QUEUE_MAX_FRAMES
                 or not all(s.flags & wire.SEG_LANE and not s.flags & wire.SEG_MASKED for s in msg.segments)
                 or not self.worker.runs_inline(len(msg.act))):
             return False
