@@ -51,8 +51,8 @@ class SentStep:
 
     step: Step
     result: asyncio.Future
+    t0: float                    # perf_counter when its drafting began
     lookahead: bool = False      # sent on a guess (meshnode.spec.lookahead)
-    t0: float = 0.0              # perf_counter when its drafting began
 
     @property
     def pos(self) -> int:

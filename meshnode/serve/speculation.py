@@ -129,7 +129,7 @@ class SpeculativeDecoder:
         if ahead is not None and ahead.pos == req.pos and ahead.last == last:
             step = ahead
         else:
-            if ahead is not None:   # (a step sent again after a failover: not for this one)
+            if ahead is not None:   # (sent for another position: never taken)
                 ahead.withdraw()
             step = await self._next_step(req, req.pos, last)
         nxt = self._look_ahead(req, step, ngram)
@@ -236,8 +236,8 @@ class SpeculativeDecoder:
         mask = req.constraint.masks(drafts) if req.constraint is not None else None
         step = Step(req.session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
                     tuple(drafts), req.sampling, mask)
-        return SentStep(step, self.scheduler.enqueue(step, req.epoch), lookahead,
-                        time.perf_counter() if t0 is None else t0)
+        return SentStep(step, self.scheduler.enqueue(step, req.epoch),
+                        time.perf_counter() if t0 is None else t0, lookahead)
 
     def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: SuffixProposer) -> SentStep | None:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is
