@@ -86,3 +86,35 @@ def test_bench_sample_times_every_setting_against_greedy(tmp_path, synthetic_ggu
         assert set(by) == {"greedy", "T=0.7", "T=0.7 top_p=0.9", "T=1 top_p=0.95", "T=0.7 top_k=40"}
         assert all(us > 0 for us in by.values())
     assert "ratio against greedy" in r.stdout
+
+
+class _Response:   # what sse_chunks reads of an httpx streaming response
+    status_code = 400
+    text = '{"error":{"message":"This model\'s maximum context length is 1024 tokens."}}'
+
+    def read(self) -> bytes:
+        return self.text.encode()
+
+
+def test_an_http_error_from_a_node_is_a_benchmark_error():
+    from meshnode.bench.cluster import sse_chunks
+    from meshnode.bench.errors import BenchError
+    from meshnode.errors import MeshnodeError
+
+    with pytest.raises(BenchError, match="HTTP 400 from the node: .*maximum context length") as info:
+        list(sse_chunks(_Response()))
+    assert isinstance(info.value, MeshnodeError)   # the CLI prints it as one line
+
+
+@pytest.mark.slow
+def test_a_prompt_longer_than_the_models_context_stops_bench_serve_with_one_line(tmp_path, synthetic_gguf):
+    # bench serve's long prompt is ~1200 tokens of a 320-token vocabulary: more than the
+    # nodes' 1024-token context. The node's 400 reaches the user as one line, not a traceback.
+    model = synthetic_gguf("tiny.gguf", n_layer=2)
+    r = subprocess.run([sys.executable, "-m", "meshnode", "--home", str(tmp_path), "bench", "serve",
+                        "--model", str(model), "--stages", "1", "--rounds", "1", "--tokens", "2"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshnode: error: HTTP 400 from the node") and "maximum context length" in last

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from meshnode.bench.cluster import link_model
+from meshnode.bench.errors import BenchError
 from meshnode.bench.netns import PREFIX, Netns, namespaces, unavailable
 from tests.nodeproc import meshnode_cmd, start_node, start_node_in, wait_for
 
@@ -118,7 +119,7 @@ def test_tbf_shaping_is_in_effect(cluster):
     before = net.qdisc_stats(1)
     try:
         net.shape(1, "40mbit")
-    except RuntimeError as exc:
+    except BenchError as exc:
         if "unknown" in str(exc):
             pytest.skip(f"this kernel has no tbf qdisc: {exc}")
         raise

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshnode.bench.errors import BenchError
+
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
@@ -82,7 +84,7 @@ class LocalNode:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"node {self.name} exited ({self.proc.returncode}):\n{self.log_tail()}")
+                raise BenchError(f"node {self.name} exited ({self.proc.returncode}):\n{self.log_tail()}")
             if rt.exists():
                 try:
                     self.info = json.loads(rt.read_text())
@@ -100,7 +102,7 @@ class LocalNode:
             if model.get("state") == "ready":
                 return self
             if model.get("state") == "failed":
-                raise RuntimeError(f"model failed on {self.name}: {model.get('detail')}\n{self.log_tail()}")
+                raise BenchError(f"model failed on {self.name}: {model.get('detail')}\n{self.log_tail()}")
             time.sleep(0.2)
         raise TimeoutError(f"model not ready on {self.name}:\n{self.log_tail()}")
 
@@ -156,7 +158,7 @@ class LocalCluster:
         for h in self.homes[1:]:
             r = cli("join", token, "--home", str(h))
             if r.returncode != 0:
-                raise RuntimeError(f"join failed: {r.stderr}")
+                raise BenchError(f"join failed: {r.stderr}")
 
     def start(self, index: int, *flags: str, log_level: str = "info",
               env: dict[str, str] | None = None) -> LocalNode:
@@ -217,7 +219,7 @@ def sse_chunks(response) -> Iterator[dict]:
     checking its status; ``[DONE]`` and non-data lines are skipped."""
     if response.status_code != 200:
         response.read()
-        raise RuntimeError(f"HTTP {response.status_code} from the node: {response.text[:300]}")
+        raise BenchError(f"HTTP {response.status_code} from the node: {response.text[:300]}")
     for line in response.iter_lines():
         if line.startswith("data: ") and line != "data: [DONE]":
             yield json.loads(line[6:])

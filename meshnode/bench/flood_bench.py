@@ -37,6 +37,7 @@ import sys
 from dataclasses import dataclass
 
 from meshnode.argtypes import non_negative_float, positive_int
+from meshnode.bench.errors import BenchError
 
 HELP = ("flood a node that serves a model from a non-member (connections, streams, max-size frames): "
         "memory growth, links, serving, lifetimes")
@@ -258,7 +259,7 @@ def _bench(args: argparse.Namespace) -> dict:
         deadline = time.monotonic() + 30
         while not _member_authenticated(victim, member_id):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the member did not join the victim within 30 s:\n{victim.log_tail()}")
+                raise BenchError(f"the member did not join the victim within 30 s:\n{victim.log_tail()}")
             time.sleep(0.1)
         model = victim.get("/v1/models")["data"][0]["id"]
         auth0, lost0 = _link_events(victim.log_path.read_text(errors="replace"), member_id)

@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from meshnode.argtypes import non_negative_float, positive_int
+from meshnode.bench.errors import BenchError
 
 HELP = "QUIC round trip (decode-sized activations) and bulk throughput, f32 vs f16, on loopback"
 
@@ -128,7 +129,7 @@ async def _run_one(args: argparse.Namespace, datagram: int) -> dict:
         async def lane_round_trip(msg) -> None:
             lane_reply[:] = [asyncio.get_running_loop().create_future()]
             if not a.send_lane(peer, msg):
-                raise RuntimeError("the fast lane is not up")
+                raise BenchError("the fast lane is not up")
             await asyncio.wait_for(lane_reply[0], 5.0)
 
         def seg(rows: int) -> Segment:

@@ -53,6 +53,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnode.bench.errors import BenchError
+
 __all__ = ["PREFIX", "SUBNET", "Netns", "NetnsHost", "QdiscStats", "sweep", "unavailable"]
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,7 @@ _libc = None
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
     if check and r.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip() or r.returncode}")
+        raise BenchError(f"ip {' '.join(args)}: {r.stderr.strip() or r.returncode}")
     return r
 
 
@@ -278,7 +280,7 @@ class Netns:
         finally:
             srv.close()
         if got != [nbytes]:
-            raise RuntimeError(f"tcp_rate: {got} bytes arrived of {nbytes}")
+            raise BenchError(f"tcp_rate: {got} bytes arrived of {nbytes}")
         return nbytes * 8 / dt
 
     # ---- the link -----------------------------------------------------------------
@@ -298,7 +300,7 @@ class Netns:
                                 "rate", rate, "burst", burst, "latency", latency],
                                capture_output=True, text=True, timeout=20)
             if r.returncode != 0:   # e.g. a kernel without sch_tbf: "qdisc kind is unknown"
-                raise RuntimeError(f"tc tbf on {dev} of {ns}: {r.stderr.strip() or r.returncode}")
+                raise BenchError(f"tc tbf on {dev} of {ns}: {r.stderr.strip() or r.returncode}")
 
     def unshape(self, i: int) -> None:
         h = self.hosts[i]
@@ -314,7 +316,7 @@ class Netns:
                              capture_output=True, text=True, timeout=20, check=True).stdout
         m = _QDISC_RE.search(out)
         if not m:
-            raise RuntimeError(f"no qdisc counters in: {out!r}")
+            raise BenchError(f"no qdisc counters in: {out!r}")
         return QdiscStats(m.group(1), *(int(m.group(k)) for k in range(2, 6)))
 
     def link_down(self, i: int) -> None:

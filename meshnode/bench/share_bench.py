@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from meshnode.argtypes import positive_int
+from meshnode.bench.errors import BenchError
 
 HELP = ("model sharing: MB/s of pulls (whole model, layer package; one and two sources) on loopback and "
         "through a shaped 1 Gbit/s namespace link, beside a local file copy; time to a --no-model node's stage")
@@ -68,7 +69,7 @@ def _homes(root: Path, model: Path, n: int, holders: int) -> list[Path]:
     for h in homes[1:]:
         r = _cli("join", token, "--home", str(h))
         if r.returncode != 0:
-            raise RuntimeError(f"join failed: {r.stderr}")
+            raise BenchError(f"join failed: {r.stderr}")
     return homes
 
 
@@ -100,7 +101,7 @@ class _Node:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"node {self.home.name} exited:\n{(self.home / 'node.log').read_text()[-3000:]}")
+                raise BenchError(f"node {self.home.name} exited:\n{(self.home / 'node.log').read_text()[-3000:]}")
             try:
                 self.port = json.loads(rt.read_text())["http_port"]
                 self.get("/health")
@@ -147,10 +148,10 @@ def _pull(puller: _Node, body: dict) -> tuple[float, Path]:
         for line in r:
             item = json.loads(line)
             if "error" in item:
-                raise RuntimeError(f"pull failed: {item['error']}")
+                raise BenchError(f"pull failed: {item['error']}")
             if "path" in item:
                 return time.perf_counter() - t0, Path(item["path"])
-    raise RuntimeError("pull ended without a result")
+    raise BenchError("pull ended without a result")
 
 
 def _pull_rows(puller: _Node, entry: dict, holders: list[str], rng: tuple[int, int], runs: int) -> list[dict]:
@@ -264,7 +265,7 @@ def _time_to_stage(model: Path) -> dict:
                 deadline = time.monotonic() + 600
                 while (state := nodes[1].get("/health").get("model") or {}).get("state") != "ready":
                     if state.get("state") == "failed":
-                        raise RuntimeError(f"the split failed: {state.get('detail')}")
+                        raise BenchError(f"the split failed: {state.get('detail')}")
                     if time.monotonic() > deadline:
                         raise TimeoutError("the split did not get ready")
                     time.sleep(0.1)
