@@ -74,6 +74,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # runs ldconfig: import it before the rule too, or whichever fast test imports the
     # mesh first (a file run alone) fails.
     import ifaddr  # noqa: F401
+    # The small C helpers (meshnode/native.py) are compiled with `cc` on first use, once
+    # per machine: build them now, so that on a fresh machine the fast tests that use them
+    # (busy polling's spin) do not start the compiler themselves.
+    from meshnode.engine.native import SOURCE as tap_source
+    from meshnode.native import load_c_library
+    from meshnode.net.busypoll import SOURCE as spin_source
+    load_c_library(spin_source, "busy polling")
+    load_c_library(tap_source, "the capture callback")
     # Every way a test could start a process goes through one of these: subprocess.run,
     # asyncio's subprocesses and multiprocessing's spawn through Popen._execute_child
     # (or _posixsubprocess), forks and os.system directly.
