@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-17}
+PART=${1:?part 1-18}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -290,6 +290,26 @@ if [ "$PART" = 17 ]; then
       [ -n "$OLD" ] && serve_pair "$name (earlier tree)" "$OLD:${PYTHONPATH:-}" "$model"
       serve_pair "$name" "${PYTHONPATH:-}" "$model"
     done
+  done
+fi
+# Part 18: the current tree's split with busy polling, l8b, 1 vs 2 stages, --threads 1,
+# each run with its own one-node baseline; MEASURE_RUNS picks the runs, in order, from
+# gpu0-busy (both stages on GPU 0, --busy-poll), gpu0-sleep (the same, sleeping waits) and
+# gpu01-busy (one node process per GPU, --busy-poll: the 2-GPU kind). The first call also
+# writes l8b (~2 min after the kit's build), so give it one run:
+#   carry [.gpukit], kind nvidia-h200-x2:  . .gpukit/device-setup.sh &&
+#     MEASURE_RUNS=gpu0-busy bash packaging/gpu/measure.sh 18 "$OUT"
+#   at once (the machine waits 30 s): export PYTHONPATH=$PWD:/tmp/site MESHNODE_KEYRING=file
+#     LD_PRELOAD=<system libstdc++.so.6>; MEASURE_RUNS="gpu01-busy gpu0-sleep ..." bash packaging/gpu/measure.sh 18 "$OUT"
+if [ "$PART" = 18 ]; then
+  write_l8b
+  for run in ${MEASURE_RUNS:-gpu0-busy gpu0-sleep gpu01-busy}; do
+    case $run in
+      gpu0-busy) serve_l8b "bench serve 8b, both stages on GPU 0, --threads 1, --busy-poll" --cuda-devices 0 --threads 1 --busy-poll ;;
+      gpu0-sleep) serve_l8b "bench serve 8b, both stages on GPU 0, --threads 1, sleeping waits" --cuda-devices 0 --threads 1 ;;
+      gpu01-busy) serve_l8b "bench serve 8b, one node process per GPU, --threads 1, --busy-poll" --cuda-devices 0,1 --threads 1 --busy-poll ;;
+      *) echo "=== unknown run $run" | tee -a "$LOG" ;;
+    esac
   done
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
