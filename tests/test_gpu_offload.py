@@ -117,6 +117,20 @@ def test_the_gpu_layers_reach_llama_cpp_without_a_model_load(monkeypatch, tmp_pa
     assert _passed_gpu_layers(monkeypatch, path, 9) == 9
 
 
+def test_the_auto_rule_reads_the_shape_from_the_header_and_refuses_a_cut_file(synthetic_gguf, tmp_path):
+    from meshnode.engine.stage import _peek_shape
+
+    path = synthetic_gguf(n_layer=6, n_embd=64, n_head=4, n_kv_head=2)
+    # 6 layers; K and V in f16 of n_embd * n_kv_head / n_head = 32 values per cell
+    assert _peek_shape(path, 100) == (6, 2 * 2 * 32 * 100)
+    data = path.read_bytes()
+    for keep in (40, len(data) // 3):
+        cut = tmp_path / f"cut{keep}.gguf"
+        cut.write_bytes(data[:keep])
+        with pytest.raises(ModelLoadError, match="cannot read the layer sizes"):
+            _peek_shape(cut, 100)
+
+
 def test_a_stage_wholly_on_the_gpu_defaults_to_one_cpu_thread():
     from meshnode.engine.stage import default_threads, stage_threads
 

@@ -91,3 +91,90 @@ def test_missing_block_count(synthetic_gguf, tmp_path: Path):
     w.close()
     with pytest.raises(ModelFileError, match="llama.block_count"):
         read_model_info(p)
+
+
+# -- metadata arrays parsed in bulk (gguf_info._Reader) and packed in bulk (gguf_write) ----
+
+def _arrays_gguf(synthetic_gguf):
+    """A small model plus arrays of every element type the bulk paths take (bools: the
+    writer hands them to the stock code), one of a single element, and a scalar after."""
+    from gguf import GGUFValueType as T
+
+    extra = (
+        ("test.u8", [0, 1, 255], T.ARRAY, T.UINT8),
+        ("test.i16", [-32768, 7, 32767], T.ARRAY, T.INT16),
+        ("test.u64", [0, 2**64 - 1], T.ARRAY, T.UINT64),
+        ("test.f64", [1.5, -2.25e300], T.ARRAY, T.FLOAT64),
+        ("test.f32", [0.1, 3.0e38, -1.0], T.ARRAY, T.FLOAT32),
+        ("test.bools", [True, False, True], T.ARRAY, T.BOOL),
+        ("test.one", ["solo"], T.ARRAY, T.STRING),
+        ("test.strings", ["", "é", "a b", "x" * 300], T.ARRAY, T.STRING),
+        ("test.scalar", "after the arrays", T.STRING, None),
+    )
+    return synthetic_gguf("arrays.gguf", vocab=300, extra_metadata=extra)
+
+
+def test_the_bulk_array_parser_gives_the_stock_readers_fields(synthetic_gguf):
+    from gguf import GGUFReader
+
+    from meshnode.models.gguf_info import open_gguf
+
+    p = _arrays_gguf(synthetic_gguf)
+    stock, fast = GGUFReader(p), open_gguf(p)
+    assert list(stock.fields) == list(fast.fields)
+    for key, a in stock.fields.items():
+        b = fast.fields[key]
+        assert (a.offset, a.name, a.types, a.data) == (b.offset, b.name, b.types, b.data), key
+        assert [(x.dtype, x.shape, x.tobytes()) for x in a.parts] == \
+            [(y.dtype, y.shape, y.tobytes()) for y in b.parts], key
+        assert a.contents() == b.contents(), key
+    assert fast.fields["test.strings"].contents() == ["", "é", "a b", "x" * 300]
+    assert len(fast.fields["tokenizer.ggml.tokens"].data) == 300
+    assert [(t.name, t.data_offset, t.n_bytes) for t in stock.tensors] == \
+        [(t.name, t.data_offset, t.n_bytes) for t in fast.tensors]
+
+
+def test_the_bulk_array_writer_writes_the_stock_writers_bytes(synthetic_gguf, tmp_path: Path, monkeypatch):
+    import gguf
+
+    from meshnode.models import gguf_write, slicer
+
+    src = _arrays_gguf(synthetic_gguf)
+    for name, ends in (("first", (True, False)), ("last", (False, True)), ("middle", (False, False))):
+        slicer.write_slice(src, 1, 3, tmp_path / f"{name}-bulk.gguf", keep_embedding=ends[0], keep_head=ends[1])
+        with monkeypatch.context() as m:
+            m.setattr(gguf_write, "_Writer", gguf.GGUFWriter)
+            slicer.write_slice(src, 1, 3, tmp_path / f"{name}-stock.gguf", keep_embedding=ends[0], keep_head=ends[1])
+        assert (tmp_path / f"{name}-bulk.gguf").read_bytes() == (tmp_path / f"{name}-stock.gguf").read_bytes()
+
+
+def test_a_cut_anywhere_in_the_metadata_arrays_is_a_truncated_file(synthetic_gguf, tmp_path: Path):
+    from gguf import GGUFReader
+
+    src = _arrays_gguf(synthetic_gguf)
+    data = src.read_bytes()
+    fields = GGUFReader(src).fields
+    start = fields["tokenizer.ggml.tokens"].offset
+    end = fields["test.scalar"].offset
+    p = tmp_path / "cut.gguf"
+    for n in range(start, end, max(1, (end - start) // 97)):
+        p.write_bytes(data[:n])
+        with pytest.raises(ModelFileError, match="truncated"):
+            read_model_info(p)
+
+
+def test_a_string_array_whose_lengths_point_past_the_file_is_refused(synthetic_gguf, tmp_path: Path):
+    import struct
+
+    from gguf import GGUFReader
+
+    src = _arrays_gguf(synthetic_gguf)
+    data = bytearray(src.read_bytes())
+    field = GGUFReader(src).fields["test.strings"]
+    first_len = field.offset + 8 + len("test.strings") + 4 + 4 + 8   # key, type, item type, count
+    for bad in (2**63, len(data)):
+        data[first_len:first_len + 8] = struct.pack("<Q", bad)
+        p = tmp_path / "lying.gguf"
+        p.write_bytes(bytes(data))
+        with pytest.raises(ModelFileError, match="truncated or corrupt"):
+            read_model_info(p)
