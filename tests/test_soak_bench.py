@@ -37,3 +37,15 @@ def test_resume_time_is_the_gap_that_spans_the_kill():
     assert _resume_times([r], [5.0]) == []        # not in flight
     failed = _Result(prompt=0, stream=True, status="http 503", stamps=[1.0], t0=0.5, t1=2.5)
     assert _resume_times([failed], [2.0]) == []
+
+
+def test_failures_are_reported_with_their_messages():
+    from meshnode.bench.soak_bench import _summarize
+
+    bad = [_Result(prompt=0, stream=True, status="error chunk", detail="no route to the model's stages: x"),
+           _Result(prompt=1, stream=True, status="error chunk", detail="no route to the model's stages: x"),
+           _Result(prompt=0, stream=False, status="http 503", detail="engine unavailable")]
+    out = _summarize([*bad, _Result(prompt=0, stream=False, text="ok")], {0: "ok", 1: "ok"}, [], {}, 1.0)
+    assert out["failed"] == 3 and out["completed"] == 1
+    assert out["failures"] == [{"error": "error chunk: no route to the model's stages: x", "count": 2},
+                               {"error": "http 503: engine unavailable", "count": 1}]

@@ -104,6 +104,7 @@ class _Result:
     stream: bool
     cancelled: bool = False
     status: str = "ok"           # ok | http NNN | error chunk | exception
+    detail: str = ""             # why it failed: the error's message (the first 200 characters)
     text: str = ""
     stamps: list[float] = field(default_factory=list)
     t0: float = 0.0
@@ -121,7 +122,7 @@ def _request(base: str, model: str, prompt: int, tokens: int, *, stream: bool, c
             if not stream:
                 r = c.post(f"{base}/chat/completions", json=body)
                 if r.status_code != 200:
-                    res.status = f"http {r.status_code}"
+                    res.status, res.detail = f"http {r.status_code}", r.text[:200]
                 else:
                     res.text = r.json()["choices"][0]["message"].get("content") or ""
                     res.stamps.append(time.monotonic())
@@ -129,7 +130,7 @@ def _request(base: str, model: str, prompt: int, tokens: int, *, stream: bool, c
                 with c.stream("POST", f"{base}/chat/completions", json=body) as r:
                     if r.status_code != 200:
                         r.read()
-                        res.status = f"http {r.status_code}"
+                        res.status, res.detail = f"http {r.status_code}", r.text[:200]
                     else:
                         for line in r.iter_lines():
                             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -137,6 +138,7 @@ def _request(base: str, model: str, prompt: int, tokens: int, *, stream: bool, c
                             chunk = json.loads(line[6:])
                             if "error" in chunk:
                                 res.status = "error chunk"
+                                res.detail = str((chunk["error"] or {}).get("message", chunk["error"]))[:200]
                                 break
                             piece = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
                             if piece:
@@ -146,7 +148,7 @@ def _request(base: str, model: str, prompt: int, tokens: int, *, stream: bool, c
                                     res.cancelled = True
                                     break
     except Exception as exc:  # noqa: BLE001 - a soak counts failures, whatever they are
-        res.status = f"exception {type(exc).__name__}"
+        res.status, res.detail = f"exception {type(exc).__name__}", str(exc)[:200]
     res.t1 = time.monotonic()
     return res
 
@@ -181,9 +183,12 @@ def _summarize(results: list[_Result], reference: dict[int, str], kills: list[fl
                memory: dict[str, list[float]], minutes: float) -> dict:
     counts = {"same": 0, "lost": 0, "repeated": 0, "mismatch": 0}
     failed: dict[str, int] = {}
+    why: dict[str, int] = {}
     for r in results:
         if r.status != "ok":
             failed[r.status] = failed.get(r.status, 0) + 1
+            key = f"{r.status}: {r.detail}"
+            why[key] = why.get(key, 0) + 1
             continue
         counts[classify(reference[r.prompt], r.text)] += 1
     resume = _resume_times(results, kills)
@@ -192,6 +197,7 @@ def _summarize(results: list[_Result], reference: dict[int, str], kills: list[fl
         "minutes": minutes, "kills": len(kills),
         "requests": len(results), "completed": len(ok), "cancelled": sum(r.cancelled for r in ok),
         "failed": sum(failed.values()), "failed_by_reason": failed,
+        "failures": [{"error": k, "count": n} for k, n in sorted(why.items(), key=lambda kv: -kv[1])[:10]],
         "tokens_lost": counts["lost"], "tokens_repeated": counts["repeated"],
         "greedy_mismatches": counts["mismatch"],
         "resume_s": {"n": len(resume), "p50": percentile(resume, 50), "p95": percentile(resume, 95)},
@@ -203,6 +209,8 @@ def _print(out: dict) -> None:
     print(f"soak: {out['minutes']:.1f} min, {out['kills']} kill(s)")
     print(f"  requests {out['requests']}: completed {out['completed']} (cancelled by client "
           f"{out['cancelled']}), failed {out['failed']} {out['failed_by_reason'] or ''}")
+    for f in out["failures"]:
+        print(f"    {f['count']} x {f['error']}")
     print(f"  tokens lost {out['tokens_lost']}, repeated {out['tokens_repeated']}, "
           f"greedy mismatches {out['greedy_mismatches']} (all must be 0)")
     rs = out["resume_s"]
