@@ -54,7 +54,7 @@ def setup_logging(level_name: str | None) -> None:
     level_name = (level_name or os.environ.get("MESHNODE_LOG_LEVEL") or "info").upper()
     logging.basicConfig(
         level=getattr(logging, level_name, logging.INFO),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        format="%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
