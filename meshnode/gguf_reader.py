@@ -14,7 +14,13 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-__all__ = ["BulkReader"]
+__all__ = ["BulkReader", "MAX_ARRAY_ELEMENTS"]
+
+# A metadata array longer than this is refused (a ValueError, which open_gguf reports as a
+# corrupt file): the reader keeps a small array object per element, so a crafted file of
+# empty strings could otherwise ask for gigabytes. The largest real tokenizers hold ~300k
+# tokens and merges.
+MAX_ARRAY_ELEMENTS = 1 << 23
 
 
 class BulkReader(GGUFReader):
@@ -55,6 +61,8 @@ class BulkReader(GGUFReader):
             raise ValueError(f"array header at {orig_offs} runs past the end of the file")
         itype = GGUFValueType(int(raw_itype[0]))
         n = int(alen[0])
+        if n > MAX_ARRAY_ELEMENTS:
+            raise ValueError(f"metadata array of {n} elements at {orig_offs} (at most {MAX_ARRAY_ELEMENTS})")
         nptype = self.gguf_scalar_to_np.get(itype)
         if n == 0 or (nptype is None and itype != GGUFValueType.STRING):
             return super()._get_field_parts(orig_offs, raw_type)

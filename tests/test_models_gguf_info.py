@@ -178,3 +178,24 @@ def test_a_string_array_whose_lengths_point_past_the_file_is_refused(synthetic_g
         p.write_bytes(bytes(data))
         with pytest.raises(ModelFileError, match="truncated or corrupt"):
             read_model_info(p)
+
+
+def test_an_array_longer_than_any_tokenizer_is_refused_before_it_is_read(synthetic_gguf, tmp_path: Path):
+    # a count of 2**40 empty strings would be a few TB of small objects: refused up front
+    import struct
+
+    from gguf import GGUFReader
+
+    from meshnode.gguf_reader import MAX_ARRAY_ELEMENTS
+
+    src = _arrays_gguf(synthetic_gguf)
+    data = bytearray(src.read_bytes())
+    for key in ("test.strings", "test.u64"):
+        field = GGUFReader(src).fields[key]
+        count = field.offset + 8 + len(key) + 4 + 4   # key, type, item type
+        bad = bytearray(data)
+        bad[count:count + 8] = struct.pack("<Q", 2**40)
+        p = tmp_path / "huge.gguf"
+        p.write_bytes(bytes(bad))
+        with pytest.raises(ModelFileError, match=f"at most {MAX_ARRAY_ELEMENTS}"):
+            read_model_info(p)

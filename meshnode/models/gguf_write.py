@@ -23,8 +23,8 @@ import logging
 import os
 import struct
 from collections.abc import Iterator, Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from gguf import GGUFEndian, GGUFValueType, GGUFWriter
 
