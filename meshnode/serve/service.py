@@ -50,6 +50,8 @@ UPGRADE_TRIES = 10
 # Stopping the lost plan's surviving stages waits at most this long for their answers:
 # requests wait for the new route meanwhile.
 REPLAN_STOP_TIMEOUT_S = 1.0
+# A start-up phase (fetch, hash) logs its progress only once it has run this long.
+PROGRESS_LOG_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -125,11 +127,14 @@ class ModelService:
         loop = asyncio.get_running_loop()
 
         logged: dict[str, int] = {}
+        started: dict[str, float] = {}
 
         def hook(phase: str, done: int, total: int | None) -> None:
             info = TransferInfo(f"{what} ({phase})", done, total or 0, phase)
             loop.call_soon_threadsafe(self._transfers.__setitem__, what, info)
-            if total:  # headless users see progress in the log, every 10 %
+            # Headless users see progress in the log, every 10 %, once a phase has run for
+            # PROGRESS_LOG_AFTER_S: hashing a small model (60 ms) logged eleven lines.
+            if total and time.monotonic() - started.setdefault(phase, time.monotonic()) >= PROGRESS_LOG_AFTER_S:
                 tenth = min(10, 10 * done // total)
                 if tenth > logged.get(phase, -1):
                     logged[phase] = tenth
