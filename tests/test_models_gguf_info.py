@@ -199,3 +199,45 @@ def test_an_array_longer_than_any_tokenizer_is_refused_before_it_is_read(synthet
         p.write_bytes(bytes(bad))
         with pytest.raises(ModelFileError, match=f"at most {MAX_ARRAY_ELEMENTS}"):
             read_model_info(p)
+
+
+def test_corrupted_metadata_is_refused_or_read_as_gguf_reads_it(synthetic_gguf):
+    """Differential fuzzing: bytes of the metadata changed at random. open_gguf either
+    refuses the file with ModelFileError or returns the fields gguf's own reader returns
+    for it (when that reader accepts it too)."""
+    import tempfile
+
+    from gguf import GGUFReader
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from meshnode.models.gguf_info import open_gguf
+
+    src = _arrays_gguf(synthetic_gguf)
+    data = src.read_bytes()
+    header = GGUFReader(src).fields["test.scalar"].offset + 64   # the metadata, and a bit more
+    folder = Path(tempfile.mkdtemp(dir=src.parent))
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.tuples(st.integers(24, header - 1), st.integers(0, 255)), min_size=1, max_size=4))
+    def check(edits):
+        bad = bytearray(data)
+        for at, value in edits:
+            bad[at] = value
+        p = folder / "fuzz.gguf"
+        p.write_bytes(bytes(bad))
+        try:
+            ours = open_gguf(p)
+        except ModelFileError:
+            return
+        try:
+            theirs = GGUFReader(p)
+        except Exception:  # noqa: BLE001 - gguf's reader may fail where ours stops earlier or differently
+            return
+        assert list(ours.fields) == list(theirs.fields)
+        for key, a in theirs.fields.items():
+            b = ours.fields[key]
+            assert (a.types, a.data) == (b.types, b.data), key
+            assert [x.tobytes() for x in a.parts] == [y.tobytes() for y in b.parts], key
+
+    check()
