@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-__all__ = ["BulkReader", "MAX_ARRAY_ELEMENTS"]
+__all__ = ["BulkReader", "MAX_ARRAY_ELEMENTS", "PARSE_ERRORS"]
+
+# What a reader raises on a file cut short or corrupt (a short read surfaces as a reshape
+# ValueError or an IndexError somewhere in the header or the tensor table): callers turn
+# these into their own one-line errors.
+PARSE_ERRORS = (ValueError, IndexError, OverflowError, UnicodeDecodeError, KeyError)
 
 # A metadata array longer than this is refused (a ValueError, which open_gguf reports as a
 # corrupt file): the reader keeps a small array object per element, so a crafted file of

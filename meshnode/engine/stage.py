@@ -127,7 +127,7 @@ def _peek_shape(path: Path, n_cells: int) -> tuple[int, int]:
     """(n_layer, f16 KV bytes per layer for ``n_cells``) from the GGUF header alone (no
     weights are read): what ``--gpu-layers auto`` sizes the offload by. (llama.cpp's
     vocab-only load does not fill the per-layer sizes: asking it aborts.)"""
-    from meshnode.gguf_reader import BulkReader
+    from meshnode.gguf_reader import PARSE_ERRORS, BulkReader
 
     try:
         reader = BulkReader(path)
@@ -146,7 +146,7 @@ def _peek_shape(path: Path, n_cells: int) -> tuple[int, int]:
         n_embd = field(f"{arch}.embedding_length")
         n_head = max(1, field(f"{arch}.attention.head_count", 1))
         n_head_kv = field(f"{arch}.attention.head_count_kv", n_head) or n_head
-    except (KeyError, ValueError, IndexError, OverflowError, UnicodeDecodeError, OSError) as exc:
+    except (*PARSE_ERRORS, OSError) as exc:
         raise ModelLoadError(f"cannot read the layer sizes of {path.name}: {exc}") from None
     return n_layer, 2 * 2 * (n_embd * n_head_kv // n_head) * n_cells
 

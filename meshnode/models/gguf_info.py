@@ -20,7 +20,7 @@ from typing import Any
 
 from gguf import GGUFReader, GGUFValueType, LlamaFileType
 
-from meshnode.gguf_reader import BulkReader
+from meshnode.gguf_reader import PARSE_ERRORS, BulkReader
 from meshnode.models.errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
@@ -124,9 +124,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
         raise ModelFileError(f"{p} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     try:
         reader = BulkReader(p, "r")
-    except (ValueError, IndexError, OverflowError, UnicodeDecodeError, KeyError) as exc:
-        # The reader slices a memmap: a file cut short shows up as short reads (reshape
-        # ValueError / IndexError) somewhere in the header or the tensor table.
+    except PARSE_ERRORS as exc:   # a header or tensor table cut short or corrupt
         msg = str(exc)
         if "version" in msg:
             raise ModelFileError(f"{p}: unsupported GGUF file ({msg})") from None
