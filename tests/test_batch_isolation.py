@@ -250,9 +250,9 @@ def test_the_final_stage_answers_a_failed_session_apart_from_its_batch():
 
 
 def test_a_session_ended_while_its_step_was_in_flight_is_left_out_not_its_batch():
-    """A request cancelled mid-step ends its session on every stage directly, so on a
-    split of 3 the SessionEnd reaches the last stage before the batch does: that batch's
-    other sessions must still be computed."""
+    """A request cancelled while its step travels the fast lane ends its session on the
+    stream, so the SessionEnd can reach a stage before that step's batch does: the
+    batch's other sessions must still be computed."""
 
     async def main():
         engine, fabric = _Engine(), _Fabric()
@@ -416,3 +416,28 @@ def test_after_a_session_copy_neither_session_overtakes_it_on_the_fast_lane():
     eligible, sent = asyncio.run(main())
     assert eligible == [False, False, True]
     assert [type(m).__name__ for m in sent] == ["SessionCopy"]
+
+
+def test_stage0_ends_a_session_through_stage_1_only():
+    """The end of a session enters the route where its frames and copies do (stage 1
+    relays it: tests/test_stage_host.py), so it cannot overtake them or be overtaken."""
+
+    class Recording:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, object]] = []
+
+        def lane_ready(self, node) -> bool:
+            return False
+
+        async def send_data(self, node, msg, key) -> None:
+            self.sent.append((node, msg))
+
+    async def main():
+        fabric = Recording()
+        pipe = MeshPipeline(_Worker(_Engine()), fabric, ["b", "c", "d"], reply_timeout=10.0)
+        await pipe.end_session(7)
+        await pipe.close()
+        return fabric.sent
+
+    sent = asyncio.run(main())
+    assert [(node, type(m).__name__, m.session) for node, m in sent] == [("b", "SessionEnd", 7)]

@@ -118,3 +118,13 @@ def test_a_prompt_longer_than_the_models_context_stops_bench_serve_with_one_line
     assert "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("meshnode: error: HTTP 400 from the node") and "maximum context length" in last
+
+
+def test_bench_soak_keeps_logs_only_in_an_empty_directory(tmp_path, meshnode_main):
+    used = tmp_path / "logs"
+    used.mkdir()
+    (used / "node0").mkdir()   # an earlier run's homes: its identities must not be reused
+    r = meshnode_main("--home", str(tmp_path), "bench", "soak", "--keep", str(used))
+    assert r.returncode == 2
+    assert "not an empty directory" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "data").exists()   # refused before the model was looked for

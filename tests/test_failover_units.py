@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from meshnode.limits import MAX_VERIFY_WINDOW
-from meshnode.mesh.pipeline import PipelineUnavailableError, Step
+from meshnode.mesh.pipeline import PipelineUnavailableError, Step, StepFailedError
 from meshnode.mesh.planner import Candidate, Plan, PlannedStage
 from meshnode.mesh.replan import fallback_options, substitute, upgrade_wanted
 from meshnode.mesh.runtime import ServeOptions
@@ -263,3 +263,106 @@ def test_status_json_and_the_status_bar_show_the_failover():
     recovering = dataclasses.replace(snap, status=ModelStatus.RECOVERING, status_detail="stage 1 (b): link lost")
     glyph, text, style = service_status(recovering)
     assert text == "recovering · stage 1 (b): link lost" and style == "yellow"
+
+
+def test_requests_after_a_failover_run_on_the_new_route_with_several_choices_too():
+    """Every kind of request sends its steps on the route it prefilled on, also once the
+    route has changed before it started: a request with n choices (shared prefill) too."""
+    async def main():
+        truth = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
+        old, new = OraclePipeline(truth), OraclePipeline(truth)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, n_batch=16), CharTokenizer(), old)
+        server.route.lost("stage 1 on b: link lost")
+        server.switch_pipeline(new)
+        texts = {}
+        for n in (1, 2):
+            req = GenerationRequest(f"r{n}", "m", messages=(ChatMessage("user", CODE),), max_tokens=20,
+                                    temperature=0.0, n=n)
+            got: dict[int, str] = {}
+            async for ev in server.generate(req):
+                if isinstance(ev, TextDelta):
+                    got[ev.index] = got.get(ev.index, "") + ev.text
+            texts[n] = got
+        await server.scheduler.close()
+        return old, new, texts
+
+    old, new, texts = asyncio.run(main())
+    assert texts[1] == {0: ANSWER[:20]}
+    assert texts[2] == {0: ANSWER[:20], 1: ANSWER[:20]}
+    assert not old.steps and new.steps
+
+
+def test_a_route_lost_again_during_the_replay_resumes_on_the_next_one():
+    """The second loss hits the replay itself (its first chunk): the request waits for the
+    third route and replays there, rather than failing with the second loss."""
+    async def main():
+        truth = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
+        server: ModelServer | None = None
+        first = DyingPipeline(truth, lambda: server.route, 7)
+        second = DyingPipeline(truth, lambda: server.route, 0)   # dies at its first call
+        third = OraclePipeline(truth)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, n_batch=16), CharTokenizer(), first)
+
+        async def replan():
+            for dying, nxt in ((first, second), (second, third)):
+                while not dying.dead:
+                    await asyncio.sleep(0.002)
+                await asyncio.sleep(0.02)
+                server.switch_pipeline(nxt)
+
+        task = asyncio.ensure_future(replan())
+        req = GenerationRequest("r1", "m", messages=(ChatMessage("user", CODE),), max_tokens=len(ANSWER),
+                                temperature=0.0)
+        text = ""
+        async for ev in server.generate(req):
+            if isinstance(ev, TextDelta):
+                text += ev.text
+        await asyncio.wait_for(task, 5)
+        await server.scheduler.close()
+        return first, second, third, server, text
+
+    first, second, third, server, text = asyncio.run(main())
+    assert first.dead and second.dead
+    assert text == ANSWER
+    assert server.route.epoch == 2 and len(server.resumed) == 1   # resumed once, on the third route
+    assert third.steps[0][0] == 0      # the third route got the whole history from position 0
+
+
+class RefusingPipeline(DyingPipeline):
+    """A route whose loss shows as a stage refusing the session's step (a StepFailedError
+    in its place, as when the step reached a stage of the new route without its KV)."""
+
+    async def run(self, steps):
+        try:
+            return await super().run(steps)
+        except PipelineUnavailableError:
+            return [StepFailedError(s.session, "position 38 given, 0 expected") for s in steps]
+
+
+def test_a_step_refused_while_the_route_changes_resumes_the_session():
+    async def main():
+        truth = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
+        server: ModelServer | None = None
+        old = RefusingPipeline(truth, lambda: server.route, 5)
+        new = OraclePipeline(truth)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, n_batch=16), CharTokenizer(), old)
+
+        async def replan():
+            while not old.dead:
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.02)
+            server.switch_pipeline(new)
+
+        task = asyncio.ensure_future(replan())
+        req = GenerationRequest("r1", "m", messages=(ChatMessage("user", CODE),), max_tokens=len(ANSWER),
+                                temperature=0.0)
+        text = ""
+        async for ev in server.generate(req):
+            if isinstance(ev, TextDelta):
+                text += ev.text
+        await asyncio.wait_for(task, 5)
+        await server.scheduler.close()
+        return server, text
+
+    server, text = asyncio.run(main())
+    assert text == ANSWER and len(server.resumed) == 1

@@ -158,3 +158,30 @@ async def test_decode_exchange_sends_one_datagram_each_way(tmp_path):
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_dial_cancelled_during_the_handshake_leaves_no_unretrieved_error(tmp_path):
+    """A dial given up while QUIC still waits for the handshake (the peer's mDNS record
+    went away, the node stops) left aioquic's shielded "connected" future to fail later
+    with a ConnectionError nobody read: an ERROR line without a traceback in the log."""
+    import gc
+    import socket
+
+    a = _fabric(tmp_path, "a", new_secret())
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)   # takes datagrams, never answers
+    silent.bind(("127.0.0.1", 0))
+    errors: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    try:
+        dial = asyncio.ensure_future(a._dial_once("127.0.0.1", silent.getsockname()[1]))
+        await asyncio.sleep(0.3)
+        dial.cancel()
+        await asyncio.gather(dial, return_exceptions=True)
+        await asyncio.sleep(0.1)
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+        silent.close()
+    assert [ctx.get("message") for ctx in errors] == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from meshnode import wire
 from meshnode.mesh.stage_host import StageHost, StageRoute
@@ -225,3 +226,49 @@ def test_a_lane_step_that_fails_inside_accept_is_answered_and_the_stage_goes_on(
     assert [(type(m).__name__, m.batch_id) for m in sent] == [("DataError", 1), ("TokenReturn", 2)]
     assert sent[0].code == wire.ErrorCode.ENGINE_ERROR and "boom" in sent[0].message
     assert sent[1].results[0].tokens == (112,)
+
+
+class _SessionWorker(_Worker):
+    """Records what the host frees and copies, and what it had sent downstream by then."""
+
+    def __init__(self, fabric: _Fabric) -> None:
+        super().__init__(_Engine({}))
+        self.fabric = fabric
+        self.log: list[tuple[str, int, int]] = []   # (what, session, messages sent before it)
+
+    async def drop(self, session):
+        self.log.append(("drop", session, len(self.fabric.sent)))
+
+    async def copy(self, src, dst, n_pos):
+        self.log.append(("copy", dst, len(self.fabric.sent)))
+
+
+@pytest.mark.parametrize("downstream", ["d", None])
+def test_session_end_and_copy_are_relayed_in_order_after_they_are_done_here(downstream):
+    """Stage 0 sends SessionEnd to stage 1 only; each stage frees the session, then
+    passes the end on, behind everything before it and ahead of the next request's copy
+    into the slot it freed (sent to every stage directly, the end could reach the last
+    stage after a copy relayed there, which then found no slot: a failed request)."""
+
+    async def main():
+        fabric = _Fabric()
+        worker = _SessionWorker(fabric)
+        host = StageHost(fabric, worker, StageRoute(coordinator="c", downstream=downstream))
+        host.accept("c", wire.SessionEnd(ref=0, session=1))
+        host.accept("c", wire.SessionCopy(ref=0, src=2, dst=3, n_pos=38))
+        host.accept("c", wire.SessionEnd(ref=0, session=1))   # ended twice: still relayed
+        for _ in range(100):
+            if len(worker.log) == 3 and (downstream is None or len(fabric.sent) == 3):
+                break
+            await asyncio.sleep(0.01)
+        await host.close()
+        return fabric.sent, worker.log
+
+    sent, log = asyncio.run(main())
+    assert [(what, s) for what, s, _ in log] == [("drop", 1), ("copy", 3), ("drop", 1)]
+    if downstream is None:
+        assert sent == []     # the final stage passes nothing on
+        return
+    assert [type(m).__name__ for m in sent] == ["SessionEnd", "SessionCopy", "SessionEnd"]
+    # each relayed only after this stage did it
+    assert [before for _, _, before in log] == [0, 1, 2]

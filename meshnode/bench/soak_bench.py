@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from meshnode.argtypes import positive_int
 
@@ -63,6 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of streams the client abandons part way (default 0.15)")
     p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads per stage (default 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the schedule (default 0)")
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="put the nodes' homes (their node.log included) under DIR and keep them "
+                        "after the run (default: a temporary directory, removed)")
+    p.add_argument("--node-log-level", default="info", choices=("debug", "info", "warning"),
+                   help="the nodes' log level (default info; debug with --keep to trace a failure)")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
 
 
@@ -232,6 +238,9 @@ def run(args: argparse.Namespace) -> int:
         print("meshnode bench soak: --minutes and --kill-every must be > 0, --cancel-rate in [0, 1], "
               "--nodes >= 2, --spare >= 0", file=sys.stderr)
         return 2
+    if args.keep is not None and args.keep.exists() and (not args.keep.is_dir() or any(args.keep.iterdir())):
+        print(f"meshnode bench soak: --keep {args.keep}: not an empty directory", file=sys.stderr)
+        return 2
     down = args.kill_every / 2 if args.down is None else args.down
     logging.getLogger("httpx").setLevel(logging.WARNING)
     paths = NodePaths.resolve(args.home).ensure()
@@ -240,12 +249,18 @@ def run(args: argparse.Namespace) -> int:
     n_total = args.nodes + args.spare
     print(f"soak: {args.nodes}-stage split + {args.spare} spare, {args.clients} client(s), "
           f"kill every {args.kill_every:g} s (down {down:g} s), {args.minutes:g} min", file=sys.stderr)
-    with LocalCluster(ref.path, n_total) as cluster:
-        members = {i: cluster.start(i, "--no-model", "--threads", str(args.threads),
-                                    "--parallel", str(args.clients)) for i in range(1, n_total)}
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        print(f"  node homes and logs kept in {args.keep}", file=sys.stderr)
+    with LocalCluster(ref.path, n_total, root=args.keep) as cluster:
+        def start_member(i: int):
+            return cluster.start(i, "--no-model", "--threads", str(args.threads),
+                                 "--parallel", str(args.clients), log_level=args.node_log_level)
+
+        members = {i: start_member(i) for i in range(1, n_total)}
         coord = cluster.start(0, "--model", str(ref.path), "--split", str(args.nodes), "--threads",
                               str(args.threads), "--parallel", str(args.clients), "--spec-mode", "on",
-                              "--ctx", "1024").wait_model()
+                              "--ctx", "1024", log_level=args.node_log_level).wait_model()
         base, model = coord.base_url, coord.get("/v1/models")["data"][0]["id"]
         print("  reference answers (one at a time, before any kill) ...", file=sys.stderr)
         reference = {i: _request(base, model, i, args.tokens, stream=False, cancel_after=None).text
@@ -286,8 +301,7 @@ def run(args: argparse.Namespace) -> int:
                 members[victim].proc.wait()
                 kills.append(time.monotonic())
                 time.sleep(min(down, max(0.0, end - time.monotonic())))
-                members[victim] = cluster.start(victim, "--no-model", "--threads", str(args.threads),
-                                                "--parallel", str(args.clients))
+                members[victim] = start_member(victim)
             time.sleep(max(0.0, end - time.monotonic()))
         finally:
             stop.set()

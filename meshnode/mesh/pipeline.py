@@ -397,11 +397,14 @@ class MeshPipeline:
         if self.closed is not None:
             return   # the engines were freed with their KV
         await self.worker.drop(session)
-        for node in self.route:
-            try:
-                await self.fabric.send_data(node, wire.SessionEnd(ref=0, session=session), DATA_STREAM)
-            except Exception:  # a gone peer has no KV to free
-                log.debug("SessionEnd to %s failed", node, exc_info=True)
+        # To stage 1 only, on the stream of the frames and copies: each stage relays it
+        # (StageHost), so a stage frees the session before it sees the next request's
+        # copy into the slot this frees (sent to every stage directly, the end could
+        # reach the last stage after the copy relayed to it: no slot free there).
+        try:
+            await self._send(wire.SessionEnd(ref=0, session=session), False)
+        except Exception:  # a gone peer has no KV to free
+            log.debug("SessionEnd to %s failed", self.route[0], exc_info=True)
 
     async def close(self, reason: str = "pipeline closed") -> None:
         self.fail_all(reason)

@@ -2,8 +2,9 @@
 
 Frames arrive in order on one stream from the upstream stage. Only that stage (the node
 its Load named; the coordinator for stage 1) may send ``Forward``; ``Trim`` and
-``SessionEnd`` come from it or from the coordinator (stage 0 ends a session on every
-stage directly). Data from any other member is dropped with a log: a member of the mesh
+``SessionEnd`` come from it or from the coordinator. Everything stage 0 sends for a
+session (frames, ``SessionCopy``, ``SessionEnd``) enters at stage 1 and is relayed stage
+by stage on these streams, so each stage sees it in the order stage 0 sent it. Data from any other member is dropped with a log: a member of the mesh
 must not be able to rewind or end another coordinator's sessions. The queue in front of
 the engine is bounded (frames and activation bytes); a Forward over the bound is answered
 with ``DataError`` (BUSY) instead of growing memory (Trim and SessionEnd have their own,
@@ -199,14 +200,7 @@ class StageHost:
                     case wire.Trim(session=session, pos=pos):
                         await self.worker.rollback(session, pos)
                     case wire.SessionEnd(session=session):
-                        self._last_used.pop(session, None)
-                        self._verified.pop(session, None)
-                        self._newest.pop(session, None)
-                        self._ended[session] = None
-                        if len(self._ended) > ENDED_KEPT:
-                            self._ended.popitem(last=False)
-                        self.sampler.forget(session)
-                        await self.worker.drop(session)
+                        await self._end(msg, session)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bad batch must not stop the stage
@@ -242,15 +236,33 @@ class StageHost:
             del self._masks[key]
         return got
 
+    async def _end(self, msg: wire.SessionEnd, session: int) -> None:
+        """Free ``session`` here, then pass the end on. Relayed like the frames and
+        copies rather than sent to every stage by the coordinator: then no stage sees a
+        later request's SessionCopy before the end that freed its KV slot (the
+        coordinator reuses the slot as soon as the end is sent)."""
+        try:
+            self._last_used.pop(session, None)
+            self._verified.pop(session, None)
+            self._newest.pop(session, None)
+            self._ended[session] = None
+            if len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+            self.sampler.forget(session)
+            await self.worker.drop(session)
+        finally:
+            if not self.is_last:
+                await self._send(self.route.downstream, msg)
+
     async def _copy(self, msg: wire.SessionCopy, src: int, dst: int, n_pos: int) -> None:
         """Copy here, then pass it on (the next stage gets it behind the same prefill).
         A failed copy is logged; the copied session's first step then fails on this
         stage (its positions are missing) and its request with it."""
-        if dst in self._ended or src in self._ended:
-            log.debug("SessionCopy %x -> %x skipped: a session already ended", src, dst)
-            return
-        log.debug("SessionCopy %x -> %x of %d positions", src, dst, n_pos)
         try:
+            if dst in self._ended or src in self._ended:
+                log.debug("SessionCopy %x -> %x skipped: a session already ended", src, dst)
+                return
+            log.debug("SessionCopy %x -> %x of %d positions", src, dst, n_pos)
             await self.worker.copy(src, dst, n_pos)
             self._last_used[dst] = self._last_used[src] = time.monotonic()
         finally:

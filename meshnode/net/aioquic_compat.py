@@ -34,7 +34,8 @@ from aioquic.quic.recovery import QuicPacketPacer
 __all__ = [
     "HOOKS", "Unpaced", "PrefilteredQuicServer", "ack_with_next_packet", "datagram_transport",
     "feed_datagram", "mark_closed", "max_datagram_size", "one_rtt_ack_space", "open_flow_control", "pacer",
-    "peer_certificate", "received_stream_bytes", "request_client_certificate", "set_max_datagram_size",
+    "peer_certificate", "read_connect_failure", "received_stream_bytes", "request_client_certificate",
+    "set_max_datagram_size",
     "unpace", "validated_peer_address",
 ]
 
@@ -58,6 +59,7 @@ HOOKS: tuple[tuple[str, str], ...] = (
     ("QuicServer", "_protocols"),                      # PrefilteredQuicServer (admission)
     ("QuicConnection", "_local_max_data"),             # received_stream_bytes, open_flow_control
     ("QuicConnection", "_network_paths"),              # validated_peer_address, has_network_path
+    ("QuicConnectionProtocol", "_connected_waiter"),   # read_connect_failure
 )
 
 
@@ -213,6 +215,17 @@ def datagram_transport(protocol: QuicConnectionProtocol) -> asyncio.DatagramTran
     """The UDP socket's transport (None before ``connection_made``). The fast lane sends
     its packets there, beside QUIC's: same socket, same 5-tuple, same firewall path."""
     return protocol._transport
+
+
+def read_connect_failure(protocol: QuicConnectionProtocol) -> None:
+    """After a ``wait_connected()`` was cancelled: read the error its waiter will get.
+    aioquic awaits that future through ``asyncio.shield``, so a cancelled wait leaves it
+    behind, and when the connection then ends aioquic sets ConnectionError on it; unread,
+    asyncio logs "Future exception was never retrieved" (an ERROR line in a node's log
+    whenever a dial is given up during the handshake)."""
+    waiter = protocol._connected_waiter
+    if waiter is not None:
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def mark_closed(protocol: QuicConnectionProtocol) -> None:

@@ -309,6 +309,13 @@ class PeerLink(QuicConnectionProtocol):
             return
         super().transmit()
 
+    async def wait_connected(self) -> None:
+        try:
+            await super().wait_connected()
+        except asyncio.CancelledError:
+            compat.read_connect_failure(self)   # a dial given up during the handshake
+            raise
+
     # ---- aioquic events --------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
@@ -683,7 +690,13 @@ class PeerLink(QuicConnectionProtocol):
                 return
             elif isinstance(action, AuthTimedOut):
                 try:
-                    log.warning("peer %s at %s: authentication timed out", self.peer_node_id, self.address)
+                    if self.is_client and self.auth is None:
+                        # our dial got no QUIC handshake back: an address nobody answers
+                        # on any more (a member that restarted on another port, a laptop
+                        # gone); the dialler says so and backs off
+                        log.debug("dial to %s: no answer within the authentication deadline", self.address)
+                    else:
+                        log.warning("peer %s at %s: authentication timed out", self.peer_node_id, self.address)
                 finally:   # the deadline holds even if the log line raised
                     self.close_with("authentication timed out")
                 return

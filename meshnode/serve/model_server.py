@@ -371,7 +371,9 @@ class ModelServer:
         await self._make_room(hit[0] if hit is not None else None)
         if hit is not None and self._slots.locked():
             entry = hit[0]
-            if ar is not None and entry.pins == 1 and ar.sampling.greedy:
+            # (the entry may have been given up while _make_room waited: a re-plan)
+            if (ar is not None and entry.pins == 1 and ar.sampling.greedy and not entry.removed
+                    and entry.epoch == self.route.epoch):
                 self.prefix.take(entry)
                 self._sessions.discard(ar.session)   # never sent to a stage
                 ar.session = entry.session
@@ -423,7 +425,7 @@ class ModelServer:
         decoder = self._decoder
         try:
             t_prefill = time.perf_counter()
-            firsts = [await self._prefill_failover(ars[0], hit)] if len(ars) == 1 else await self._prefill_shared(ars)
+            firsts = await self._prefill_failover(ars, hit)
             for ar, first in zip(ars, firsts):
                 if ar.constraint is not None:
                     ar.constraint.commit([first.tokens[-1]])
@@ -559,6 +561,8 @@ class ModelServer:
         on every stage; then each choice feeds the last token itself and samples its
         first token with its own generator."""
         nb = self.settings.n_batch
+        for ar in ars:
+            ar.epoch = self.route.epoch
         head = np.asarray(ars[0].prompt[:-1], dtype=np.int32)
         for start in range(0, len(head), nb):
             await self.scheduler.submit(Step(ars[0].session, start, head[start:start + nb], 0, (),
@@ -575,47 +579,59 @@ class ModelServer:
 
     # ---- failover -------------------------------------------------------------------------
 
-    async def _prefill_failover(self, ar: ActiveRequest, hit: tuple[Retained, int] | None = None) -> Finalized:
-        """The prefill; when the route is lost under it, again on the new route (in full:
-        a retained session's KV stayed on the old route)."""
+    async def _prefill_failover(self, ars: list[ActiveRequest],
+                                hit: tuple[Retained, int] | None = None) -> list[Finalized]:
+        """The prefill of one request's choices (their first tokens); when the route is
+        lost under it, again on the new route (in full: a retained session's KV stayed on
+        the old route)."""
         try:
-            return await self._prefill_routes(ar, hit)
+            for attempt in range(MAX_FAILOVERS + 1):
+                try:
+                    if len(ars) == 1:
+                        return [await self._prefill(ars[0], hit)]
+                    return await self._prefill_shared(ars)
+                except (PipelineUnavailableError, PipelineFailedError) as exc:
+                    if hit is not None:
+                        self._unpin(hit[0])
+                        hit = None
+                    for ar in ars:
+                        ar.cached = 0
+                    if attempt == MAX_FAILOVERS or not await self._route_lost(ars[0], exc):
+                        raise
+                    t0 = time.perf_counter()
+                    await self._new_route(ars[0])
+                    log.info("request %s: prefill restarts on the new route (waited %.0f ms)",
+                             ars[0].id, 1e3 * (time.perf_counter() - t0))
+            raise AssertionError("unreachable")
         finally:
             if hit is not None:
                 self._unpin(hit[0])
 
-    async def _prefill_routes(self, ar: ActiveRequest, hit: tuple[Retained, int] | None) -> Finalized:
-        for attempt in range(MAX_FAILOVERS + 1):
-            try:
-                return await self._prefill(ar, hit)
-            except (PipelineUnavailableError, PipelineFailedError) as exc:
-                hit, ar.cached = None, 0
-                if attempt == MAX_FAILOVERS or not await self._route_lost(ar, exc):
-                    raise
-                t0 = time.perf_counter()
-                await self._new_route(ar)
-                log.info("request %s: prefill restarts on the new route (waited %.0f ms)",
-                         ar.id, 1e3 * (time.perf_counter() - t0))
-        raise AssertionError("unreachable")
-
     async def _decode_step(self, ar: ActiveRequest, last: int) -> list[int]:
         """One decode step; when the route is lost under it, the session is replayed on
-        the new route and the step sent again."""
+        the new route and the step sent again (the replay itself may meet the next loss)."""
+        lost = False
         for attempt in range(MAX_FAILOVERS + 1):
             try:
+                if lost:
+                    await self._resume(ar, last)
                 return await self._decoder.step(ar, last)
             except (PipelineUnavailableError, PipelineFailedError) as exc:
                 if attempt == MAX_FAILOVERS or not await self._route_lost(ar, exc):
                     raise
-                await self._resume(ar, last)
+                lost = True
         raise AssertionError("unreachable")
 
     async def _route_lost(self, ar: ActiveRequest, exc: Exception) -> bool:
-        """Whether ``exc`` came from the loss of the route ``ar`` runs on (then it resumes)."""
-        if isinstance(exc, StepFailedError) or self._closing:
-            return False   # this session's own failure, or the node is stopping
+        """Whether ``exc`` came from the loss of the route ``ar`` runs on (then it resumes).
+        A route that changed since ``ar``'s step was sent explains any failure of it: a
+        stage of the new route may refuse a step of the old one."""
+        if self._closing:
+            return False   # the node is stopping
         if self.route.changed_since(ar.epoch):
             return True
+        if isinstance(exc, StepFailedError):
+            return False   # this session's own failure
         # A send that found the link gone may come before the link's loss is declared.
         return isinstance(exc, PipelineUnavailableError) and await self.route.wait_lost(ar.epoch, LOSS_WAIT_S)
 
