@@ -57,6 +57,9 @@ class _Engine:
         self.fail = False
         self.calls: list[tuple[int, ...]] = []   # sessions of each call
 
+    def next_pos(self, session: int) -> int:
+        return 1 << 30   # positions are not tracked: no step is a gap here
+
     def forward(self, segs, rewind=False):
         self.calls.append(tuple(s.session for s in segs))
         if self.fail:

@@ -53,6 +53,9 @@ class KVEngine:
         self.kv: dict[int, list[float]] = {}
         self.calls = 0
 
+    def next_pos(self, session: int) -> int:
+        return len(self.kv.get(session, ()))
+
     def forward(self, segs, rewind=False):
         seen = set()
         for s in segs:
@@ -264,7 +267,7 @@ def test_token_return_only_from_the_final_stage():
         pipe = MeshPipeline(types.SimpleNamespace(), types.SimpleNamespace(), ["s1", "s2"])
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        pipe._pending[7] = _Waiting(fut, frozenset({1}))   # noqa: SLF001
+        pipe._pending[7] = _Waiting(fut, frozenset({1}), frozenset({1}))   # noqa: SLF001
         forged = wire.TokenReturn(ref=0, batch_id=7, results=(wire.SegmentResult(1, (666,), 0, 0),))
         real = wire.TokenReturn(ref=0, batch_id=7, results=(wire.SegmentResult(1, (42,), 0, 0),))
         assert pipe.on_data("s1", forged) and not fut.done()        # a middle stage
@@ -272,7 +275,7 @@ def test_token_return_only_from_the_final_stage():
         assert pipe.on_data("mallory", wire.DataError(0, 7, 1, ErrorCode.BUSY, "x")) and not fut.done()
         assert pipe.on_data("s2", real) and fut.result() is real
         fut2 = loop.create_future()
-        pipe._pending[8] = _Waiting(fut2, frozenset({1}))   # noqa: SLF001
+        pipe._pending[8] = _Waiting(fut2, frozenset({1}), frozenset({1}))   # noqa: SLF001
         pipe.on_data("s1", wire.DataError(0, 8, 0, ErrorCode.ENGINE_ERROR, "boom"))   # a stage may fail a batch
         assert fut2.done() and fut2.exception() is not None
         return pipe.refused

@@ -25,6 +25,9 @@ class _Engine:
         self.truth = truth
         self.calls: list[tuple[int, int]] = []   # (pos, rows)
 
+    def next_pos(self, session: int) -> int:
+        return 1 << 30   # positions are not tracked: no step is a gap here
+
     def forward(self, segs, rewind=False):
         out = []
         for s in segs:
@@ -272,3 +275,63 @@ def test_session_end_and_copy_are_relayed_in_order_after_they_are_done_here(down
     assert [type(m).__name__ for m in sent] == ["SessionEnd", "SessionCopy", "SessionEnd"]
     # each relayed only after this stage did it
     assert [before for _, _, before in log] == [0, 1, 2]
+
+
+class _MiddleEngine:
+    """A middle stage with real position bookkeeping: hidden states out, a session holds
+    the rows it was given, a copy into a full stage fails like the real engine's."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self.calls: list[tuple[int, ...]] = []
+
+    def next_pos(self, session: int) -> int:
+        return self.held.get(session, 0)
+
+    def forward(self, segs, rewind=False):
+        for s in segs:
+            assert s.pos <= self.next_pos(s.session), "the host let a gap through"
+        self.calls.append(tuple(s.session for s in segs))
+        for s in segs:
+            self.held[s.session] = s.pos + s.n_rows
+        return [np.asarray(s.hidden) + 1.0 for s in segs]
+
+
+class _FullWorker(_Worker):
+    async def copy(self, src, dst, n_pos):
+        from meshnode.engine import EngineBusyError
+        raise EngineBusyError("all 4 session slots are in use")
+
+
+def test_a_session_whose_kv_is_missing_fails_alone_and_says_why():
+    """A step that starts past what its session holds here (its copy failed here) is left
+    out of the batch and failed alone, with the copy's failure; the others go on."""
+    GOOD, BAD = 1, 2
+
+    async def main():
+        fabric = _Fabric()
+        engine = _MiddleEngine()
+        host = StageHost(fabric, _FullWorker(engine), StageRoute(coordinator="c", downstream="d"))
+        host.accept("c", wire.SessionCopy(ref=0, src=9, dst=BAD, n_pos=38))    # fails here
+        segs = (wire.Segment(session=GOOD, pos=0, n_rows=2, n_logits=0, drafts=(), temperature=0.0,
+                             top_k=0, top_p=1.0, seed=0, flags=0),
+                wire.Segment(session=BAD, pos=38, n_rows=1, n_logits=0, drafts=(), temperature=0.0,
+                             top_k=0, top_p=1.0, seed=0, flags=0))
+        act = np.arange(3 * N_EMBD, dtype=np.float32).reshape(3, N_EMBD)
+        host.accept("c", wire.Forward(ref=0, batch_id=5, step=0, segments=segs, act=act))
+        for _ in range(100):
+            if len(fabric.sent) == 3:
+                break
+            await asyncio.sleep(0.01)
+        await host.close()
+        return engine, fabric.sent, act
+
+    engine, sent, act = asyncio.run(main())
+    copy, err, fwd = sent
+    assert isinstance(copy, wire.SessionCopy)                  # relayed even though it failed here
+    assert isinstance(err, wire.DataError) and (err.batch_id, err.session) == (5, BAD)
+    assert err.code == wire.ErrorCode.NO_SUCH_SESSION
+    assert "position 38 given, this stage holds 0" in err.message and "all 4 session slots" in err.message
+    assert engine.calls == [(GOOD,)]
+    assert isinstance(fwd, wire.Forward) and [s.session for s in fwd.segments] == [GOOD]
+    np.testing.assert_array_equal(fwd.act, act[:2] + 1.0)      # GOOD's rows, computed

@@ -175,7 +175,8 @@ class _Waiting:
     """A batch sent, awaiting its answer: the TokenReturn, or a DataError for all of it."""
 
     fut: asyncio.Future
-    wants: frozenset[int]                  # sessions whose steps want tokens back
+    sessions: frozenset[int]               # every session of the batch
+    wants: frozenset[int]                  # ... of which those whose steps want tokens back
     failed: dict[int, str] = field(default_factory=dict)   # session -> why it failed alone
 
 
@@ -224,7 +225,11 @@ class MeshPipeline:
             if waiting is None or waiting.fut.done():
                 return True
             why = f"stage on {peer} failed: {msg.message}"
-            if msg.session != WHOLE_BATCH and msg.session in waiting.wants:
+            if msg.session != WHOLE_BATCH and msg.session in waiting.sessions:
+                if msg.session not in waiting.wants:
+                    # a step of the batch that wants nothing back (a prefill chunk): its
+                    # session's next step meets the same failure and reports it
+                    return True
                 # This session alone failed; the batch's TokenReturn brings the others,
                 # unless none is left waiting for one.
                 waiting.failed[msg.session] = why
@@ -265,7 +270,8 @@ class MeshPipeline:
             return [None] * len(steps)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        waiting = self._pending[batch_id] = _Waiting(fut, frozenset(s.session for s in steps if s.n_logits))
+        waiting = self._pending[batch_id] = _Waiting(fut, frozenset(s.session for s in steps),
+                                                     frozenset(s.session for s in steps if s.n_logits))
         for s in steps:
             self._busy[s.session] = self._busy.get(s.session, 0) + 1
         t0, resends = loop.time(), self.lane_resends

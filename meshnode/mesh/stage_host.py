@@ -17,7 +17,8 @@ A failure answers ``DataError`` to the coordinator; it never takes the node down
 A failure is as wide as its cause. The engine call failing, a full queue or a stale
 frame fail the whole batch (``DataError`` with session ``WHOLE_BATCH``). One session's
 sampling failing on the final stage fails that session alone: a ``DataError`` naming it,
-then the ``TokenReturn`` of the others. A session that ended here (its request was
+then the ``TokenReturn`` of the others. So does a segment that starts past what its
+session holds here (its KV copy failed here): left out, the others computed. A session that ended here (its request was
 cancelled while its step was in flight) is left out of the computation; the other
 sessions of its batch are computed as if it had not been there.
 """
@@ -101,6 +102,9 @@ class StageHost:
         # may travel the fast lane: a step of a cancelled request can arrive after its
         # session's end, and must not bring the session back.
         self._ended: OrderedDict[int, None] = OrderedDict()
+        # Sessions whose SessionCopy failed here, with why (until they end): their first
+        # step then fails alone, saying so (_without_gaps).
+        self._copy_failed: dict[int, str] = {}
         self._replies: set[asyncio.Task] = set()
         self._serving = False   # _serve is handling a message (a step may not overtake it)
         # Final stage: GrammarMask rows by (batch id, session), until their Forward comes.
@@ -246,6 +250,7 @@ class StageHost:
             self._verified.pop(session, None)
             self._newest.pop(session, None)
             self._ended[session] = None
+            self._copy_failed.pop(session, None)
             if len(self._ended) > ENDED_KEPT:
                 self._ended.popitem(last=False)
             self.sampler.forget(session)
@@ -263,7 +268,14 @@ class StageHost:
                 log.debug("SessionCopy %x -> %x skipped: a session already ended", src, dst)
                 return
             log.debug("SessionCopy %x -> %x of %d positions", src, dst, n_pos)
-            await self.worker.copy(src, dst, n_pos)
+            try:
+                await self.worker.copy(src, dst, n_pos)
+            except EngineError as exc:
+                # said again when the session's first step comes (_without_gaps)
+                self._copy_failed[dst] = str(exc)
+                while len(self._copy_failed) > ENDED_KEPT:
+                    self._copy_failed.pop(next(iter(self._copy_failed)))
+                raise
             self._last_used[dst] = self._last_used[src] = time.monotonic()
         finally:
             if not self.is_last:
@@ -319,19 +331,35 @@ class StageHost:
     def _without_ended(self, msg: wire.Forward) -> wire.Forward:
         """``msg`` less the segments (and activation rows) of sessions ended here: their
         requests are gone, the batch's other sessions are not."""
-        if not any(s.session in self._ended for s in msg.segments):
-            return msg
-        keep, rows, row = [], [], 0
-        for s in msg.segments:
-            if s.session not in self._ended:
-                keep.append(s)
-                rows.append(np.arange(row, row + s.n_rows))
-            row += s.n_rows
-        if not keep:
-            return msg   # all ended: refused whole (_refusal)
-        act = np.asarray(msg.act)[np.concatenate(rows)]
+        keep = [s for s in msg.segments if s.session not in self._ended]
+        if len(keep) == len(msg.segments) or not keep:
+            return msg   # (all ended: refused whole, _refusal)
         log.debug("batch %d: %d ended session(s) left out", msg.batch_id, len(msg.segments) - len(keep))
-        return wire.Forward(ref=msg.ref, batch_id=msg.batch_id, step=msg.step, segments=tuple(keep), act=act)
+        return _keep_segments(msg, keep)
+
+    def _gaps(self, msg: wire.Forward) -> list[wire.Segment]:
+        held = self.worker.engine.next_pos
+        return [s for s in msg.segments if s.pos > held(s.session)]
+
+    def _without_gaps(self, msg: wire.Forward) -> tuple[wire.Forward | None, list[wire.DataError]]:
+        """``msg`` less the segments that start past what their session holds here, and
+        a DataError failing each of those sessions alone. A coordinator never sends such
+        a step; if one comes (a copy that failed here, a bug), the engine would refuse the
+        whole call, so the batch's other sessions are computed without it."""
+        gaps = self._gaps(msg)
+        if not gaps:
+            return msg, []
+        held = self.worker.engine.next_pos
+        errors = []
+        for s in gaps:
+            why = f"session {s.session:x}: position {s.pos} given, this stage holds {held(s.session)}"
+            if (failed := self._copy_failed.get(s.session)) is not None:
+                why += f" (its KV copy failed here: {failed})"
+            log.warning("batch %d: %s", msg.batch_id, why)
+            errors.append(wire.DataError(ref=0, batch_id=msg.batch_id, session=s.session,
+                                         code=wire.ErrorCode.NO_SUCH_SESSION, message=why))
+        keep = [s for s in msg.segments if all(s is not g for g in gaps)]
+        return (_keep_segments(msg, keep) if keep else None), errors
 
     def _refusal(self, msg: wire.Forward) -> tuple[wire.ErrorCode, str] | None:
         """Why ``msg`` must not be computed here (None: compute it)."""
@@ -357,6 +385,11 @@ class StageHost:
                 message=f"{why}: not computed"))
             return
         masks = self._take_masks(msg) if self.is_last else None
+        msg, gaps = self._without_gaps(msg)
+        for err in gaps:
+            await self._send(self.route.coordinator, err)
+        if msg is None:
+            return
         out = await self.worker.step(len(msg.act), self._compute, msg, masks)
         for node, reply, lane in self._computed(msg, out):
             await self._send(node, reply, lane)
@@ -372,7 +405,7 @@ class StageHost:
                 or not self.worker.runs_inline(len(msg.act))):
             return False
         msg = self._without_ended(msg)
-        if self._refusal(msg) is not None:
+        if self._refusal(msg) is not None or self._gaps(msg):
             return False   # the queue's path answers it
         try:
             out = self.worker.run_inline(len(msg.act), self._compute, msg, None)
@@ -419,6 +452,17 @@ class StageHost:
             await self.fabric.send_data(node, msg, DATA_STREAM)
         except Exception as exc:  # noqa: BLE001
             log.warning("cannot send %s to %s: %s", type(msg).__name__, node, exc)
+
+
+def _keep_segments(msg: wire.Forward, keep: list[wire.Segment]) -> wire.Forward:
+    """``msg`` with only the segments ``keep`` (in order) and their activation rows."""
+    rows, row, kept = [], 0, {id(s) for s in keep}
+    for s in msg.segments:
+        if id(s) in kept:
+            rows.append(np.arange(row, row + s.n_rows))
+        row += s.n_rows
+    act = np.asarray(msg.act)[np.concatenate(rows)]
+    return wire.Forward(ref=msg.ref, batch_id=msg.batch_id, step=msg.step, segments=tuple(keep), act=act)
 
 
 def _act_bytes(msg: wire.Message) -> int:
