@@ -292,36 +292,48 @@ def test_requests_after_a_failover_run_on_the_new_route_with_several_choices_too
     assert not old.steps and new.steps
 
 
+async def _answer_across(routes) -> tuple[ModelServer, str]:
+    """Stream the answer to CODE on ``routes(gate)``'s first pipeline; each dying one is
+    replaced by the next once it died (a re-plan of 20 ms)."""
+    server: ModelServer | None = None
+    chain = routes(lambda: server.route)
+    server = ModelServer(ServeSettings("m", n_ctx=1024, n_batch=16), CharTokenizer(), chain[0])
+
+    async def replan():
+        for dying, nxt in zip(chain, chain[1:]):
+            while not dying.dead:
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.02)
+            server.switch_pipeline(nxt)
+
+    task = asyncio.ensure_future(replan())
+    req = GenerationRequest("r1", "m", messages=(ChatMessage("user", CODE),), max_tokens=len(ANSWER),
+                            temperature=0.0)
+    text = ""
+    async for ev in server.generate(req):
+        if isinstance(ev, TextDelta):
+            text += ev.text
+    await asyncio.wait_for(task, 5)
+    await server.scheduler.close()
+    return server, text
+
+
+TRUTH = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
+
+
 def test_a_route_lost_again_during_the_replay_resumes_on_the_next_one():
     """The second loss hits the replay itself (its first chunk): the request waits for the
     third route and replays there, rather than failing with the second loss."""
-    async def main():
-        truth = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
-        server: ModelServer | None = None
-        first = DyingPipeline(truth, lambda: server.route, 7)
-        second = DyingPipeline(truth, lambda: server.route, 0)   # dies at its first call
-        third = OraclePipeline(truth)
-        server = ModelServer(ServeSettings("m", n_ctx=1024, n_batch=16), CharTokenizer(), first)
+    chain = []
 
-        async def replan():
-            for dying, nxt in ((first, second), (second, third)):
-                while not dying.dead:
-                    await asyncio.sleep(0.002)
-                await asyncio.sleep(0.02)
-                server.switch_pipeline(nxt)
+    def routes(gate):
+        chain.extend([DyingPipeline(TRUTH, gate, 7),
+                      DyingPipeline(TRUTH, gate, 0),     # dies at its first call: the replay
+                      OraclePipeline(TRUTH)])
+        return chain
 
-        task = asyncio.ensure_future(replan())
-        req = GenerationRequest("r1", "m", messages=(ChatMessage("user", CODE),), max_tokens=len(ANSWER),
-                                temperature=0.0)
-        text = ""
-        async for ev in server.generate(req):
-            if isinstance(ev, TextDelta):
-                text += ev.text
-        await asyncio.wait_for(task, 5)
-        await server.scheduler.close()
-        return first, second, third, server, text
-
-    first, second, third, server, text = asyncio.run(main())
+    server, text = asyncio.run(_answer_across(routes))
+    first, second, third = chain
     assert first.dead and second.dead
     assert text == ANSWER
     assert server.route.epoch == 2 and len(server.resumed) == 1   # resumed once, on the third route
@@ -340,29 +352,6 @@ class RefusingPipeline(DyingPipeline):
 
 
 def test_a_step_refused_while_the_route_changes_resumes_the_session():
-    async def main():
-        truth = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
-        server: ModelServer | None = None
-        old = RefusingPipeline(truth, lambda: server.route, 5)
-        new = OraclePipeline(truth)
-        server = ModelServer(ServeSettings("m", n_ctx=1024, n_batch=16), CharTokenizer(), old)
-
-        async def replan():
-            while not old.dead:
-                await asyncio.sleep(0.002)
-            await asyncio.sleep(0.02)
-            server.switch_pipeline(new)
-
-        task = asyncio.ensure_future(replan())
-        req = GenerationRequest("r1", "m", messages=(ChatMessage("user", CODE),), max_tokens=len(ANSWER),
-                                temperature=0.0)
-        text = ""
-        async for ev in server.generate(req):
-            if isinstance(ev, TextDelta):
-                text += ev.text
-        await asyncio.wait_for(task, 5)
-        await server.scheduler.close()
-        return server, text
-
-    server, text = asyncio.run(main())
+    server, text = asyncio.run(_answer_across(lambda gate: [RefusingPipeline(TRUTH, gate, 5),
+                                                             OraclePipeline(TRUTH)]))
     assert text == ANSWER and len(server.resumed) == 1
