@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from meshnode import PROTOCOL_VERSION
 from meshnode.mesh.fabric import MeshFabric
 from meshnode.net.flood import oversize_header, stranger_connection
 from meshnode.net.link import LinkSettings
@@ -173,7 +174,7 @@ async def test_hostile_hello_is_closed_at_the_deadline(tmp_path):
     await a.start()
     try:
         for caps in ({"quic_port": "x"}, {"quic_port": 10**30, "models": [None] * 50}):
-            hello = Hello(ref=0, node_id="not-my-id", name="", mesh_id="m", protocol=2, capabilities=caps)
+            hello = Hello(ref=0, node_id="not-my-id", name="", mesh_id="m", protocol=PROTOCOL_VERSION, capabilities=caps)
             r = await stranger_connection("127.0.0.1", a.port, streams=1, hello=hello, hold_s=4.0)
             assert r.connected and r.closed_by_node and r.lived_s < 1.5, r
     finally:
@@ -272,7 +273,7 @@ async def test_stranger_learns_no_name_or_capabilities(tmp_path):
     await a.start()
     flood._Stranger.quic_event_received = spy   # noqa: SLF001
     try:
-        hello = Hello(ref=0, node_id="x", name="", mesh_id=a.mesh_id, protocol=2, capabilities={})
+        hello = Hello(ref=0, node_id="x", name="", mesh_id=a.mesh_id, protocol=PROTOCOL_VERSION, capabilities={})
         await stranger_connection("127.0.0.1", a.port, streams=1, hello=hello, hold_s=0.5)
     finally:
         flood._Stranger.quic_event_received = orig   # noqa: SLF001

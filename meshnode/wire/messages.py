@@ -49,7 +49,10 @@ from meshnode.wire.schema import (
 
 # Hello.protocol; peers with another value are refused at Hello. 2: Hello carries only
 # what the proof needs (name and capabilities empty); both follow in Profile, after the proof.
-PROTOCOL_VERSION = 2
+# 3: SessionEnd goes to stage 1 only and every stage relays it (a stage of version 2 would
+# not, and its successors would never free the session); a stage may fail one session of
+# a Forward with DataError(NO_SUCH_SESSION).
+PROTOCOL_VERSION = 3
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
 # (meshnode.net.lane); stage 0 resends it over the stream, without the bit, if it is lost.
