@@ -73,6 +73,10 @@ def test_substitute_keeps_the_ranges_and_moves_lost_stages_to_a_spare_that_fits(
     assert substitute(plan, [Candidate("x", "x", 10**9, is_coordinator=True), big, fits]) is None
     intact = [coord, Candidate("b", "b", 0), Candidate("c", "c", 0)]
     assert substitute(plan, intact) is plan
+    # moved again and again (a failover every few minutes): the reason names the last move
+    again = substitute(substitute(plan, [coord, Candidate("c", "c", 0), big]),
+                       [coord, Candidate("e", "e", 0), fits])
+    assert again.reason == "test; ranges kept, lost stages moved (c -> f)"
 
 
 # ---- the replay schedule -----------------------------------------------------------------

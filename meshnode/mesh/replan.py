@@ -27,6 +27,8 @@ from meshnode.mesh.planner import DEFAULT_HEADROOM, Candidate, Plan, PlannedStag
 
 __all__ = ["fallback_options", "plan_key", "substitute", "upgrade_wanted"]
 
+MOVED = "; ranges kept, lost stages moved"
+
 
 def fallback_options(options: Any) -> list[Any]:
     """The :class:`~meshnode.mesh.runtime.ServeOptions` to plan with after a loss, in
@@ -78,5 +80,7 @@ def substitute(plan: Plan, candidates: Sequence[Candidate], *,
         stages.append(dataclasses.replace(st, node_id=best.node_id, name=best.name))
     if not moved:
         return plan
-    return dataclasses.replace(plan, stages=tuple(stages),
-                               reason=f"{plan.reason}; ranges kept, lost stages moved ({', '.join(moved)})")
+    # (the reason says the last move only: a plan moved at every failover would otherwise
+    # carry the whole history in its log line)
+    base = plan.reason.partition(MOVED)[0]
+    return dataclasses.replace(plan, stages=tuple(stages), reason=f"{base}{MOVED} ({', '.join(moved)})")

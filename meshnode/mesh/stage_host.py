@@ -266,20 +266,26 @@ class StageHost:
         try:
             if dst in self._ended or src in self._ended:
                 log.debug("SessionCopy %x -> %x skipped: a session already ended", src, dst)
+                if dst not in self._ended:
+                    self._copy_not_done(dst, f"session {src:x} had ended here")
                 return
             log.debug("SessionCopy %x -> %x of %d positions", src, dst, n_pos)
             try:
                 await self.worker.copy(src, dst, n_pos)
             except EngineError as exc:
-                # said again when the session's first step comes (_without_gaps)
-                self._copy_failed[dst] = str(exc)
-                while len(self._copy_failed) > ENDED_KEPT:
-                    self._copy_failed.pop(next(iter(self._copy_failed)))
+                self._copy_not_done(dst, str(exc))
                 raise
             self._last_used[dst] = self._last_used[src] = time.monotonic()
         finally:
             if not self.is_last:
                 await self._send(self.route.downstream, msg)
+
+    def _copy_not_done(self, dst: int, why: str) -> None:
+        """Remember why ``dst`` got no KV here: said again when its first step comes
+        (_without_gaps). Bounded like the ended sessions."""
+        self._copy_failed[dst] = why
+        while len(self._copy_failed) > ENDED_KEPT:
+            self._copy_failed.pop(next(iter(self._copy_failed)))
 
     def _compute(self, msg: wire.Forward, masks: dict[int, np.ndarray] | None = None):
         act = np.asarray(msg.act, dtype=np.float32)
