@@ -136,12 +136,13 @@ def test_f16_wire_agreement(smollm2, single_node_outputs, tmp_path):
 def test_concurrent_requests_and_disconnect_free_every_stage(smollm2, single_node_outputs, tmp_path):
     """Concurrent requests are decoded together (continuous batching) and each still gets
     its own answer; a client that goes away cancels its request and frees its KV on
-    every stage."""
+    every stage. Three stages: the end of a session reaches the last one through the
+    middle one, which relays it."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
-    _, coord, helpers = _run_split(smollm2, tmp_path, 2)
+    _, coord, helpers = _run_split(smollm2, tmp_path, 3)
     port = coord.info["http_port"]
     try:
         from openai import OpenAI
@@ -170,9 +171,11 @@ def test_concurrent_requests_and_disconnect_free_every_stage(smollm2, single_nod
                     if chunks >= 4:
                         break  # leaving the block closes the connection mid-stream
         wait_for(lambda: any(q["status"] == "cancelled" for q in coord.status()["requests"]), 15)
-        # (but the sessions the prefix cache keeps for later prompts, the same on both)
+        # (but the sessions the prefix cache keeps for later prompts, the same on every stage)
         wait_for(lambda: len(helpers[0].status().get("stage_sessions"))
+                 == len(helpers[1].status().get("stage_sessions"))
                  == coord.status()["prefix_cache"]["sessions"] == coord.status().get("model_sessions"), 15)
+        assert helpers[0].status()["stage_sessions"] == helpers[1].status()["stage_sessions"]
     finally:
         for n in [coord, *helpers]:
             n.stop()
