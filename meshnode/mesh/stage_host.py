@@ -4,8 +4,9 @@ Frames arrive in order on one stream from the upstream stage. Only that stage (t
 its Load named; the coordinator for stage 1) may send ``Forward``; ``Trim`` and
 ``SessionEnd`` come from it or from the coordinator. Everything stage 0 sends for a
 session (frames, ``SessionCopy``, ``SessionEnd``) enters at stage 1 and is relayed stage
-by stage on these streams, so each stage sees it in the order stage 0 sent it. Data from any other member is dropped with a log: a member of the mesh
-must not be able to rewind or end another coordinator's sessions. The queue in front of
+by stage on these streams, so each stage sees it in the order stage 0 sent it. Data from
+any other member is dropped with a log: a member of the mesh must not be able to rewind
+or end another coordinator's sessions. The queue in front of
 the engine is bounded (frames and activation bytes); a Forward over the bound is answered
 with ``DataError`` (BUSY) instead of growing memory (Trim and SessionEnd have their own,
 larger bound: a full queue never loses the end of a session). Each ``Forward`` runs
@@ -18,9 +19,9 @@ A failure is as wide as its cause. The engine call failing, a full queue or a st
 frame fail the whole batch (``DataError`` with session ``WHOLE_BATCH``). One session's
 sampling failing on the final stage fails that session alone: a ``DataError`` naming it,
 then the ``TokenReturn`` of the others. So does a segment that starts past what its
-session holds here (its KV copy failed here): left out, the others computed. A session that ended here (its request was
-cancelled while its step was in flight) is left out of the computation; the other
-sessions of its batch are computed as if it had not been there.
+session holds here (its KV copy failed here): left out, the others computed. A session
+that ended here (its request was cancelled while its step was in flight) is left out of
+the computation; the other sessions of its batch are computed as if it had not been there.
 """
 
 from __future__ import annotations
