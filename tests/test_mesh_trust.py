@@ -41,8 +41,10 @@ class _Announcer:
         self.infos: list[AsyncServiceInfo] = []
 
     async def announce(self, service: str, node_id: str, mesh_id: str, port: int,
-                       caps: dict | None = None) -> None:
-        props = {"id": node_id, "mesh": mesh_id, "proto": str(PROTOCOL_VERSION)}
+                       caps: dict | None = None, proto: int = PROTOCOL_VERSION, name: str = "") -> None:
+        props = {"id": node_id, "mesh": mesh_id, "proto": str(proto)}
+        if name:
+            props["name"] = name
         if caps is not None:   # what the old record format carried: c0, c1 ... JSON
             import json
             blob = json.dumps(caps, separators=(",", ":"))
@@ -220,3 +222,27 @@ def test_tui_cells_of_peer_text_are_clean_and_not_markup():
 
     cell = peer_text(EVIL + "[bold red]x")
     assert "\x1b" not in cell.plain and cell.plain.endswith("[bold red]x") and not cell.spans
+
+
+@pytest.mark.skipif(not lo_multicast(), reason="multicast is off on lo")
+async def test_a_member_on_another_release_is_named_once_and_left_out(tmp_path, caplog):
+    """A teammate who upgraded (or did not) is missing from the mesh: the log says who
+    and why, once, however often the record is announced."""
+    a = _fabric(tmp_path, "a", new_secret())
+    other = _Announcer()
+    sink, port = _udp_sink()
+    await a.start()
+    try:
+        with caplog.at_level("WARNING", logger="meshnode.net.discovery"):
+            await other.announce("old1", "oldnode", a.mesh_id, port, proto=PROTOCOL_VERSION - 1, name="bob-laptop")
+            await other.announce("old2", "oldnode", a.mesh_id, port, proto=PROTOCOL_VERSION - 1, name="bob-laptop")
+            await until(lambda: any("another meshnode version" in r.message for r in caplog.records), 5.0)
+            await asyncio.sleep(1.0)
+        lines = [r.message for r in caplog.records if "another meshnode version" in r.message]
+        assert len(lines) == 1
+        assert "oldnode (bob-laptop)" in lines[0] and f"this node speaks {PROTOCOL_VERSION}" in lines[0]
+        assert not a.peers() and _drain(sink) == 0     # never dialled
+    finally:
+        await other.close()
+        await a.stop()
+        sink.close()

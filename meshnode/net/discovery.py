@@ -154,6 +154,7 @@ class Discovery:
         self._info: AsyncServiceInfo | None = None
         self._tasks: set[asyncio.Task] = set()
         self._names: set[str] = set()   # service names of our mesh's records we reported
+        self._other_versions: set[str] = set()   # node ids of our mesh on another protocol (warned)
 
     def _service_info(self, addresses: list[str]) -> AsyncServiceInfo:
         return AsyncServiceInfo(
@@ -225,7 +226,13 @@ class Discovery:
             log.debug("mDNS: ignoring %r of another mesh", rec["id"])
             return
         if rec["proto"] != self.protocol:
-            log.info("mDNS: ignoring %r: protocol %s, ours %s", rec["id"], rec["proto"], self.protocol)
+            # A member of this mesh on another meshnode release: say so once, as a warning
+            # (the user sees a teammate missing and needs to know why)
+            if rec["id"] not in self._other_versions and len(self._other_versions) < MAX_RECORDS:
+                self._other_versions.add(rec["id"])
+                who = f"{rec['id']} ({rec['name']})" if rec["name"] else rec["id"]
+                log.warning("member %s runs another meshnode version (wire protocol %s, this node speaks %s): "
+                            "left out until both run the same release", who, rec["proto"], self.protocol)
             return
         addrs = tuple(info.parsed_addresses(IPVersion.V4Only))[:MAX_ADDRESSES]
         if not addrs or not info.port:
