@@ -335,7 +335,8 @@ class Outbox:
             try:
                 await self.fabric.send(node_id, msg)
             except PeerUnavailableError as exc:
-                log.info("%s: %s to %s not sent: %s", self.name, type(msg).__name__, node_id, exc)
+                # (the peer is gone: its loss is logged and handled where links are)
+                log.debug("%s: %s to %s not sent: %s", self.name, type(msg).__name__, node_id, exc)
             except Exception:  # noqa: BLE001 - one bad message must not stop the sender
                 log.exception("%s: sending %s to %s failed", self.name, type(msg).__name__, node_id)
             finally:
