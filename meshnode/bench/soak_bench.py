@@ -249,8 +249,7 @@ def run(args: argparse.Namespace) -> int:
     n_total = args.nodes + args.spare
     print(f"soak: {args.nodes}-stage split + {args.spare} spare, {args.clients} client(s), "
           f"kill every {args.kill_every:g} s (down {down:g} s), {args.minutes:g} min", file=sys.stderr)
-    if args.keep is not None:
-        args.keep.mkdir(parents=True, exist_ok=True)
+    if args.keep is not None:   # (LocalCluster makes the directory)
         print(f"  node homes and logs kept in {args.keep}", file=sys.stderr)
     with LocalCluster(ref.path, n_total, root=args.keep) as cluster:
         def start_member(i: int):

@@ -32,11 +32,10 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from aioquic.quic.recovery import QuicPacketPacer
 
 __all__ = [
-    "HOOKS", "Unpaced", "PrefilteredQuicServer", "ack_with_next_packet", "datagram_transport",
-    "feed_datagram", "mark_closed", "max_datagram_size", "one_rtt_ack_space", "open_flow_control", "pacer",
-    "peer_certificate", "read_connect_failure", "received_stream_bytes", "request_client_certificate",
-    "set_max_datagram_size",
-    "unpace", "validated_peer_address",
+    "HOOKS", "Unpaced", "PrefilteredQuicServer", "ReadsConnectFailure", "ack_with_next_packet",
+    "datagram_transport", "feed_datagram", "mark_closed", "max_datagram_size", "one_rtt_ack_space",
+    "open_flow_control", "pacer", "peer_certificate", "received_stream_bytes",
+    "request_client_certificate", "set_max_datagram_size", "unpace", "validated_peer_address",
 ]
 
 # (owner, attribute): every private (or ":meta private:") name of aioquic used below; the
@@ -59,7 +58,7 @@ HOOKS: tuple[tuple[str, str], ...] = (
     ("QuicServer", "_protocols"),                      # PrefilteredQuicServer (admission)
     ("QuicConnection", "_local_max_data"),             # received_stream_bytes, open_flow_control
     ("QuicConnection", "_network_paths"),              # validated_peer_address, has_network_path
-    ("QuicConnectionProtocol", "_connected_waiter"),   # read_connect_failure
+    ("QuicConnectionProtocol", "_connected_waiter"),   # ReadsConnectFailure
 )
 
 
@@ -217,15 +216,21 @@ def datagram_transport(protocol: QuicConnectionProtocol) -> asyncio.DatagramTran
     return protocol._transport
 
 
-def read_connect_failure(protocol: QuicConnectionProtocol) -> None:
-    """After a ``wait_connected()`` was cancelled: read the error its waiter will get.
-    aioquic awaits that future through ``asyncio.shield``, so a cancelled wait leaves it
-    behind, and when the connection then ends aioquic sets ConnectionError on it; unread,
-    asyncio logs "Future exception was never retrieved" (an ERROR line in a node's log
-    whenever a dial is given up during the handshake)."""
-    waiter = protocol._connected_waiter
-    if waiter is not None:
-        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
+class ReadsConnectFailure(QuicConnectionProtocol):
+    """A client protocol whose ``wait_connected()``, when cancelled, reads the error its
+    waiter will get. aioquic awaits that future through ``asyncio.shield``, so a cancelled
+    wait leaves it behind, and when the connection then ends aioquic sets ConnectionError
+    on it; unread, asyncio logs "Future exception was never retrieved" (an ERROR line
+    whenever a dial is given up during the handshake: a node's, a flood's stranger)."""
+
+    async def wait_connected(self) -> None:
+        try:
+            await super().wait_connected()
+        except asyncio.CancelledError:
+            waiter = self._connected_waiter
+            if waiter is not None:
+                waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
 
 
 def mark_closed(protocol: QuicConnectionProtocol) -> None:

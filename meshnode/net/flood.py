@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from aioquic.asyncio import QuicConnectionProtocol, connect
+from aioquic.asyncio import connect
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 
+from meshnode.net.aioquic_compat import ReadsConnectFailure
 from meshnode.net.identity import Identity
 from meshnode.net.link import ALPN
 from meshnode.wire import MAGIC, MAX_FRAME, WIRE_VERSION, AuthChallenge, Hello, MessageKind, encode
@@ -48,7 +49,7 @@ def oversize_header(kind: int = MessageKind.FORWARD, length: int = MAX_FRAME) ->
     return HEADER.pack(MAGIC, WIRE_VERSION, 0, kind, length)
 
 
-class _Stranger(QuicConnectionProtocol):
+class _Stranger(ReadsConnectFailure):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.terminated: events.ConnectionTerminated | None = None

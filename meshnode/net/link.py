@@ -60,7 +60,6 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
@@ -161,7 +160,7 @@ def _is_loopback(host: str) -> bool:
     return (mapped or addr).is_loopback
 
 
-class PeerLink(QuicConnectionProtocol):
+class PeerLink(compat.ReadsConnectFailure):
     """A QUIC connection to one peer (client or server side)."""
 
     def __init__(self, quic: QuicConnection, *, owner: LinkOwner, is_client: bool,
@@ -308,13 +307,6 @@ class PeerLink(QuicConnectionProtocol):
                 compat.mark_closed(self)
             return
         super().transmit()
-
-    async def wait_connected(self) -> None:
-        try:
-            await super().wait_connected()
-        except asyncio.CancelledError:
-            compat.read_connect_failure(self)   # a dial given up during the handshake
-            raise
 
     # ---- aioquic events --------------------------------------------------------
 

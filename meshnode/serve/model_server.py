@@ -584,6 +584,7 @@ class ModelServer:
         """The prefill of one request's choices (their first tokens); when the route is
         lost under it, again on the new route (in full: a retained session's KV stayed on
         the old route)."""
+        pinned = hit
         try:
             for attempt in range(MAX_FAILOVERS + 1):
                 try:
@@ -591,9 +592,7 @@ class ModelServer:
                         return [await self._prefill(ars[0], hit)]
                     return await self._prefill_shared(ars)
                 except (PipelineUnavailableError, PipelineFailedError) as exc:
-                    if hit is not None:
-                        self._unpin(hit[0])
-                        hit = None
+                    hit = None
                     for ar in ars:
                         ar.cached = 0
                     if attempt == MAX_FAILOVERS or not await self._route_lost(ars[0], exc):
@@ -604,8 +603,8 @@ class ModelServer:
                              ars[0].id, 1e3 * (time.perf_counter() - t0))
             raise AssertionError("unreachable")
         finally:
-            if hit is not None:
-                self._unpin(hit[0])
+            if pinned is not None:
+                self._unpin(pinned[0])
 
     async def _decode_step(self, ar: ActiveRequest, last: int) -> list[int]:
         """One decode step; when the route is lost under it, the session is replayed on
