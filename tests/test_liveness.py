@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from meshnode.net.link import LinkSettings
-from meshnode.net.liveness import AuthTimedOut, Liveness, PeerSilent, SendHeartbeat
+from meshnode.net.liveness import AuthTimedOut, Liveness, PeerSilent, PeerUnreachable, SendHeartbeat
 
 
 def _liveness(now: float = 100.0, **kw) -> Liveness:
     s = LinkSettings(**kw)
     return Liveness(heartbeat_s=s.heartbeat_s, dead_after_s=s.dead_after_s,
-                    auth_timeout_s=s.auth_timeout_s, now=now)
+                    auth_timeout_s=s.auth_timeout_s, now=now, unreachable_s=s.unreachable_s)
 
 
 def _run(lv: Liveness, until: float, *, rx_every: float | None = None, start: float = 100.0) -> list:
@@ -151,3 +151,59 @@ def test_stop_ends_every_timer():
     lv.authenticated(100.0)
     lv.stop()
     assert lv.next_timer() is None and lv.handle_timer(200.0) == []
+
+
+# ---- the unreachable hint (ICMP, meshnode.net.icmp) ----------------------------------
+
+def test_an_unreachable_hint_sends_a_heartbeat_and_drops_a_silent_peer_after_unreachable_s():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    assert lv.handle_timer(100.0) == [SendHeartbeat(1)]
+    lv.received(100.1)
+    assert lv.unreachable(100.2) == [SendHeartbeat(2)]       # probe the peer now
+    assert lv.unreachable(100.25) == []                      # one probe per hint
+    assert lv.next_timer() == pytest.approx(100.3)           # the next heartbeat comes first
+    out = _run(lv, 101.0)
+    # dropped 0.5 s after the hint (not 1.5 s after the last byte)
+    assert out == [(100.3, SendHeartbeat(3)), (100.6, SendHeartbeat(4)), (100.7, PeerUnreachable(pytest.approx(0.5)))]
+    assert lv.next_timer() is None
+
+
+def test_a_byte_after_the_hint_clears_it():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    lv.handle_timer(100.0)
+    assert lv.unreachable(100.1) == [SendHeartbeat(2)]
+    lv.received(100.15)                                      # the peer answered: alive
+    out = _run(lv, 102.0, rx_every=0.3)
+    assert not any(isinstance(a, (PeerUnreachable, PeerSilent)) for _, a in out)
+    assert lv.unreachable(102.0) == [SendHeartbeat(lv.seq)]  # a new hint probes again
+
+
+def test_an_unreachable_hint_before_authentication_closes_without_a_heartbeat():
+    lv = _liveness()
+    assert lv.unreachable(100.5) == []                       # no heartbeat before authentication
+    assert lv.next_timer() == pytest.approx(101.0)           # before the 3 s deadline
+    assert lv.handle_timer(101.0) == [PeerUnreachable(pytest.approx(0.5))]
+
+
+def test_hints_are_ignored_when_off_and_after_stop():
+    lv = Liveness(heartbeat_s=0.3, dead_after_s=1.5, auth_timeout_s=3.0, now=100.0)
+    lv.authenticated(100.0)
+    assert lv.unreachable(100.1) == [] and lv.hinted_at is None
+    lv2 = _liveness()
+    lv2.stop()
+    assert lv2.unreachable(100.1) == [] and lv2.next_timer() is None
+
+
+def test_a_stalled_loop_waits_before_judging_a_hint():
+    lv = _liveness()
+    lv.authenticated(100.0)
+    lv.handle_timer(100.0)
+    lv.received(100.0)
+    lv.unreachable(100.1)
+    # this loop slept through the deadline (100.6) by far: the peer's answer may be unread
+    assert lv.handle_timer(101.0) == [SendHeartbeat(3)]       # no verdict yet
+    assert lv.next_timer() == pytest.approx(101.3)
+    lv.received(101.05)                                      # it was there
+    assert not any(isinstance(a, (PeerUnreachable, PeerSilent)) for a in lv.handle_timer(101.3))

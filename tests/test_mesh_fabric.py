@@ -185,3 +185,30 @@ async def test_a_dial_cancelled_during_the_handshake_leaves_no_unretrieved_error
         loop.set_exception_handler(None)
         silent.close()
     assert [ctx.get("message") for ctx in errors] == []
+
+
+async def test_a_forged_unreachable_hint_never_drops_a_live_peer(tmp_path):
+    """An ICMP "port unreachable" is unauthenticated (meshnode.net.icmp): what a forged
+    one does to a link, hints on both ends of a live link (the seam the kernel's error
+    reaches), must not drop it: the peer answers the heartbeat sent at once."""
+    s = new_secret()
+    b = _fabric(tmp_path, "b", s, discovery=False)
+    await b.start()
+    a = _fabric(tmp_path, "a", s, discovery=False, static_peers=[f"127.0.0.1:{b.port}"])
+    await a.start()
+    lost: list = []
+    a.on_peer_change(lambda nid, info, why: info is None and lost.append(why))
+    try:
+        await until(lambda: len(a.peers()) == 1 and len(b.peers()) == 1, 5.0)
+        link_a, link_b = a._links[b.node_id], b._links[a.node_id]
+        hb = link_a.liveness.seq
+        for _ in range(5):
+            link_a.unreachable()
+            link_b.unreachable()
+            await asyncio.sleep(0.3)
+        assert link_a.liveness.seq > hb and link_a.liveness.hinted_at is None   # answered: hint cleared
+        assert lost == [] and len(a.peers()) == 1 and len(b.peers()) == 1
+    finally:
+        await a.stop()
+        await b.stop()
+

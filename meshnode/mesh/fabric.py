@@ -517,7 +517,7 @@ class MeshFabric:
                 await link.wait_closed()
                 return link.closed_reason or "closed"
         except (ConnectionError, OSError) as exc:
-            return f"connect failed: {exc or type(exc).__name__}"
+            return f"connect failed: {str(exc) or type(exc).__name__}"
         finally:
             waiting = self._expect.get(addr, [])
             if expect in waiting:

@@ -64,13 +64,13 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
 from meshnode import timeline
-from meshnode.net import aioquic_compat as compat
+from meshnode.net import aioquic_compat as compat, icmp
 from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
 from meshnode.net.lane import (HEADER_SIZE as LANE_HEADER_SIZE, TAG_SIZE as LANE_TAG_SIZE, LaneDrop, LaneReceiver,
                                LaneSender, is_lane_packet)
 from meshnode.net.lane_control import LANE_LOSS_WINDOW, LaneControl
-from meshnode.net.liveness import AuthTimedOut, Liveness, PeerSilent, SendHeartbeat
+from meshnode.net.liveness import AuthTimedOut, Liveness, LivenessAction, PeerSilent, PeerUnreachable, SendHeartbeat
 from meshnode.wire import (HEADER_SIZE, MAX_FRAME, DecoderState, Error, Forward, FrameDecoder, Heartbeat, Hello, LaneKey, Message,
                            RemoteProtocolError, TokenReturn, WireError, decode, encode, parse_header)
 
@@ -97,6 +97,10 @@ class LinkSettings:
     idle_timeout_s: float = 4.0      # QUIC idle timeout
     heartbeat_s: float = 0.3         # Heartbeat period on the control stream
     dead_after_s: float = 1.5        # silence after which the peer is dropped
+    # ... or after this much of it following an ICMP "unreachable" for the peer's address
+    # (a crashed process on a host that stays up; net/icmp.py): a hint, so a live peer
+    # (which answers the heartbeat sent at once within a round trip) is never dropped by it
+    unreachable_s: float = 0.5
     auth_timeout_s: float = 3.0      # TLS + mesh proof must finish within this
     max_datagram_size: int = 1350    # safe on a 1500-byte MTU LAN (and through most tunnels)
     # Datagrams to a peer on this host (loopback: 64 KiB MTU, no fragmentation). An f32
@@ -188,7 +192,9 @@ class PeerLink(compat.ReadsConnectFailure):
         self._buffered = 0      # bytes our decoders hold for frames in progress
         s = owner.settings
         self.liveness = Liveness(heartbeat_s=s.heartbeat_s, dead_after_s=s.dead_after_s,
-                                 auth_timeout_s=s.auth_timeout_s, now=self._event_loop.time())
+                                 auth_timeout_s=s.auth_timeout_s, now=self._event_loop.time(),
+                                 unreachable_s=s.unreachable_s)
+        self._errors: icmp.ErrorQueue | None = None            # a dialled link's own socket's ICMP errors
         self._watch: asyncio.TimerHandle | None = None         # the one timer of self.liveness
         self._watch_at: float | None = None
         self._ref = 0
@@ -343,9 +349,36 @@ class PeerLink(compat.ReadsConnectFailure):
             self._notify_closed()
 
     def connection_lost(self, exc: Exception | None) -> None:  # transport gone
+        if self._errors is not None:
+            self._errors.close()
         if self.closed_reason is None:
             self.closed_reason = "transport closed"
         self._notify_closed()
+
+    # ---- ICMP: the peer's port closed (meshnode.net.icmp) ------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.is_client:   # its own socket (a server-side link shares the listener's: net/quic.py)
+            self._errors = icmp.ErrorQueue(transport)
+
+    def error_received(self, exc: Exception) -> None:
+        # (asyncio: a read or write of the socket failed, here with a queued ICMP error)
+        if self._errors is not None and self._errors.read():
+            self.unreachable()
+
+    def unreachable(self) -> None:
+        """The kernel says a datagram to the peer's address was refused (ICMP port, host
+        or network unreachable). Unauthenticated, so a hint: a heartbeat goes out now, and
+        the peer is dropped only if nothing arrives from it within ``unreachable_s``."""
+        if self.closed_reason is not None:
+            return
+        now = self._event_loop.time()
+        actions = self.liveness.unreachable(now)
+        if self.liveness.hinted_at == now:   # news (not a repeat of a pending hint)
+            log.debug("peer %s at %s: unreachable says the kernel; waiting %.2f s for a sign of life",
+                      self.peer_node_id, self.address, self.owner.settings.unreachable_s)
+        self._act(actions, now)
 
     def _on_handshake(self) -> None:
         if event_alpn := getattr(self.quic.tls, "alpn_negotiated", None):
@@ -665,6 +698,10 @@ class PeerLink(compat.ReadsConnectFailure):
         if self.liveness.max_silent_s > record:   # how close a live link came to being dropped
             log.debug("peer %s: longest silence so far %.3f s (dropped after %.1f s)",
                       self.peer_node_id, self.liveness.max_silent_s, self.liveness.dead_after_s)
+        self._act(actions, now)
+
+    def _act(self, actions: list[LivenessAction], now: float) -> None:
+        """Carry out what :attr:`liveness` asked for, then re-arm its timer."""
         for action in actions:
             if isinstance(action, SendHeartbeat):
                 try:
@@ -678,6 +715,16 @@ class PeerLink(compat.ReadsConnectFailure):
             elif isinstance(action, PeerSilent):
                 log.info("peer %s silent for %.1f s: dropping it", self.peer_node_id, action.silent_s)
                 self.close_with("peer vanished (no heartbeat)")
+                self._notify_closed()
+                return
+            elif isinstance(action, PeerUnreachable):
+                if not self.authenticated:
+                    log.debug("%s %s: port unreachable", "dial to" if self.is_client else "link from", self.address)
+                    self.close_with("port unreachable")
+                    return
+                log.info("peer %s unreachable and silent for %.2f s: dropping it", self.peer_node_id,
+                         action.waited_s)
+                self.close_with("peer vanished (port unreachable)")
                 self._notify_closed()
                 return
             elif isinstance(action, AuthTimedOut):

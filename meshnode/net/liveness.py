@@ -16,6 +16,14 @@ silence now would blame the peer for our own stall. So after a wake-up more than
 ``heartbeat_s`` late the verdict waits one more ``heartbeat_s`` (the loop reads what
 arrived first); a peer that really died is then dropped that much later.
 
+A crashed peer on a host that stays up is noticed sooner: the host answers our next
+datagram with ICMP "port unreachable" (net/icmp.py), and the link calls
+:meth:`Liveness.unreachable`. Anyone on the LAN can forge such a packet, so it is only
+a hint: the link sends a heartbeat at once, and the peer is dropped
+(:class:`PeerUnreachable`) only if not one byte arrives from it within
+``unreachable_s`` of the hint. A live peer answers within a round trip; a forged hint
+costs one heartbeat.
+
 The next heartbeat is due ``heartbeat_s`` after the previous one *ran*, not after it
 was due, as a sleeping loop would do: a late tick (a busy event loop) never causes a
 burst of catch-up heartbeats.
@@ -33,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AuthTimedOut", "Liveness", "LivenessAction", "PeerSilent", "SendHeartbeat"]
+__all__ = ["AuthTimedOut", "Liveness", "LivenessAction", "PeerSilent", "PeerUnreachable", "SendHeartbeat"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,23 +57,33 @@ class PeerSilent:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerUnreachable:
+    """The peer's address was reported unreachable and nothing arrived from it in the
+    ``waited_s`` since (>= ``unreachable_s``): it is gone."""
+    waited_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class AuthTimedOut:
     """The link did not authenticate within ``auth_timeout_s``: close it."""
 
 
-LivenessAction = SendHeartbeat | PeerSilent | AuthTimedOut
+LivenessAction = SendHeartbeat | PeerSilent | PeerUnreachable | AuthTimedOut
 
 
 class Liveness:
     """Timers of one link; see the module docstring. ``now`` is the creation time."""
 
-    __slots__ = ("heartbeat_s", "dead_after_s", "auth_deadline", "last_rx", "next_heartbeat",
-                 "seq", "stopped", "max_silent_s", "judge_from")
+    __slots__ = ("heartbeat_s", "dead_after_s", "unreachable_s", "auth_deadline", "last_rx",
+                 "next_heartbeat", "seq", "stopped", "max_silent_s", "judge_from", "hinted_at")
 
     def __init__(self, *, heartbeat_s: float, dead_after_s: float, auth_timeout_s: float,
-                 now: float) -> None:
+                 now: float, unreachable_s: float | None = None) -> None:
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
+        # after an unreachable hint, the silence that drops the peer (None: hints ignored)
+        self.unreachable_s = unreachable_s
+        self.hinted_at: float | None = None   # the pending unreachable hint, if any
         self.auth_deadline: float | None = now + auth_timeout_s   # None once authenticated
         self.last_rx = now                                          # the last sign of life
         self.next_heartbeat: float | None = None                    # None until authenticated
@@ -90,8 +108,23 @@ class Liveness:
         self.next_heartbeat = now
 
     def received(self, now: float) -> None:
-        """Bytes arrived from the peer (a stream or the lane)."""
+        """Bytes arrived from the peer (a stream or the lane): it lives, whatever any
+        unreachable hint said."""
         self.last_rx = now
+        self.hinted_at = None
+
+    def unreachable(self, now: float) -> list[LivenessAction]:
+        """The kernel reported the peer's address unreachable (net/icmp.py), a hint anyone
+        could forge: unless a byte arrives within ``unreachable_s``, the timer reports
+        :class:`PeerUnreachable`. Returns a heartbeat to send now (so that a live peer
+        answers at once) for the first hint of an authenticated link; else nothing."""
+        if self.stopped or self.unreachable_s is None or self.hinted_at is not None:
+            return []
+        self.hinted_at = now
+        if self.next_heartbeat is None:
+            return []   # not authenticated yet: the QUIC handshake retransmits by itself
+        self.seq += 1
+        return [SendHeartbeat(self.seq)]
 
     def stop(self) -> None:
         """The link is closing or closed: no more timers or actions."""
@@ -106,26 +139,40 @@ class Liveness:
         asks again."""
         if self.stopped:
             return None
+        hint = self._hint_deadline()
         if self.auth_deadline is not None:
-            return self.auth_deadline
+            return self.auth_deadline if hint is None else min(self.auth_deadline, hint)
         if self.next_heartbeat is None:
+            return hint
+        due = min(self.next_heartbeat, max(self.last_rx + self.dead_after_s, self.judge_from))
+        return due if hint is None else min(due, hint)
+
+    def _hint_deadline(self) -> float | None:
+        if self.hinted_at is None or self.unreachable_s is None:
             return None
-        return min(self.next_heartbeat, max(self.last_rx + self.dead_after_s, self.judge_from))
+        return max(self.hinted_at + self.unreachable_s, self.judge_from)
 
     def handle_timer(self, now: float) -> list[LivenessAction]:
         """What is due at ``now`` (nothing when called early)."""
         if self.stopped:
             return []
+        due = self.next_timer()
+        if due is None or now < due:
+            return []
+        if self.heartbeating and now - due > self.heartbeat_s:
+            # this loop was stalled: read what arrived first
+            self.judge_from = now + self.heartbeat_s
+        hint = self._hint_deadline()
+        if hint is not None and now >= hint and self.hinted_at is not None:
+            self.stopped = True
+            return [PeerUnreachable(now - self.hinted_at)]
         if self.auth_deadline is not None:
             if now < self.auth_deadline:
                 return []
             self.stopped = True
             return [AuthTimedOut()]
-        due = self.next_timer()
-        if self.next_heartbeat is None or due is None or now < due:
+        if self.next_heartbeat is None:
             return []
-        if now - due > self.heartbeat_s:   # this loop was stalled: read what arrived first
-            self.judge_from = now + self.heartbeat_s
         silent = now - self.last_rx
         if silent >= self.dead_after_s and now >= self.judge_from:
             self.stopped = True

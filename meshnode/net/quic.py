@@ -37,6 +37,7 @@ from typing import Any
 from aioquic.asyncio import connect
 from aioquic.quic.configuration import QuicConfiguration
 
+from meshnode.net import icmp
 from meshnode.net.aioquic_compat import PrefilteredQuicServer
 from meshnode.net.identity import Identity
 from meshnode.net.lane import is_lane_packet
@@ -102,6 +103,12 @@ class Admission:
         self.links.add(link)
         return link
 
+    def unreachable(self, addr: tuple[str, int]) -> None:
+        """A datagram to ``addr`` was refused (ICMP): tell the link of that peer."""
+        for link in list(self.links):
+            if link.remote_addr is not None and link.remote_addr[:2] == addr:
+                link.unreachable()
+
     def admit(self, addr: Any) -> bool:
         self.links = {link for link in self.links if link.closed_reason is None}
         host = addr[0] if addr else "?"
@@ -125,6 +132,30 @@ class Admission:
         return False
 
 
+class _Server(PrefilteredQuicServer):
+    """The listener's protocol: aioquic's server, plus the ICMP errors of its socket
+    (meshnode.net.icmp), each handed to the accepted link whose peer address it names."""
+
+    def __init__(self, *, admission: Admission, **kwargs: Any) -> None:
+        super().__init__(admit=admission.admit, **kwargs)
+        self._admission = admission
+        self._errors: icmp.ErrorQueue | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._errors = icmp.ErrorQueue(transport)
+
+    def error_received(self, exc: Exception) -> None:
+        if self._errors is not None:
+            for addr in self._errors.read():
+                self._admission.unreachable(addr)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._errors is not None:
+            self._errors.close()
+        super().connection_lost(exc)
+
+
 def _lane_prefilter(owner: LinkOwner) -> Callable[[bytes, Any], bool]:
     def take_lane_packet(data: bytes, addr: Any) -> bool:
         if not is_lane_packet(data):
@@ -140,9 +171,9 @@ async def listen(owner: LinkOwner, host: str, port: int) -> QuicListener:
     becomes a server-side :class:`PeerLink` of ``owner``."""
     admission = Admission(owner.settings)
     transport, server = await asyncio.get_running_loop().create_datagram_endpoint(
-        lambda: PrefilteredQuicServer(
-            _lane_prefilter(owner),
-            admit=admission.admit,
+        lambda: _Server(
+            prefilter=_lane_prefilter(owner),
+            admission=admission,
             configuration=quic_configuration(owner.identity, is_client=False, settings=owner.settings),
             create_protocol=lambda quic, **kw: admission.created(PeerLink(quic, owner=owner, is_client=False, **kw)),
         ),
@@ -157,10 +188,17 @@ async def dial(owner: LinkOwner, host: str, port: int) -> AsyncIterator[PeerLink
     handshake completed (the mesh authentication may still be running) and closes it on
     exit. Raises ``ConnectionError`` / ``OSError`` when the connection fails."""
     cfg = quic_configuration(owner.identity, is_client=True, settings=owner.settings)
-    async with connect(
-        host, port, configuration=cfg, wait_connected=True,
-        create_protocol=lambda quic, **kw: PeerLink(
-            quic, owner=owner, is_client=True, dial_address=(host, port), **kw),
-    ) as link:
-        assert isinstance(link, PeerLink)
-        yield link
+    made: list[PeerLink] = []
+
+    def create(quic: Any, **kw: Any) -> PeerLink:
+        made.append(PeerLink(quic, owner=owner, is_client=True, dial_address=(host, port), **kw))
+        return made[0]
+
+    try:
+        async with connect(host, port, configuration=cfg, wait_connected=True, create_protocol=create) as link:
+            assert isinstance(link, PeerLink)
+            yield link
+    except ConnectionError as exc:
+        # aioquic's is bare; the link knows why it gave up (e.g. "port unreachable")
+        why = str(exc) or (made[0].closed_reason if made else None) or "no QUIC handshake"
+        raise ConnectionError(why) from exc
