@@ -397,6 +397,27 @@ def test_model_shape_of_smollm2(smollm2):
     assert sum(shape.layer_bytes) + shape.embed_bytes < Path(smollm2.path).stat().st_size
 
 
+def test_a_gguf_header_is_parsed_once_per_version_of_the_file(smollm2, tmp_path, monkeypatch):
+    """A re-plan asks every stage server for its load limits and the coordinator for the
+    model's shape; the header (tokenizer arrays included) is parsed once, and again only
+    when the file changes."""
+    import meshnode.models.gguf_info as gguf_info
+    from meshnode.mesh.runtime import load_limits, trained_context
+
+    copy = tmp_path / "m.gguf"
+    shutil.copyfile(smollm2.path, copy)
+    opened: list = []
+    real = gguf_info.open_gguf
+    monkeypatch.setattr(gguf_info, "open_gguf", lambda p: opened.append(p) or real(p))
+    first = model_shape(copy, 512)
+    lim = load_limits(copy, copy, 10, 20, budget_bytes=1 << 30)
+    assert trained_context(copy) == lim.n_ctx_train > 0
+    assert model_shape(copy, 512) == first and len(opened) == 1
+    assert lim.kv_bytes_per_cell == first.kv_bytes_per_token * 10 and lim.n_vocab == 0
+    os.utime(copy, ns=(1, 1))                      # another version of the file
+    assert model_shape(copy, 512) == first and len(opened) == 2
+
+
 async def test_stage_node_lost_fails_the_plan(homes):
     from meshnode.mesh.pipeline import PipelineUnavailableError
 

@@ -306,7 +306,6 @@ class CoordinatorRuntime:
         self.publish = publish
         self.terms = TermStore(paths)
         self._serving: ServingModel | None = None
-        self._shapes: dict[tuple, tuple[int | None, Any]] = {}   # (path, n_ctx, overhead) -> GGUF facts
         # Hooks of the model service: a READY plan lost a stage (serving model, reason,
         # the lost stage's node or None); a peer authenticated (its node id).
         self.on_lost: Callable[[ServingModel, str, str | None], None] | None = None
@@ -367,14 +366,10 @@ class CoordinatorRuntime:
         with ``n_ctx`` capped at the model's trained context (raises :class:`PlanError`).
         With ``keep`` (and no explicit layout), ``keep`` with its lost stages moved to
         other nodes, when they fit."""
-        key = (str(model.path), options.n_ctx, options.stage_overhead)
-        if key not in self._shapes:
-            # Reading the GGUF takes seconds on a busy machine: a re-plan reuses it.
-            n_ctx_train = await asyncio.to_thread(trained_context, model.path)
-            n_ctx = min(options.n_ctx, n_ctx_train) if n_ctx_train else options.n_ctx
-            shape = await asyncio.to_thread(model_shape, model.path, n_ctx, overhead_bytes=options.stage_overhead)
-            self._shapes[key] = (n_ctx_train, shape)
-        n_ctx_train, shape = self._shapes[key]
+        # (the GGUF's header is parsed once: a re-plan reads it again from runtime's cache)
+        n_ctx_train = await asyncio.to_thread(trained_context, model.path)
+        n_ctx = min(options.n_ctx, n_ctx_train) if n_ctx_train else options.n_ctx
+        shape = await asyncio.to_thread(model_shape, model.path, n_ctx, overhead_bytes=options.stage_overhead)
         if n_ctx_train and options.n_ctx > n_ctx_train:
             # Stage servers refuse a Load above the trained context: ask for what they take.
             log.warning("n_ctx %d is above %s's trained context of %d tokens: using %d",

@@ -25,8 +25,10 @@ import asyncio
 import dataclasses
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from meshnode.errors import MeshnodeError
@@ -197,26 +199,69 @@ def _size(path: Any) -> int:
 # ---- the planner's view of a model ----------------------------------------------------
 
 
+# The {arch}.<key> metadata the planner and the stage servers read beside the tensors.
+_HEADER_KEYS = ("attention.head_count", "attention.head_count_kv", "attention.key_length",
+                "attention.value_length", "context_length")
+_HEADER_CACHE = 8   # files' headers kept (a node serves one model; its slices are files too)
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    info: Any                  # meshnode.models.gguf_info.GGUFInfo
+    fields: dict[str, Any]     # _HEADER_KEYS -> value (None when absent)
+
+
+_headers: dict[tuple, _Header] = {}
+_headers_lock = threading.Lock()
+
+
+def _header(path: Any) -> _Header:
+    """What :func:`model_shape`, :func:`trained_context` and :func:`load_limits` read of
+    the GGUF at ``path``, parsed once per version of the file. Parsing a header means its
+    tokenizer arrays: ~0.1-0.2 s for SmolLM2 on the 2-core VM, and every stage server of a
+    re-plan read it twice, most of a failover's re-plan. Keyed by the path and the file's
+    size, mtime and inode, so a file replaced in place is read again. Blocking; raises
+    ModelFileError (as :func:`~meshnode.models.gguf_info.open_gguf`)."""
+    from meshnode.models.gguf_info import field_value, info_from_reader, open_gguf
+
+    p = Path(path)
+    try:
+        st = p.stat()
+        key: tuple | None = (str(p), st.st_size, st.st_mtime_ns, st.st_ino)
+    except OSError:
+        key = None   # open_gguf says what is wrong
+    with _headers_lock:
+        hit = _headers.get(key) if key is not None else None
+    if hit is not None:
+        return hit
+    reader = open_gguf(p)
+    info = info_from_reader(reader, p)
+    header = _Header(info, {k: field_value(reader, f"{info.architecture}.{k}") for k in _HEADER_KEYS})
+    if key is not None:
+        with _headers_lock:
+            if len(_headers) >= _HEADER_CACHE:
+                _headers.pop(next(iter(_headers)))   # the oldest
+            _headers[key] = header
+    return header
+
+
 def model_shape(path: Any, n_ctx: int, *, overhead_bytes: int = DEFAULT_STAGE_OVERHEAD) -> ModelShape:
     """:class:`ModelShape` of the GGUF at ``path`` for ``n_ctx`` tokens per session.
 
     Layer bytes are each block's tensor bytes; the embedding is ``token_embd``; the head
     is ``output.weight`` (``token_embd`` again when tied) plus ``output_norm``; KV per
     token and layer is ``n_head_kv * (key_length + value_length) * 2`` bytes (f16 K and
-    V). Blocking (reads the GGUF header). Raises ModelFileError.
+    V). Blocking (reads the GGUF header once, :func:`_header`). Raises ModelFileError.
     """
-    from meshnode.models.gguf_info import field_value, info_from_reader, open_gguf
-
-    reader = open_gguf(path)
-    info = info_from_reader(reader, path)
-    arch = info.architecture
+    h = _header(path)
+    info = h.info
     other = {t.name: t.n_bytes for t in info.other_tensors}
     embed = other.get("token_embd.weight", 0)
     head = other.get("output.weight", embed) + other.get("output_norm.weight", 0)
-    n_head = _as_max(field_value(reader, f"{arch}.attention.head_count")) or 1
-    n_head_kv = _as_max(field_value(reader, f"{arch}.attention.head_count_kv")) or n_head
-    k_len = _as_max(field_value(reader, f"{arch}.attention.key_length")) or info.n_embd // n_head
-    v_len = _as_max(field_value(reader, f"{arch}.attention.value_length")) or k_len
+    n_head = _as_max(h.fields["attention.head_count"]) or 1
+    n_head_kv = _as_max(h.fields["attention.head_count_kv"]) or n_head
+    k_len = _as_max(h.fields["attention.key_length"]) or info.n_embd // n_head
+    v_len = _as_max(h.fields["attention.value_length"]) or k_len
     return ModelShape(
         n_layers=info.n_layers,
         layer_bytes=tuple(sum(t.n_bytes for t in blk) for blk in info.blocks),
@@ -231,12 +276,8 @@ def model_shape(path: Any, n_ctx: int, *, overhead_bytes: int = DEFAULT_STAGE_OV
 
 def trained_context(path: Any) -> int:
     """The model's trained context (GGUF ``{arch}.context_length``; 0 when absent).
-    Blocking (reads the GGUF header)."""
-    from meshnode.models.gguf_info import field_value, open_gguf
-
-    reader = open_gguf(path)
-    arch = field_value(reader, "general.architecture")
-    return _as_max(field_value(reader, f"{arch}.context_length")) if isinstance(arch, str) else 0
+    Blocking (reads the GGUF header once, :func:`_header`)."""
+    return _as_max(_header(path).fields["context_length"])
 
 
 def load_limits(model_path: Any, slice_path: Any, layer_start: int, layer_end: int, *,
@@ -245,21 +286,18 @@ def load_limits(model_path: Any, slice_path: Any, layer_start: int, layer_end: i
     """What a stage server lets a Load ask for, for blocks [start, end) of the model at
     ``model_path`` sliced to ``slice_path``: the trained context and the memory estimate
     of :class:`LoadLimits` under ``budget_bytes``. A node that fetched only the slice passes
-    it as ``model_path`` too, with the model's ``n_layers_total``. Blocking (reads the GGUF header)."""
-    from meshnode.models.gguf_info import field_value, info_from_reader, open_gguf
-
-    reader = open_gguf(model_path)
-    info = info_from_reader(reader, model_path)
-    arch = info.architecture
+    it as ``model_path`` too, with the model's ``n_layers_total``. Blocking (reads the GGUF
+    header once, :func:`_header`)."""
+    h = _header(model_path)
+    info = h.info
     shape = model_shape(model_path, 1, overhead_bytes=overhead_bytes)
-    n_head = _as_max(field_value(reader, f"{arch}.attention.head_count")) or 1
     return LoadLimits(
-        n_ctx_train=_as_max(field_value(reader, f"{arch}.context_length")),
+        n_ctx_train=_as_max(h.fields["context_length"]),
         budget_bytes=budget_bytes,
         weights_bytes=_size(slice_path),
         kv_bytes_per_cell=shape.kv_bytes_per_token * (layer_end - layer_start),
         n_embd=info.n_embd,
-        n_head=n_head,
+        n_head=_as_max(h.fields["attention.head_count"]) or 1,
         n_vocab=info.n_vocab if layer_end == (n_layers_total or info.n_layers) else 0,
         overhead_bytes=overhead_bytes,
     )
