@@ -212,3 +212,21 @@ async def test_a_forged_unreachable_hint_never_drops_a_live_peer(tmp_path):
         await a.stop()
         await b.stop()
 
+
+
+async def test_a_dial_to_a_closed_port_fails_fast_and_says_why(tmp_path):
+    """Nobody listens at the address (a member that restarted on another port): the host
+    answers with ICMP port unreachable, and the dial ends after LinkSettings.unreachable_s
+    instead of the 3 s authentication deadline, with a reason a user can read."""
+    import socket
+    import sys
+
+    if sys.platform != "linux":
+        pytest.skip("ICMP errors are read on Linux only")
+    closed = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    a = _fabric(tmp_path, "a", new_secret(), discovery=False)
+    # (the authentication deadline would have ended it with "authentication timed out")
+    assert await a._dial_once("127.0.0.1", port) == "connect failed: port unreachable"

@@ -199,6 +199,8 @@ async def dial(owner: LinkOwner, host: str, port: int) -> AsyncIterator[PeerLink
             assert isinstance(link, PeerLink)
             yield link
     except ConnectionError as exc:
-        # aioquic's is bare; the link knows why it gave up (e.g. "port unreachable")
-        why = str(exc) or (made[0].closed_reason if made else None) or "no QUIC handshake"
-        raise ConnectionError(why) from exc
+        if type(exc) is not ConnectionError or str(exc):
+            raise   # (the caller's own, from inside the block)
+        # aioquic's failed handshake is a bare ConnectionError; the link knows why it gave
+        # up (e.g. "port unreachable")
+        raise ConnectionError((made[0].closed_reason if made else None) or "no QUIC handshake") from exc
