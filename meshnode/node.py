@@ -325,13 +325,14 @@ class Node:
             asyncio.get_running_loop().create_task(self._advertise())
 
     async def _advertise(self) -> None:
-        from meshnode.mesh.runtime import node_capabilities
+        from meshnode.mesh.runtime import node_capabilities, warm_headers
 
         try:
             caps = await asyncio.to_thread(node_capabilities, self.paths, max_memory=self.max_memory,
                                            share=self.share.enabled,
                                            fetch_bytes_per_s=self.share.fetch_bytes_per_s)
             await self.fabric.set_capabilities(caps)
+            await asyncio.to_thread(warm_headers, self.paths)   # for a coordinator's Prepare
         except Exception:  # noqa: BLE001 - stale capabilities are better than a dead node
             log.debug("capability refresh failed", exc_info=True)
 

@@ -418,6 +418,16 @@ def test_a_gguf_header_is_parsed_once_per_version_of_the_file(smollm2, tmp_path,
     assert model_shape(copy, 512) == first and len(opened) == 2
 
 
+def test_a_node_parses_its_models_headers_ahead_of_need(smollm2, model_store_paths, monkeypatch):
+    import meshnode.mesh.runtime as runtime
+    import meshnode.models.gguf_info as gguf_info
+
+    monkeypatch.setattr(runtime, "_headers", {})
+    runtime.warm_headers(model_store_paths)           # (Node does it when it advertises its models)
+    monkeypatch.setattr(gguf_info, "open_gguf", lambda p: pytest.fail(f"{p} parsed again"))
+    assert model_shape(smollm2.path, 512).n_layers == 30
+
+
 async def test_stage_node_lost_fails_the_plan(homes):
     from meshnode.mesh.pipeline import PipelineUnavailableError
 

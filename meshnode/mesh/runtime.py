@@ -55,6 +55,7 @@ __all__ = [
     "load_limits",
     "model_shape",
     "trained_context",
+    "warm_headers",
     "node_capabilities",
 ]
 
@@ -243,6 +244,21 @@ def _header(path: Any) -> _Header:
                 _headers.pop(next(iter(_headers)))   # the oldest
             _headers[key] = header
     return header
+
+
+def warm_headers(paths: NodePaths, limit: int = _HEADER_CACHE // 2) -> None:
+    """Parse the headers of (up to ``limit`` of) the store's models ahead of need, so that
+    this node's first Prepare of a model, e.g. as a failover's substitute, does not wait
+    for it (a Llama-3 tokenizer's header takes longer than SmolLM2's). Blocking."""
+    from meshnode.models.store import list_models
+
+    try:
+        refs = list_models(paths, progress=lambda *_: None)
+    except (ModelFileError, OSError):
+        return   # (held_models says so when it advertises)
+    for ref in refs[:limit]:
+        with contextlib.suppress(ModelFileError, OSError):
+            _header(ref.path)
 
 
 def model_shape(path: Any, n_ctx: int, *, overhead_bytes: int = DEFAULT_STAGE_OVERHEAD) -> ModelShape:
