@@ -53,8 +53,12 @@ log = logging.getLogger(__name__)
 
 DATA_STREAM = "data"
 # A step sent with SEG_LANE whose reply has not come after this long (or 8 round trips of
-# such steps, if longer) is sent again over the QUIC stream: a lane frame may be lost.
+# decode steps, if longer) is sent again over the QUIC stream: a lane frame may be lost.
 # Long enough that a step queued behind another session's prefill chunk is not resent.
+# The round trips are those of every decode step, the stream's too: a model whose steps
+# take more than a second (a big model on CPUs) has its first decode steps go over the
+# stream while the lane is probed, so its first lane step is not resent (computed twice
+# on every stage) for being slow, and its lane is not switched off for it.
 LANE_RETRY_MIN_S = 1.0
 LANE_RETRY_RTTS = 8
 
@@ -197,7 +201,7 @@ class MeshPipeline:
         # only patches batch id, position and the activation (wire.DecodeTemplate).
         self._templates: dict[int, wire.DecodeTemplate] = {}
         self._busy: dict[int, int] = {}       # session -> its frames awaiting a reply
-        self._lane_rtt: float | None = None   # EWMA seconds of a lane step's round trip
+        self._decode_rtt: float | None = None  # EWMA seconds of a decode step's round trip
         self.lane_steps = 0                   # telemetry: steps sent with SEG_LANE
         self.lane_resends = 0                 # ... of which resent over the stream
         self.refused = 0                      # replies ignored: not from the right stage
@@ -298,9 +302,10 @@ class MeshPipeline:
                 n = self._busy.pop(s.session, 1) - 1
                 if n:
                     self._busy[s.session] = n
-        if lane and self.lane_resends == resends:   # a resent step's wait is not a round trip
+        # (a resent step's wait is not a round trip)
+        if self.lane_resends == resends and all(s.plain_decode for s in steps):
             rtt = loop.time() - t0
-            self._lane_rtt = rtt if self._lane_rtt is None else self._lane_rtt + 0.2 * (rtt - self._lane_rtt)
+            self._decode_rtt = rtt if self._decode_rtt is None else self._decode_rtt + 0.2 * (rtt - self._decode_rtt)
         self._fresh.difference_update(s.session for s in steps)
         by_session = {r.session: r for r in reply.results}
         out: list[StepResult] = []
@@ -351,7 +356,7 @@ class MeshPipeline:
             raise PipelineUnavailableError(f"cannot reach stage 1 ({exc})") from exc
 
     def _resend_after(self) -> float:
-        return max(LANE_RETRY_MIN_S, LANE_RETRY_RTTS * (self._lane_rtt or 0.0))
+        return max(LANE_RETRY_MIN_S, LANE_RETRY_RTTS * (self._decode_rtt or 0.0))
 
     def _resend(self, fut: asyncio.Future, steps: Sequence[Step], batch_id: int, act: np.ndarray) -> None:
         """No reply to a lane step: send it again over the stream, without SEG_LANE (so
