@@ -274,10 +274,6 @@ def model_shape(path: Any, n_ctx: int, *, overhead_bytes: int = DEFAULT_STAGE_OV
     other = {t.name: t.n_bytes for t in info.other_tensors}
     embed = other.get("token_embd.weight", 0)
     head = other.get("output.weight", embed) + other.get("output_norm.weight", 0)
-    n_head = _as_max(h.fields["attention.head_count"]) or 1
-    n_head_kv = _as_max(h.fields["attention.head_count_kv"]) or n_head
-    k_len = _as_max(h.fields["attention.key_length"]) or info.n_embd // n_head
-    v_len = _as_max(h.fields["attention.value_length"]) or k_len
     return ModelShape(
         n_layers=info.n_layers,
         layer_bytes=tuple(sum(t.n_bytes for t in blk) for blk in info.blocks),
@@ -285,9 +281,22 @@ def model_shape(path: Any, n_ctx: int, *, overhead_bytes: int = DEFAULT_STAGE_OV
         head_bytes=head,
         n_embd=info.n_embd,
         n_ctx=n_ctx,
-        kv_bytes_per_token=n_head_kv * (k_len + v_len) * 2,
+        kv_bytes_per_token=_kv_bytes_per_token(h),
         overhead_bytes=overhead_bytes,
     )
+
+
+def _n_head(h: _Header) -> int:
+    return _as_max(h.fields["attention.head_count"]) or 1
+
+
+def _kv_bytes_per_token(h: _Header) -> int:
+    """KV bytes of one token in one layer: f16 K and V of every KV head."""
+    n_head = _n_head(h)
+    n_head_kv = _as_max(h.fields["attention.head_count_kv"]) or n_head
+    k_len = _as_max(h.fields["attention.key_length"]) or h.info.n_embd // n_head
+    v_len = _as_max(h.fields["attention.value_length"]) or k_len
+    return n_head_kv * (k_len + v_len) * 2
 
 
 def trained_context(path: Any) -> int:
@@ -306,14 +315,13 @@ def load_limits(model_path: Any, slice_path: Any, layer_start: int, layer_end: i
     header once, :func:`_header`)."""
     h = _header(model_path)
     info = h.info
-    shape = model_shape(model_path, 1, overhead_bytes=overhead_bytes)
     return LoadLimits(
         n_ctx_train=_as_max(h.fields["context_length"]),
         budget_bytes=budget_bytes,
         weights_bytes=_size(slice_path),
-        kv_bytes_per_cell=shape.kv_bytes_per_token * (layer_end - layer_start),
+        kv_bytes_per_cell=_kv_bytes_per_token(h) * (layer_end - layer_start),
         n_embd=info.n_embd,
-        n_head=_as_max(h.fields["attention.head_count"]) or 1,
+        n_head=_n_head(h),
         n_vocab=info.n_vocab if layer_end == (n_layers_total or info.n_layers) else 0,
         overhead_bytes=overhead_bytes,
     )

@@ -31,13 +31,15 @@ import struct
 import sys
 from typing import Any
 
-__all__ = ["UNREACHABLE_ERRNOS", "ErrorQueue", "read_unreachable", "unreachable_errno"]
+__all__ = ["UNREACHABLE_ERRNOS", "ErrorQueue", "unreachable_errno"]
 
 log = logging.getLogger(__name__)
 
 # <linux/in.h> IP_RECVERR, <linux/in6.h> IPV6_RECVERR (Python 3.11's socket module lacks both)
 _IP_RECVERR = getattr(socket, "IP_RECVERR", 11)
 _IPV6_RECVERR = getattr(socket, "IPV6_RECVERR", 25)
+# (level, option) to set on a socket, and (level, type) of the error records it then gets
+_RECVERR = ((socket.IPPROTO_IP, _IP_RECVERR), (socket.IPPROTO_IPV6, _IPV6_RECVERR))
 # struct sock_extended_err { u32 ee_errno; u8 ee_origin, ee_type, ee_code, ee_pad; u32 ee_info, ee_data; }
 _EXTENDED_ERR = struct.Struct("=IBBBBII")
 _ORIGIN_ICMP, _ORIGIN_ICMP6 = 2, 3
@@ -74,7 +76,20 @@ class ErrorQueue:
     def read(self) -> list[tuple[str, int]]:
         """Empty the error queue; the ``(host, port)`` each refused datagram was sent to,
         for the "unreachable" errors among them (see the module doc)."""
-        return [] if self._sock is None else read_unreachable(self._sock)
+        sock, out = self._sock, []
+        if sock is None:
+            return out
+        for _ in range(_MAX_READS):
+            try:
+                _, ancdata, _, addr = sock.recvmsg(0, 256, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:   # (a closed socket: nothing more to read)
+                log.debug("reading the error queue: %s", exc)
+                break
+            if unreachable_errno(ancdata) is not None and _is_address(addr):
+                out.append((addr[0], addr[1]))
+        return out
 
     def close(self) -> None:
         if self._sock is not None:
@@ -84,7 +99,7 @@ class ErrorQueue:
 
 def _enable(sock: socket.socket) -> bool:
     done = False
-    for level, opt in ((socket.IPPROTO_IP, _IP_RECVERR), (socket.IPPROTO_IPV6, _IPV6_RECVERR)):
+    for level, opt in _RECVERR:
         try:   # an IPv6 socket takes both (IPv4-mapped peers); an IPv4 one only the first
             sock.setsockopt(level, opt, 1)
             done = True
@@ -97,7 +112,7 @@ def unreachable_errno(ancdata: list[tuple[int, int, bytes]]) -> int | None:
     """The errno of an ICMP "unreachable" error in one error-queue message's ancillary
     data, or None for anything else (another error, a local one, a short record)."""
     for level, kind, data in ancdata:
-        if (level, kind) not in ((socket.IPPROTO_IP, _IP_RECVERR), (socket.IPPROTO_IPV6, _IPV6_RECVERR)):
+        if (level, kind) not in _RECVERR:
             continue
         if len(data) < _EXTENDED_ERR.size:
             continue
@@ -105,22 +120,6 @@ def unreachable_errno(ancdata: list[tuple[int, int, bytes]]) -> int | None:
         if origin in (_ORIGIN_ICMP, _ORIGIN_ICMP6) and ee_errno in UNREACHABLE_ERRNOS:
             return ee_errno
     return None
-
-
-def read_unreachable(sock: socket.socket) -> list[tuple[str, int]]:
-    """:meth:`ErrorQueue.read` on a socket of one's own."""
-    out: list[tuple[str, int]] = []
-    for _ in range(_MAX_READS):
-        try:
-            _, ancdata, _, addr = sock.recvmsg(0, 256, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            break
-        except OSError as exc:   # (a closed socket: nothing more to read)
-            log.debug("reading the error queue: %s", exc)
-            break
-        if unreachable_errno(ancdata) is not None and _is_address(addr):
-            out.append((addr[0], addr[1]))
-    return out
 
 
 def _is_address(addr: Any) -> bool:

@@ -106,7 +106,7 @@ class Admission:
     def unreachable(self, addr: tuple[str, int]) -> None:
         """A datagram to ``addr`` was refused (ICMP): tell the link of that peer."""
         for link in list(self.links):
-            if link.remote_addr is not None and link.remote_addr[:2] == addr:
+            if link.remote_addr == addr:
                 link.unreachable()
 
     def admit(self, addr: Any) -> bool:
