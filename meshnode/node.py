@@ -96,6 +96,7 @@ class Node:
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
         share: bool = True,
     ) -> None:
+        from meshnode.engine.shelf import EngineShelf
         from meshnode.mesh.coordinator import CoordinatorRuntime
         from meshnode.mesh.fabric import MeshFabric
         from meshnode.mesh.share import ShareService
@@ -133,13 +134,17 @@ class Node:
         self.fabric.on_peer_change(self._on_peer_change)
         self.max_memory = max_memory
         self.gpu_layers = gpu_layers
+        # one shelf for every engine the node loads (engine/shelf.py): an engine freed by a
+        # re-plan is taken back by the next plan's stage of the same range, this node's own
+        # stage 0 or a stage it serves for a peer
+        shelf = EngineShelf()
         self.stage_server = StageServerRuntime(self.fabric, self.paths, n_threads=threads,
                                                decode_threads=decode_threads, gpu_layers=gpu_layers,
                                                publish=self.publish,
-                                               max_memory=max_memory)
+                                               max_memory=max_memory, shelf=shelf)
         self.coordinator = CoordinatorRuntime(self.fabric, self.paths, n_threads=threads,
                                               decode_threads=decode_threads, gpu_layers=gpu_layers,
-                                              publish=self.publish)
+                                              publish=self.publish, shelf=shelf)
         # model sharing (docs/models.md): answers members' pulls; Prepare fetches through it
         self.share = ShareService(self.fabric, self.paths, enabled=share)
         self.stage_server.share = self.share

@@ -173,6 +173,8 @@ def test_kill_of_the_peer_stage_mid_stream_continues_exactly_with_speculation(sm
         assert _stage_nodes(coord) == [coord.node_id, spare.node_id]
         assert coord.status()["status"] == "ready"
         assert "resumed on the new route" in coord.log()
+        # stage 0 kept its range: the re-plan took its engine back rather than loading it
+        assert "stage0: reusing the loaded engine" in coord.log()
         # speculation was in use on both routes, and the replay predicted the same token
         assert s.chunks[-1]["timings"]["draft_n"] > 0, s.chunks[-1].get("timings")
         # it began from the reference's KV, kept by the prefix cache (the replay rebuilt

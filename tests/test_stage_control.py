@@ -105,7 +105,7 @@ def test_happy_path_event_sequence():
         PrepareRequested(SHA, "m", 10, 20, 30),
     ]
     assert mesh.events_of(PrepareRequested, "s1") == [PrepareRequested(SHA, "m", 10, 20, 30)]
-    assert [s.state for s in mesh.coord.stages] == [StageState.ASSIGNED, StageState.PREPARING, StageState.PREPARING]
+    assert [s.state for s in mesh.coord.stages] == [StageState.LOADING, StageState.PREPARING, StageState.PREPARING]
 
     # progress is polled every 0.5 s and shown
     mesh.servers["s1"].slice_progress(0.4, "slicing")
@@ -147,26 +147,44 @@ def test_message_order_claim_prepare_inventory_load_ready():
     assert s1[-2:] == ["Load", "Ready"]
 
 
-def test_load_order_downstream_first_coordinator_last():
+def test_stages_load_as_soon_as_they_can_and_the_plan_waits_for_all():
     mesh = Mesh()
     mesh.pump()
-    mesh.servers["s1"].slice_present()   # s1 ready to load first, but must wait for s2
+    # stage 0 at once: its host builds its slice and loads it while the others prepare
+    assert mesh.events_of(LocalLoadRequested) == [LocalLoadRequested(SHA, 0, 10, "s1", PARAMS)]
+    assert mesh.coord.stages[0].state is StageState.LOADING
+    mesh.servers["s1"].slice_present()   # s1 loads without waiting for s2
     mesh.pump()
-    assert mesh.servers["s1"].state is StageState.PREPARING
+    assert mesh.servers["s1"].state is StageState.LOADING
+    assert mesh.servers["s2"].state is StageState.PREPARING
+    mesh.servers["s1"].loaded(576, 1.0)
+    assert mesh.coord.local_stage_ready(576, 1.0, mesh.now)
+    mesh.pump()
+    assert mesh.coord.state is CoordinatorState.NEGOTIATING and not mesh.events_of(PlanReady)
     mesh.servers["s2"].slice_present()
     mesh.pump()
     assert mesh.servers["s2"].state is StageState.LOADING
-    assert mesh.servers["s1"].state is StageState.PREPARING
-    assert not mesh.events_of(LocalLoadRequested)
     mesh.servers["s2"].loaded(576, 1.0)
     mesh.pump()
-    assert mesh.servers["s1"].state is StageState.LOADING
-    assert not mesh.events_of(LocalLoadRequested)
-    mesh.servers["s1"].loaded(576, 1.0)
-    mesh.pump()
-    assert len(mesh.events_of(LocalLoadRequested)) == 1
+    assert mesh.coord.state is CoordinatorState.READY and len(mesh.events_of(PlanReady)) == 1
     loads = [dst for src, dst, k in mesh.trace if k == "Load"]
-    assert loads == ["s2", "s1"]
+    assert loads == ["s1", "s2"]
+
+
+def test_stage0_deadline_covers_its_slice_and_load():
+    mesh = Mesh(timeouts=Timeouts(inventory=10.0, load=5.0))
+    mesh.pump()
+    for srv in mesh.servers.values():
+        srv.slice_present()
+    mesh.pump()
+    for srv in mesh.servers.values():
+        srv.loaded(576, 1.0)
+    mesh.pump()
+    mesh.advance(14.0)
+    assert mesh.coord.state is CoordinatorState.NEGOTIATING
+    mesh.advance(1.5)
+    assert mesh.coord.state is CoordinatorState.FAILED
+    assert "stage 0" in mesh.events_of(PlanFailed)[0].reason
 
 
 def test_single_stage_plan_loads_locally_at_once():
@@ -209,6 +227,8 @@ def test_inventory_deadline_and_load_timeout():
     mesh.pump()
     for srv in mesh.servers.values():
         srv.slice_present()
+    mesh.pump()
+    mesh.servers["s1"].loaded(576, 1.0)
     mesh.pump()
     mesh.advance(10.0)
     assert mesh.events_of(PlanFailed) == [PlanFailed("stage 2 (two): not ready within 10 s of Load", 2)]
@@ -335,7 +355,8 @@ def test_host_misuse_raises_local_protocol_error():
     with pytest.raises(StageControlError):
         srv.loaded(576, 1.0)
     mesh = Mesh()
-    with pytest.raises(StageControlError):
+    assert mesh.coord.local_stage_ready(576, 1.0, mesh.now)
+    with pytest.raises(StageControlError):   # twice
         mesh.coord.local_stage_ready(576, 1.0, mesh.now)
 
 

@@ -437,6 +437,15 @@ class StageEngine:
             llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
             self._free_seqs.append(seq)
 
+    def reset(self) -> None:
+        """Drop every session: the engine as a fresh load would leave it, for a new owner
+        (:mod:`meshnode.engine.shelf`). The same as the drops a long-lived stage makes
+        whenever its sessions end; its results never depended on earlier sessions
+        (each session's KV is a stream of its own, cells 0..n: ``EngineConfig``)."""
+        for session in list(self._seq_of):
+            self.drop(session)
+        self._free_seqs = list(range(self.config.n_seq_max - 1, -1, -1))
+
     # ---- compute ------------------------------------------------------------------------
 
     def _check(self, segs: Sequence[Segment]) -> int:

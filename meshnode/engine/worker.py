@@ -38,6 +38,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from .errors import EngineError
 from .stage import EngineConfig, Segment, StageEngine
 
 T = TypeVar("T")
@@ -75,13 +76,33 @@ class EngineWorker:
         self._queued = 0                        # thread jobs submitted, not yet awaited back
         self._step_s: dict[int, float] = {}    # rows -> EWMA seconds of a step of that size
         self.inline_steps = 0                   # telemetry: steps run on the caller's thread
+        self.released = False                   # handed to another owner: every call refused
+        self.shelf = None                       # the EngineShelf that loaded it: close() parks it there
+        self.held_bytes = 0                     # its memory estimate, for the shelf
+        self._closing = False
 
     @classmethod
     async def load(cls, config: EngineConfig, name: str = "engine", **kwargs) -> "EngineWorker":
         return cls(await run_compute(StageEngine, config), name, **kwargs)
 
+    def handover(self, name: str) -> "EngineWorker":
+        """A new worker (named ``name``) for this engine, with its step timings; this one
+        refuses every call from now on. An engine changes owner this way (parked and
+        taken back: :mod:`meshnode.engine.shelf`) so that a late call of its old owner,
+        a task that still holds this worker, can never compute on the new owner's KV."""
+        self._check_owned()
+        other = EngineWorker(self.engine, name, inline_max_s=self.inline_max_s)
+        other._step_s = dict(self._step_s)
+        self.released = True
+        return other
+
+    def _check_owned(self) -> None:
+        if self.released:
+            raise EngineError(f"{self.name}: this engine was handed to another owner")
+
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn(*args)`` on the compute thread (in submission order)."""
+        self._check_owned()
         self._queued += 1
         try:
             return await run_compute(fn, *args)
@@ -100,11 +121,12 @@ class EngineWorker:
     def runs_inline(self, rows: int) -> bool:
         """Whether :meth:`step` would run a step of ``rows`` rows on the calling thread."""
         est = self._step_s.get(rows)
-        return (est is not None and est <= self.inline_max_s and self._queued == 0
+        return (est is not None and est <= self.inline_max_s and self._queued == 0 and not self.released
                 and self.engine.threads_for(rows) == 1)
 
     def run_inline(self, rows: int, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the calling thread, measured (check :meth:`runs_inline` first)."""
+        self._check_owned()
         t0 = time.perf_counter()
         try:
             return fn(*args)
@@ -130,7 +152,20 @@ class EngineWorker:
         await self.call(self.engine.drop, session)
 
     async def close(self) -> None:
-        await self.call(self.engine.close)
+        """Done with the engine: park it on the shelf it came from (:mod:`.shelf`), or
+        close it. A no-op once the engine went to another owner."""
+        if self.released or self._closing:
+            return
+        self._closing = True
+        if self.shelf is not None:
+            await self.shelf.park(self)
+        else:
+            await self.close_engine()
+
+    async def close_engine(self) -> None:
+        """Close the engine, whoever loaded it (its memory is freed)."""
+        if not self.released:
+            await self.call(self.engine.close)
 
 
 def _timed(fn: Callable[..., T], args: tuple) -> tuple[T, float]:

@@ -36,13 +36,14 @@ from collections.abc import Callable
 from typing import Any
 
 from meshnode import wire
+from meshnode.engine.shelf import EngineShelf
 from meshnode.errors import MeshnodeError
 from meshnode.limits import gpu_pad_rows
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.planner import Candidate, Plan, PlanError, plan as make_plan
 from meshnode.mesh.runtime import (
-    NegotiationError, Outbox, Publish, ServeOptions, TermStore, drain, model_shape, trained_context,
+    NegotiationError, Outbox, Publish, ServeOptions, TermStore, drain, load_limits, model_shape, trained_context,
 )
 from meshnode.mesh.stage_control import LoadParams, LocalLoadRequested, PlanFailed, PlanReady
 from meshnode.mesh.stage_control_coordinator import CoordinatorControl, CoordinatorState
@@ -250,7 +251,6 @@ class ServingModel:
 
     async def _load_local(self, ev: LocalLoadRequested) -> None:
         from meshnode.engine import EngineError, EngineConfig
-        from meshnode.engine.worker import EngineWorker
 
         t0 = time.perf_counter()
         p = ev.params
@@ -261,7 +261,8 @@ class ServingModel:
                                   kv_type=p.kv_type, n_threads=self.runtime.n_threads,
                                   decode_threads=self.runtime.decode_threads,
                                   gpu_layers=self.runtime.gpu_layers)
-            worker = await EngineWorker.load(config, name="stage0")
+            need = await asyncio.to_thread(self._need_bytes, path, ev)
+            worker = await self.runtime.shelf.load(config, "stage0", held_bytes=need)
         except asyncio.CancelledError:
             raise
         except (EngineError, MeshnodeError, OSError) as exc:
@@ -273,6 +274,11 @@ class ServingModel:
                                               self._loop.time()):
             await self._free_local("stopped while loading")
         self._pump()
+
+    def _need_bytes(self, path: Any, ev: LocalLoadRequested) -> int:
+        """The memory estimate of stage 0 (blocking: the GGUF header, parsed once)."""
+        return load_limits(self.model.path, path, ev.layer_start, ev.layer_end,
+                           budget_bytes=None).need_bytes(ev.params)
 
     async def _free_local(self, reason: str = "stopped") -> None:
         from meshnode.models.slicer import unpin
@@ -297,9 +303,12 @@ class CoordinatorRuntime:
 
     def __init__(self, fabric: Fabric, paths: NodePaths, *, n_threads: int | None = None,
                  decode_threads: int | None = None, gpu_layers: int = 0,
-                 publish: Publish | None = None) -> None:
+                 publish: Publish | None = None, shelf: EngineShelf | None = None) -> None:
         self.fabric = fabric
         self.paths = paths
+        # the node's EngineShelf (engine/shelf.py), shared with its stage server: stage 0's
+        # engine freed by a re-plan is taken back by the next plan's stage 0 of the same range
+        self.shelf = shelf if shelf is not None else EngineShelf()
         self.n_threads = n_threads
         self.decode_threads = decode_threads
         self.gpu_layers = gpu_layers   # this node's own setting, never the coordinator's
@@ -401,7 +410,8 @@ class CoordinatorRuntime:
         """This node and the peers that hold ``model`` (every peer for an explicit plan)
         but ``exclude``; and the names of the peers left out for lacking the model."""
         me = local_capabilities()
-        cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes,
+        # (a parked engine's memory is free to the plan: reused as it is, or freed first)
+        cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes + self.shelf.held_bytes(),
                            budget=options.max_memory, speed=me.speed or None, is_coordinator=True,
                            free_vram=me.free_vram_bytes if self.gpu_layers != 0 else 0)]
         skipped = []
@@ -432,6 +442,7 @@ class CoordinatorRuntime:
     async def close(self) -> None:
         """Node shutdown: stop the model (Stop to every stage, free stage 0)."""
         await self.stop("node stopping")
+        await self.shelf.close()
 
     # ---- feeding -----------------------------------------------------------------
 

@@ -6,10 +6,10 @@ aioquic / h11 pattern), one per side of the negotiation:
 * :class:`~meshnode.mesh.stage_control_coordinator.CoordinatorControl`
   (:mod:`meshnode.mesh.stage_control_coordinator`) runs on the coordinator (stage 0) for
   one :class:`~meshnode.mesh.planner.Plan`. It claims every remote stage, asks it to
-  prepare its slice, polls its Inventory until the slice is present, then loads the
-  stages *downstream first* (last stage first), each waiting for Ready before the
-  upstream one is loaded; its own stage 0 is loaded last by the host (event
-  :class:`LocalLoadRequested`, answered with ``local_stage_ready()``).
+  prepare its slice, polls its Inventory until the slice is present, then loads it; its
+  own stage 0 is loaded by the host from the start (event :class:`LocalLoadRequested`,
+  answered with ``local_stage_ready()``). The loads overlap; the plan is ready when
+  every stage is.
 * :class:`~meshnode.mesh.stage_control_server.StageServerControl`
   (:mod:`meshnode.mesh.stage_control_server`) runs on every node that may serve a
   stage. It answers the coordinator, enforces fencing by term, and asks its host to do
@@ -146,8 +146,8 @@ class ClaimLease:
 
     ``claim``: after Claim, Prepare must come, and while the slice is being prepared the
     coordinator polls Inventory (every 0.5 s), so this much silence means it will not go
-    on. ``load``: once the slice is present the coordinator loads the stages downstream
-    first (up to ``Timeouts.load`` each) before this one's Load. A lease that runs out
+    on. ``load``: once the slice is present, how long to wait for Load (the coordinator
+    sends it at once; a generous bound). A lease that runs out
     stops the stage and frees what it holds: a member cannot pin a node with a Claim."""
 
     claim: float = 60.0

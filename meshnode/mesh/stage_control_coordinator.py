@@ -2,12 +2,12 @@
 
 Theory of operation. :class:`CoordinatorControl` runs on the coordinator (stage 0) for
 one :class:`Plan`. Construction queues a Claim for every remote stage; a claimed stage
-is sent Prepare and its Inventory polled until the slice is present; then the stages
-are loaded *downstream first* (last stage first), each waiting for Ready before the
-upstream one gets Load, so a stage only starts once everything after it can take its
-output. Stage 0 is the host's own: the machine asks for it last with
+is sent Prepare and its Inventory polled until the slice is present; then it is sent
+Load. Stage 0 is the host's own: the machine asks for it at once with
 :class:`~meshnode.mesh.stage_control.LocalLoadRequested`, answered with
-:meth:`CoordinatorControl.local_stage_ready`. Any failure (an Error answer, a missed
+:meth:`CoordinatorControl.local_stage_ready`. The loads overlap: nothing flows along
+the route before every stage is READY (PlanReady), so no stage waits for the ones after
+it, and a re-plan whose stages load in 0.1 s each is ready in 0.1 s, not 0.3. Any failure (an Error answer, a missed
 deadline, a lost link, an unsolicited failure report) fails the whole plan and sends
 Stop to every remote stage.
 
@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 #
 # Coordinator, per stage (_Phase). A remote stage goes CLAIMING -> PREPARING (claim
 # acknowledged, Prepare sent, Inventory polled) -> PREPARED (slice present) -> LOADING
-# (Load sent; only once every downstream stage is READY) -> READY. The coordinator's own
-# stage 0 waits in WAITING until stage 1 is READY, then LOADING -> READY via the host.
+# (Load sent, as soon as PREPARED) -> READY. The coordinator's own stage 0 starts in
+# WAITING and goes LOADING at once (its host builds the slice, then loads), then READY.
 # Any phase may go to FAILED (error answer, timeout, unsolicited failure report) or
 # STOPPED (stop() or another stage's failure). FAILED may only become STOPPED (stop()).
 #
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 # stage); stop() makes it STOPPED from anywhere. STOPPED is final.
 
 class _Phase(enum.Enum):
-    WAITING = "waiting"        # stage 0 only: until the downstream stages are ready
+    WAITING = "waiting"        # stage 0 only: before its load is asked for (at once)
     CLAIMING = "claiming"
     PREPARING = "preparing"
     PREPARED = "prepared"
@@ -328,30 +328,32 @@ class CoordinatorControl(MachineOutput[CoordinatorEvent]):
         self.state = state
 
     def _advance(self, now: float) -> None:
-        """Load the next stage (downstream first) or report the plan ready."""
+        """Load every stage that can load, or report the plan ready once all are.
+
+        A remote stage loads once its slice is present, stage 0 at once (its host builds
+        its slice first, hence its deadline covers both). Nothing flows along the route
+        before PlanReady, so no stage needs the ones after it loaded first: the loads
+        overlap, and a plan is ready after its slowest load, not their sum."""
         if self.state is not CoordinatorState.NEGOTIATING:
             return
-        j = len(self._stages) - 1
-        while j >= 0 and self._stages[j].phase is _Phase.READY:
-            j -= 1
-        if j < 0:
+        if all(st.phase is _Phase.READY for st in self._stages):
             self._set_state(CoordinatorState.READY)
             self._events.append(PlanReady(self.stages))
             return
-        st = self._stages[j]
-        down = self._stages[j + 1].node_id if j + 1 < len(self._stages) else ""
-        if j == 0 and st.phase is _Phase.WAITING:
-            st.deadline = now + self.timeouts.load
-            self._set_phase(st, _Phase.LOADING, "loading")
-            self._events.append(LocalLoadRequested(self.model_sha256, st.start, st.end, down, self.params))
-        elif j > 0 and st.phase is _Phase.PREPARED:
-            ref = self._ref()
-            st.refs, st.deadline = {ref}, now + self.timeouts.load
-            self._set_phase(st, _Phase.LOADING, "loading")
-            p = self.params
-            self._send(st, Load(ref, self.term, self.model_sha256, st.start, st.end,
-                                self._stages[j - 1].node_id, down, self._stages[0].node_id,
-                                p.wire_dtype, p.n_ctx, p.n_batch, p.n_seq_max, p.kv_type))
+        for j, st in enumerate(self._stages):
+            down = self._stages[j + 1].node_id if j + 1 < len(self._stages) else ""
+            if j == 0 and st.phase is _Phase.WAITING:
+                st.deadline = now + self.timeouts.inventory + self.timeouts.load
+                self._set_phase(st, _Phase.LOADING, "loading")
+                self._events.append(LocalLoadRequested(self.model_sha256, st.start, st.end, down, self.params))
+            elif j > 0 and st.phase is _Phase.PREPARED:
+                ref = self._ref()
+                st.refs, st.deadline = {ref}, now + self.timeouts.load
+                self._set_phase(st, _Phase.LOADING, "loading")
+                p = self.params
+                self._send(st, Load(ref, self.term, self.model_sha256, st.start, st.end,
+                                    self._stages[j - 1].node_id, down, self._stages[0].node_id,
+                                    p.wire_dtype, p.n_ctx, p.n_batch, p.n_seq_max, p.kv_type))
 
     def _timeout_reason(self, st: _Stage) -> str:
         what = {

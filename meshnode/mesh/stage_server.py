@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode import wire
+from meshnode.engine.shelf import EngineShelf
 from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.local_caps import local_capabilities
@@ -83,7 +84,7 @@ class StageServerRuntime:
     def __init__(self, fabric: Fabric, paths: NodePaths, *, n_threads: int | None = None,
                  decode_threads: int | None = None, gpu_layers: int = 0,
                  publish: Publish | None = None, max_memory: int | None = None,
-                 lease: ClaimLease = ClaimLease()) -> None:
+                 lease: ClaimLease = ClaimLease(), shelf: EngineShelf | None = None) -> None:
         self.fabric = fabric
         self.paths = paths
         self.n_threads = n_threads
@@ -91,6 +92,9 @@ class StageServerRuntime:
         self.gpu_layers = gpu_layers   # this node's own setting, never the coordinator's
         self.publish = publish
         self.max_memory = max_memory
+        # EngineShelf (engine/shelf.py), the node's, shared with its coordinator: an
+        # engine freed by a re-plan is taken back by a Load of the same stage
+        self.shelf = shelf if shelf is not None else EngineShelf()
         self.control = StageServerControl(fabric.node_id, time.monotonic(), name=fabric.name, lease=lease)
         self._timer: asyncio.TimerHandle | None = None
         self._outbox = Outbox(fabric, "stage-server-send")
@@ -158,6 +162,7 @@ class StageServerRuntime:
         for t in list(self._tasks):
             t.cancel()
         await self._free("node stopping")
+        await self.shelf.close()
         for t in list(self._frees):
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await t
@@ -316,7 +321,9 @@ class StageServerRuntime:
     def _limits(self, model_path: Path, slice_path: Path, start: int, end: int,
                 n_layers_total: int | None = None) -> LoadLimits:
         """What a Load may ask for here (blocking: reads the GGUF header, /proc/meminfo)."""
-        budget = self.max_memory if self.max_memory is not None else local_capabilities().free_ram_bytes
+        # a parked engine's memory is free for this Load: reused as it is, or freed first
+        budget = (self.max_memory if self.max_memory is not None
+                  else local_capabilities().free_ram_bytes + self.shelf.held_bytes())
         return load_limits(model_path, slice_path, start, end, budget_bytes=budget, n_layers_total=n_layers_total)
 
     def _progress(self, claim: _Claim, fraction: float, detail: str | None = None) -> None:
@@ -330,7 +337,6 @@ class StageServerRuntime:
 
     async def _load(self, ev: LoadRequested, claim: _Claim) -> None:
         from meshnode.engine import EngineError, EngineConfig
-        from meshnode.engine.worker import EngineWorker
         from meshnode.mesh.stage_host import StageHost, StageRoute
 
         c = self.control
@@ -345,7 +351,9 @@ class StageServerRuntime:
                                   n_ctx=p.n_ctx, n_batch=p.n_batch, n_seq_max=p.n_seq_max, kv_type=p.kv_type,
                                   n_threads=self.n_threads, decode_threads=self.decode_threads,
                                   gpu_layers=self.gpu_layers)
-            worker = await EngineWorker.load(config, name=f"stage{ev.stage_index}")
+            limits = c.limits
+            worker = await self.shelf.load(config, f"stage{ev.stage_index}",
+                                           held_bytes=limits.need_bytes(p) if limits is not None else 0)
             host = StageHost(self.fabric, worker,
                              StageRoute(ev.coordinator, ev.downstream or None, p.wire_dtype, ev.upstream))
         except asyncio.CancelledError:
