@@ -27,6 +27,17 @@ def test_windows_reproduce_one_row_steps_on_cpu(smollm2):
     assert rep.exact, rep.to_json()
 
 
+def test_k_quant_windows_reproduce_one_row_steps_on_cpu(gemma3_270m):
+    """Gemma 3 270M Q4_K_M: llama.cpp's tiled matmul for k-quant weights (8+ rows of a
+    batch) rounds differently from its one-row kernel, so a node turns it off
+    (offload.BACKEND_ENV); with it on, windows of 8 and 16 rows gave other greedy tokens."""
+    import os
+
+    rep = schedule_check(gemma3_270m, contexts=(16, 100), windows=(2, 8, 16), n_steps=8, n_threads=1)
+    assert os.environ.get("GGML_CPU_TILED_MM") == "0"
+    assert rep.exact, rep.to_json()
+
+
 def test_padded_steps_are_the_first_rows_of_a_full_width_call(smollm2):
     """What GPU nodes do: a call of fewer than ``pad_rows`` rows runs as ``pad_rows`` rows,
     the extra rows rolled back; each row's result is its row of the full-width call."""

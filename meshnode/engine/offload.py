@@ -44,6 +44,14 @@ _CPU_LIKE = {"cpu", "blas", "rpc"}
 
 # Environment for exact speculation per backend (set only when the user has not set it).
 BACKEND_ENV: dict[str, dict[str, str]] = {
+    # llama.cpp multiplies k-quant and i-quant weights (Q4_K, Q6_K, IQ4_XS, ...) by 8 or
+    # more rows of a batch with a tiled kernel of its own (ggml-cpu/tiled), which rounds
+    # differently from the one-row kernel: on Gemma 3 270M Q4_K_M a verify window of 8+
+    # rows, or a replay in chunks, gave other logits than one-row steps (max |diff| 2.7-4.8,
+    # other greedy tokens), so speculation and failover changed the text. Off, every row
+    # takes the one-row kernel, as Q4_0/Q4_1/Q8_0 rows always do (docs/engine.md,
+    # "Batch invariance"); what it costs is measured there.
+    "cpu": {"GGML_CPU_TILED_MM": "0"},
     "cuda": {},
 }
 
@@ -156,5 +164,6 @@ def resolve_gpu_layers(requested: int, *, file_bytes: int,
 def backend_env_defaults() -> None:
     """Set the per-backend environment (only keys the user has not set): call before the
     first model loads, since ggml reads these once."""
-    for key, value in BACKEND_ENV.get("cuda", {}).items():
-        os.environ.setdefault(key, value)
+    for backend in ("cpu", "cuda"):
+        for key, value in BACKEND_ENV[backend].items():
+            os.environ.setdefault(key, value)
