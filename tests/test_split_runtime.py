@@ -242,7 +242,8 @@ async def test_split3_matches_whole_model(homes, reference, prompt_tokens):
     await _split_and_decode(homes, "abc", 3, reference, prompt_tokens)
 
 
-async def test_a_replan_on_the_same_ranges_takes_the_engines_back_exactly(homes, reference, prompt_tokens):
+async def test_a_replan_on_the_same_ranges_takes_the_engines_back_exactly(homes, reference, prompt_tokens,
+                                                                         monkeypatch):
     """A failover that keeps the layer ranges (replan.substitute) re-plans onto the same
     slices: stage 0 and the stage servers take back the engines they freed (reset, no
     load) and the tokens stay exact; a plan of other ranges loads afresh."""
@@ -256,6 +257,17 @@ async def test_a_replan_on_the_same_ranges_takes_the_engines_back_exactly(homes,
         for p in peers:
             await p.server.wait_idle()
             assert not p.server.holds_engine and p.server.shelf.held_bytes() > 0
+        # a Load is sized with the parked engine's memory counted as free (it is reused
+        # as it is, or freed before anything else loads)
+        import types
+
+        import meshnode.mesh.stage_server as stage_server_mod
+        monkeypatch.setattr(stage_server_mod, "local_capabilities",
+                            lambda: types.SimpleNamespace(free_ram_bytes=1 << 30))
+        p = peers[0]
+        limits = p.server._limits(model.path, model.path, plan.stages[1].start, plan.stages[1].end)
+        assert limits.budget_bytes == (1 << 30) + p.server.shelf.held_bytes()
+        monkeypatch.undo()
         sm = await coord.coord.start_model(model, _opts(split=3), keep=plan)
         assert [(s.node_id, s.start, s.end) for s in sm.plan.stages] == [
             (s.node_id, s.start, s.end) for s in plan.stages]
