@@ -143,3 +143,20 @@ def test_closing_twice_parks_once_and_keep_0_never_parks(loads):
         assert loads[-1].closed and not off.holds(B)
 
     asyncio.run(go())
+
+
+def test_a_node_advertises_its_parked_engines_memory_as_free(tmp_path, monkeypatch):
+    """Peers plan with it: a parked engine is closed before anything else loads."""
+    import dataclasses
+
+    import meshnode.mesh.runtime as runtime
+    from meshnode.paths import NodePaths
+
+    real = runtime.local_capabilities   # free RAM fixed: the test compares readings
+    monkeypatch.setattr(runtime, "local_capabilities",
+                        lambda held=(): dataclasses.replace(real(held), free_ram_bytes=4 << 30))
+    paths = NodePaths.resolve(tmp_path / "home").ensure()
+    parked = runtime.node_capabilities(paths, models=[], parked_bytes=(256 << 20) + 5)
+    assert parked["free_ram"] == (4 << 30) + (256 << 20)
+    capped = runtime.node_capabilities(paths, models=[], parked_bytes=1 << 40, max_memory=1 << 30)
+    assert capped["free_ram"] == 1 << 30     # --max-memory still caps it

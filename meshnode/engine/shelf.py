@@ -13,9 +13,10 @@ worker parks it there instead: its sessions dropped (:meth:`StageEngine.reset`),
 under its :class:`EngineConfig` for ``keep_s`` seconds. A load with an equal config takes
 it back at once (a new :class:`EngineWorker`: the old owner's worker refuses every call
 from then on); a load of anything else first closes every parked engine, so parking never
-adds to the memory a node needs at its peak. A stage server measures what a Load may ask
-for with the parked engines' memory counted as free (:meth:`held_bytes`): that memory is
-freed before anything else loads, or reused as it is.
+adds to the memory a node needs at its peak. So the parked engines' memory
+(:meth:`held_bytes`) counts as free wherever a node weighs its memory: what a Load may ask
+of a stage server, a coordinator's own capacity, the free RAM a node advertises to its
+peers. That memory is freed before anything else loads, or reused as it is.
 
 Results do not change: a stage's results never depend on the sessions it served before
 (each session's KV is a stream of its own: ``EngineConfig``), which is also why a

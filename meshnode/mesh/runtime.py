@@ -177,14 +177,19 @@ def find_held_model(paths: NodePaths, sha256: str) -> Any:
 
 def node_capabilities(paths: NodePaths, *, max_memory: int | None = None,
                       models: list[HeldModel] | None = None, share: bool = False,
-                      fetch_bytes_per_s: float = 0.0) -> dict[str, Any]:
+                      fetch_bytes_per_s: float = 0.0, parked_bytes: int = 0) -> dict[str, Any]:
     """This node's capability dict for :class:`MeshFabric` (``capabilities=`` or
     ``set_capabilities``): free RAM capped by ``max_memory``, the held models and the
-    measured rate of its pulls.
+    measured rate of its pulls. ``parked_bytes``: the memory of the engines the node keeps
+    for a moment after a re-plan (:mod:`meshnode.engine.shelf`), free to a new stage since
+    they are closed before anything else loads.
 
     Blocking when ``models`` is None (lists the store)."""
     held = tuple(held_models(paths, shared=share) if models is None else models)
-    caps = capsmod.to_dict(dataclasses.replace(local_capabilities(held), fetch_bytes_per_s=fetch_bytes_per_s))
+    me = local_capabilities(held)
+    me = dataclasses.replace(me, free_ram_bytes=me.free_ram_bytes + parked_bytes // (64 << 20) * (64 << 20),
+                             fetch_bytes_per_s=fetch_bytes_per_s)
+    caps = capsmod.to_dict(me)
     if max_memory is not None:
         caps["free_ram"] = min(int(caps["free_ram"]), int(max_memory))
     return caps
