@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-18}
+PART=${1:?part 1-19}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -311,5 +311,12 @@ if [ "$PART" = 18 ]; then
       *) echo "=== unknown run $run" | tee -a "$LOG" ;;
     esac
   done
+fi
+# Part 19: what a re-plan saves a stage that keeps its range: l8b whole and its two halves
+# loaded wholly onto the GPU against taken back from the node's EngineShelf
+# (load_timing.py; one call on a fresh machine: the kit's build, l8b, then the loads).
+if [ "$PART" = 19 ]; then
+  write_l8b
+  step 400 "load timing l8b, every layer on the GPU" "$PY" "$(dirname "$0")/load_timing.py" "$M/l8b.gguf" all 3
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
