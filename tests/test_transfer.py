@@ -33,7 +33,7 @@ def test_manifest_chunks_and_bounds(blob, tmp_path):
     assert m.n_chunks == 6 and m.span(5) == (5 * CS, 123)
     data = blob.read_bytes()
     assert all(chunk_ok(m, i, data[i * CS:(i + 1) * CS]) for i in range(6))
-    assert not chunk_ok(m, 0, b"x" + data[1:CS])
+    assert not chunk_ok(m, 0, bytes([data[0] ^ 1]) + data[1:CS])   # (b"x" + ... was the chunk 1 time in 256)
     assert Manifest.from_dict(m.to_dict()) == m
     for bad in ({**m.to_dict(), "size": -1}, {**m.to_dict(), "chunk_size": 1},
                 {**m.to_dict(), "chunks": m.chunks[:-1]}, {**m.to_dict(), "sha256": "zz"}, [1]):
