@@ -164,6 +164,6 @@ def resolve_gpu_layers(requested: int, *, file_bytes: int,
 def backend_env_defaults() -> None:
     """Set the per-backend environment (only keys the user has not set): call before the
     first model loads, since ggml reads these once."""
-    for backend in ("cpu", "cuda"):
-        for key, value in BACKEND_ENV[backend].items():
+    for env in BACKEND_ENV.values():
+        for key, value in env.items():
             os.environ.setdefault(key, value)

@@ -298,7 +298,8 @@ class CoordinatorRuntime:
     """Starts and stops the model this node coordinates (see the module docstring).
 
     The node's dispatcher calls :meth:`handle` for every message; ``publish`` receives
-    each :class:`StageChanged`. ``n_threads``: llama.cpp threads of stage 0.
+    each :class:`StageChanged`. ``n_threads``: llama.cpp threads of stage 0. ``shelf``: the
+    node's :class:`EngineShelf`, shared with its stage server (None: one of its own).
     """
 
     def __init__(self, fabric: Fabric, paths: NodePaths, *, n_threads: int | None = None,
@@ -306,8 +307,8 @@ class CoordinatorRuntime:
                  publish: Publish | None = None, shelf: EngineShelf | None = None) -> None:
         self.fabric = fabric
         self.paths = paths
-        # the node's EngineShelf (engine/shelf.py), shared with its stage server: stage 0's
-        # engine freed by a re-plan is taken back by the next plan's stage 0 of the same range
+        # stage 0's engine freed by a re-plan is taken back by the next plan's stage 0 of
+        # the same range
         self.shelf = shelf if shelf is not None else EngineShelf()
         self.n_threads = n_threads
         self.decode_threads = decode_threads

@@ -18,10 +18,12 @@ events become host work:
   ``--max-memory``, else free RAM) and hands it to ``slice_present()``; the machine
   refuses a Load over it.
 * ``LoadRequested``: open an :class:`EngineWorker` on the slice (hidden states in; logits
-  out on the last stage) and start a :class:`StageHost` fed only by the upstream node the
+  out on the last stage; from the node's :class:`EngineShelf`, which hands back the engine
+  a re-plan just freed when the slice and parameters are the same) and start a :class:`StageHost` fed only by the upstream node the
   Load named and routed to the downstream stage (or back to the coordinator);
   ``loaded()``.
-* ``StopRequested`` / the stage turning FAILED: close the host and free the engine.
+* ``StopRequested`` / the stage turning FAILED: close the host and free the engine
+  (parked on the shelf for a while: :mod:`meshnode.engine.shelf`).
 
 Host work runs in tasks tagged with the claim they belong to (term, coordinator, range);
 a result that arrives after the stage was stopped or re-claimed is freed, never reported.
@@ -79,6 +81,8 @@ class StageServerRuntime:
     ``n_threads``: llama.cpp threads of the stage engine (None: every core).
     ``max_memory``: this node's budget in bytes (``--max-memory``; None: its free RAM),
     which a coordinator's Load parameters must fit. ``lease``: see :class:`ClaimLease`.
+    ``shelf``: the node's :class:`EngineShelf`, shared with its coordinator (None: one of
+    its own).
     """
 
     def __init__(self, fabric: Fabric, paths: NodePaths, *, n_threads: int | None = None,
@@ -92,8 +96,7 @@ class StageServerRuntime:
         self.gpu_layers = gpu_layers   # this node's own setting, never the coordinator's
         self.publish = publish
         self.max_memory = max_memory
-        # EngineShelf (engine/shelf.py), the node's, shared with its coordinator: an
-        # engine freed by a re-plan is taken back by a Load of the same stage
+        # an engine freed by a re-plan is taken back by a Load of the same stage
         self.shelf = shelf if shelf is not None else EngineShelf()
         self.control = StageServerControl(fabric.node_id, time.monotonic(), name=fabric.name, lease=lease)
         self._timer: asyncio.TimerHandle | None = None
