@@ -20,6 +20,7 @@ import numpy as np
 from meshnode.engine import EngineConfig, Segment, StageEngine
 from meshnode.engine.tokenizer import Tokenizer
 from meshnode.errors import MeshnodeError
+from meshnode.limits import gpu_bucket_drafts
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def certify(
 
 # ---- batch schedule: one-row steps against verify windows ---------------------------
 
-SCHEDULE_CONTEXTS = (16, 200, 600)
+SCHEDULE_CONTEXTS = (16, 200, 490, 600)
 SCHEDULE_WINDOWS = (2, 4, 8, 16, 32)
 SCHEDULE_STEPS = 32
 
@@ -229,7 +230,9 @@ def schedule_check(
 ) -> ScheduleReport:
     """Feed the same ``n_steps`` tokens after each context length twice: as one-row
     steps, then as windows of each size in ``windows`` (rolled back in between), and
-    compare every row's logits. A fixed pseudo-random token stream stands in for text
+    compare every row's logits. On a GPU the windows are cut where a route cuts them, at
+    the KV buckets of :func:`meshnode.limits.gpu_bucket_drafts` (one of the default
+    contexts, 490, makes the steps cross one). A fixed pseudo-random token stream stands in for text
     (it exercises the same kernels; what matters is that both schedules see it)."""
     if not contexts or not windows or min(contexts) < 1 or min(windows) < 2:
         raise CertifyError("contexts must be >= 1 and windows >= 2")
@@ -253,9 +256,14 @@ def schedule_check(
             for w in windows:
                 engine.rollback(0, ctx_len)
                 got = []
-                for a in range(0, n_steps, w):
-                    rows = steps[a:a + w]
-                    got.append(engine.forward([Segment(0, ctx_len + a, tokens=rows, n_logits=len(rows))])[0])
+                a = 0
+                while a < n_steps:
+                    n = min(w, n_steps - a)
+                    if engine.backend != "cpu":   # as a GPU route cuts its windows (limits.KV_BUCKET)
+                        n = min(n, 1 + gpu_bucket_drafts(ctx_len + a, engine.pad_rows))
+                    rows = steps[a:a + n]
+                    got.append(engine.forward([Segment(0, ctx_len + a, tokens=rows, n_logits=n)])[0])
+                    a += n
                 g = np.concatenate(got)
                 diff = np.max(np.abs(g - ref), axis=1)
                 case = ScheduleCase(ctx_len, w, float(diff.max()),

@@ -56,6 +56,27 @@ def gpu_pad_rows() -> int:
     return GPU_PAD_ROWS
 
 
+# llama.cpp attends, in every call, the KV cells of a sequence up to the last one in use
+# rounded up to a multiple of KV_BUCKET (its n_kv, llama_kv_cache::get_n_kv, the current
+# call's cells included). On CPU that length changes nothing (flash attention skips masked
+# cells exactly); on CUDA the attention kernels split their sums by it, so a row computed
+# inside a window that ends before a bucket's edge, while its one-row step would reach past
+# it, rounds differently (measured on an H200: certify --schedule differs in exactly that
+# row, docs/engine.md "GPU"). A GPU route therefore never lets a window straddle an edge
+# its one-row steps would cross (gpu_bucket_drafts).
+KV_BUCKET = 256
+
+
+def gpu_bucket_drafts(pos: int, pad_rows: int) -> int:
+    """The most drafts a verify window starting at position ``pos`` may carry on a GPU
+    stage that pads calls to ``pad_rows`` rows, so that each of its rows attends as many KV
+    cells as its own one-row step would: the window's cells and those of every row's
+    padded one-row step end in the same KV_BUCKET (a sequence's cells hold positions 0, 1,
+    ... in order). 0 where the one-row step at ``pos`` already fills its bucket."""
+    edge = pos + max(1, pad_rows)
+    return -(-edge // KV_BUCKET) * KV_BUCKET - edge
+
+
 def gpu_exact_window_rows(pad_rows: int) -> int:
     """The widest verify window that equals one-row steps on a GPU stage padding every
     call to ``pad_rows`` rows: the largest row count of the kernel shape ``pad_rows``

@@ -230,3 +230,38 @@ def test_the_next_step_starts_before_the_text_of_this_one(spec):
     # token, lies at or past what was taken); windows may be lookaheads queued behind one
     plain = [(fed, taken) for fed, taken, rows in later if rows == 1]
     assert len(plain) >= 5 and all(taken <= fed for fed, taken in plain)
+
+
+def test_windows_on_a_gpu_route_never_straddle_a_kv_bucket():
+    """On a GPU stage a row attends llama.cpp's padded KV length, which a window may reach
+    differently from the row's own one-row step (limits.gpu_bucket_drafts): on a route with
+    a GPU stage no window or lookahead crosses such an edge, on a CPU route they do (the
+    answer runs across position 256), and the text is the same."""
+    from dataclasses import dataclass
+
+    from meshnode.limits import gpu_bucket_drafts
+
+    @dataclass(frozen=True)
+    class Stage:
+        backend: str
+        gpu_pad_rows: int = 0
+
+    truth = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
+
+    async def run(route):
+        pipe = OraclePipeline(truth)
+        server = _server(pipe, _spec())
+        server.follow_route(route)
+        text, _ = await _generate(server, len(ANSWER))
+        await server.scheduler.close()
+        return pipe, text
+
+    def straddling(pipe, pad):
+        return [(pos, k) for pos, _, k in pipe.steps if k > gpu_bucket_drafts(pos, pad)]
+
+    cpu, cpu_text = asyncio.run(run([Stage("cpu"), Stage("cpu")]))
+    assert cpu_text == ANSWER and straddling(cpu, 2) and straddling(cpu, 8)
+    for pad in (2, 8):
+        gpu, gpu_text = asyncio.run(run([Stage("cpu"), Stage("cuda", pad)]))
+        assert gpu_text == ANSWER
+        assert [k for _, _, k in gpu.steps if k] and not straddling(gpu, pad)

@@ -38,6 +38,18 @@ def test_an_unrelated_answer_is_decoded_plainly_at_no_cost():
     assert r["predicted_speedup"] == 1.0
 
 
+def test_windows_and_matches_can_be_bounded_as_a_route_bounds_them():
+    """--max-window caps every window (a GPU route's 3 drafts); a shorter --min-match
+    drafts from shorter repeats (more windows, each less sure)."""
+    wide = replay([CODE], [CODE[:24]], 12, _cost(), 3)
+    capped = replay([CODE], [CODE[:24]], 12, _cost(), 3, max_window=2)
+    assert capped["drafts"] <= 2 * capped["windows"] and capped["steps"] > wide["steps"]
+    prompt = [5, 1, 2, 6, 8]     # the answer repeats a 2-token span only
+    answer = [1, 2, 9, 3]
+    assert replay([prompt], [answer], 12, _cost(), 3)["windows"] == 0
+    assert replay([prompt], [answer], 12, _cost(), 1)["windows"] > 0
+
+
 @pytest.mark.slow
 def test_bench_replay_runs_on_the_default_model(smollm2, tmp_path):
     r = subprocess.run(

@@ -174,3 +174,55 @@ def test_the_strategy_is_capped_when_a_stage_of_the_route_runs_on_cuda():
     off = resolve_strategy("m", cli=CliSpecOptions(mode="off"))
     assert exact_for_route(off, _route("cuda")) is off
     assert exact_for_route(None, _route("cuda")) is None
+
+
+def _n_kv(cells: int) -> int:
+    """llama.cpp's attended KV length for a sequence whose cells 0..cells-1 are in use
+    (llama_kv_cache::get_n_kv, a cache large enough)."""
+    from meshnode.limits import KV_BUCKET
+
+    return max(KV_BUCKET, -(-cells // KV_BUCKET) * KV_BUCKET)
+
+
+@pytest.mark.parametrize("pad", [1, 2, 4, 5, 8])
+def test_a_window_within_the_bucket_rule_attends_what_each_rows_own_step_attends(pad):
+    """What the rule is for: every row of a window of ``k`` drafts at ``pos`` (cells up to
+    pos + max(k + 1, pad)) attends the same KV length as its own padded one-row step
+    (cells up to its position + pad); one draft more would break that for the last row."""
+    from meshnode.limits import gpu_bucket_drafts
+
+    for pos in range(0, 1100):
+        room = gpu_bucket_drafts(pos, pad)
+        assert 0 <= room < 256
+        for k in range(0, min(room, 16) + 1):
+            window = _n_kv(pos + max(k + 1, pad))
+            assert all(_n_kv(pos + j + pad) == window for j in range(k + 1)), (pos, k)
+        k = room + 1   # the first window the rule refuses
+        assert _n_kv(pos + max(k + 1, pad)) != _n_kv(pos + k + pad) or \
+            _n_kv(pos + pad) != _n_kv(pos + k + pad), (pos, k)
+
+
+def test_the_bucket_rule_cuts_windows_only_on_gpu_stages_and_at_the_narrowest():
+    from meshnode.limits import MAX_VERIFY_WINDOW
+    from meshnode.spec.window import drafts_at
+
+    # pad 2 (the default, also for a node that did not say): a one-row step at 1022 fills
+    # cells up to 1024, the bucket's edge: no drafts there; one position on, a fresh bucket
+    assert [drafts_at(p, _route("cpu", "cuda")) for p in (1019, 1020, 1021, 1022, 1023)] == [3, 2, 1, 0, 255]
+    assert drafts_at(1020, _route("cuda", pad=0)) == 2
+    # each stage by its own pad; the route by its narrowest stage
+    assert drafts_at(1016, _route("cuda", pad=8)) == 0 and drafts_at(1016, _route("cuda", pad=2)) == 6
+    assert drafts_at(1016, [_Stage("cuda", 8), _Stage("cuda", 2)]) == 0
+    assert drafts_at(1020, [_Stage("cuda", 8), _Stage("cpu", 0), _Stage("cuda", 2)]) == 2
+    for route in (_route("cpu", "cpu"), _route("", "cpu"), []):
+        assert drafts_at(1022, route) == MAX_VERIFY_WINDOW
+
+
+def test_the_route_windows_apply_the_bucket_rule_of_the_current_route():
+    from meshnode.spec.strategy import CliSpecOptions, RouteWindows, resolve_strategy
+
+    route = RouteWindows(resolve_strategy("m", cli=CliSpecOptions(strategy="ngram")))
+    route.follow(_route("cpu", "cpu"))
+    assert route.drafts_at(1022) >= 16
+    route.follow(_route("cpu", "cuda"))
+    assert route.drafts_at(1022) == 0 and route.drafts_at(1023) == 255

@@ -57,6 +57,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history-min", type=_max_ns, default=None, metavar="N,N,...",
                    help="suffix proposer: shortest match drafted from recent requests "
                         "(default: the built-in one)")
+    p.add_argument("--min-match", type=_max_ns, default=None, metavar="N,N,...",
+                   help="shortest suffix match an n-gram draft continues, values to compare "
+                        "(default: the built-in one)")
+    p.add_argument("--max-window", type=positive_int, default=None, metavar="N",
+                   help="most drafts per window (default: the window policy's; 3 is a GPU "
+                        "route's cap at the default pad)")
+    p.add_argument("--step-ms", type=_step_ms, default=None, metavar="K:MS,...",
+                   help="what a whole step of K drafts costs, hops included, instead of this "
+                        "machine's engine plus --hop-ms (e.g. the ms/plain and ms/win of a "
+                        "`bench spec` run on other hardware: 0:15,3:17)")
     p.add_argument("--hop-ms", type=non_negative_float, default=13.0,
                    help="time a split adds to every step, in ms (default 13)")
     p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads (default 1)")
@@ -71,6 +81,20 @@ def _max_ns(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"want positive integers separated by commas, got {text!r}")
     return values
+
+
+def _step_ms(text: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    try:
+        for item in text.split(","):
+            k, _, ms = item.partition(":")
+            out[int(k)] = float(ms)
+    except ValueError:
+        out = {}
+    if 0 not in out or any(k < 0 or not 0 < ms < 1e6 for k, ms in out.items()):
+        raise argparse.ArgumentTypeError(
+            f"want K:MS pairs separated by commas, one of them for K=0 (a plain step), got {text!r}")
+    return out
 
 
 def _proposers(text: str) -> list[str]:
@@ -120,33 +144,40 @@ def run(args: argparse.Namespace) -> int:
                     print(f"    {i + 1}/{len(ps)}", file=sys.stderr, flush=True)
                     _save(cache, known)   # an interrupted run keeps what it decoded
             answers[w] = [known[k] for k in keys[w]]
-        print("  measuring step costs", file=sys.stderr, flush=True)
-        step_ms = _step_costs(engine, prompts["code_edit"][0], MEASURED_DRAFTS)
+        if args.step_ms is None:
+            print("  measuring step costs", file=sys.stderr, flush=True)
+            step_ms = _step_costs(engine, prompts["code_edit"][0], MEASURED_DRAFTS)
+            hop_ms = args.hop_ms
+        else:
+            step_ms, hop_ms = args.step_ms, 0.0
     finally:
         engine.close()
         tok.close()
 
     cost = CostModel(step_s=step_ms[0] / 1000)
     for k, ms in step_ms.items():
-        cost.observe(k, (args.hop_ms + ms) / 1000)
+        cost.observe(k, (hop_ms + ms) / 1000)
+    min_matches = args.min_match or [MIN_NGRAM_MATCH]
     print(f"replay: {ref.name}, set {args.split}{' (quick)' if args.quick else ''}, {args.threads} "
-          f"thread(s), hop {args.hop_ms:g} ms, min match {MIN_NGRAM_MATCH}; step ms by drafts "
-          + " ".join(f"{k}:{1000 * cost.seconds(k):.1f}" for k in (0, 1, 2, 4, 8, 16)))
+          f"thread(s), " + (f"hop {hop_ms:g} ms" if args.step_ms is None else "step costs as given")
+          + "; step ms by drafts " + " ".join(f"{k}:{1000 * cost.seconds(k):.1f}" for k in (0, 1, 2, 4, 8, 16)))
     configs = []
     for name in args.proposers:
         for max_n in args.max_n:
             for hmin in ((args.history_min or [HISTORY_MIN_MATCH]) if name == "suffix" else [None]):
-                label = f"{name}/{max_n}" + (f"/h{hmin}" if hmin is not None else "")
-                configs.append((label, name, max_n, hmin))
+                for mm in min_matches:
+                    label = (f"{name}/{max_n}" + (f"/h{hmin}" if hmin is not None else "")
+                             + (f"/m{mm}" if args.min_match else ""))
+                    configs.append((label, name, max_n, hmin, mm))
     print(f"{'workload':11s} {'proposer':16s} {'steps':>6s} {'plain':>6s} {'windows':>7s} {'drafts':>7s} "
           f"{'accepted':>8s} {'accept':>7s} {'acc/win':>7s} {'predicted':>10s}")
     result: dict = {"step_ms": {str(k): round(v, 3) for k, v in step_ms.items()}}
     for w in prompts:
         result[w] = {}
-        for label, name, max_n, hmin in configs:
-            r = replay(prompts[w], answers[w], max_n, cost, MIN_NGRAM_MATCH,
+        for label, name, max_n, hmin, mm in configs:
+            r = replay(prompts[w], answers[w], max_n, cost, mm,
                        clients=[p.client for p in chosen[w]] if name == "suffix" else None,
-                       kinds=[p.kind for p in chosen[w]], history_min=hmin)
+                       kinds=[p.kind for p in chosen[w]], history_min=hmin, max_window=args.max_window)
             result[w][label] = r
             print(f"{w:11s} {label:16s} {r['steps']:6d} {r['plain_steps']:6d} {r['windows']:7d} "
                   f"{r['drafts']:7d} {r['accepted']:8d} {r['acceptance']:7.2f} "
@@ -225,7 +256,7 @@ def _step_costs(engine, prompt: list[int], drafts: tuple[int, ...]) -> dict[int,
 
 def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost, min_match: int, *,
            clients: list[str] | None = None, kinds: list[str] | None = None,
-           history_min: int | None = None) -> dict:
+           history_min: int | None = None, max_window: int | None = None) -> dict:
     """Replay known greedy ``answers`` through a proposer and the serving loop's default
     window (one window and ``cost`` model for all prompts, as in one server): what
     drafting would do, and what it would cost by ``cost`` (a CostModel). ``clients``
@@ -235,7 +266,8 @@ def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost,
     from meshnode.spec.suffix import HISTORY_MIN_MATCH, RecentTexts, SuffixProposer
     from meshnode.spec.window import WindowPolicy, make_window
 
-    window = make_window(WindowPolicy(), cost)
+    policy = WindowPolicy() if max_window is None else WindowPolicy().at_most(max_window)
+    window = make_window(policy, cost)
     recent = RecentTexts(max_clients=1 << 20, max_age_s=1e18) if clients is not None else None
     total = _Tally()
     by_kind: dict[str, _Tally] = {}

@@ -30,7 +30,7 @@ def register(models_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", action="store_true",
                    help="check the batch schedule: one-row steps against windows of 2-32 rows")
     p.add_argument("--contexts", default=None, metavar="N,N,...",
-                   help="context lengths for --schedule (default 16,200,600)")
+                   help="context lengths for --schedule (default 16,200,490,600; 490 crosses a KV bucket)")
     p.add_argument("--windows", default=None, metavar="N,N,...",
                    help="window sizes for --schedule, 2-32 rows (default 2,4,8,16,32)")
     p.add_argument("--decode-steps", type=int, default=16, metavar="N",

@@ -208,7 +208,8 @@ class SpeculativeDecoder:
         and the proposer has drafts, else a plain step."""
         t0 = time.perf_counter()
         drafts: list[int] = []
-        room = min(req.remaining - (pos - req.pos) - 1, self.n_ctx - pos - 2, MAX_DRAFT)
+        room = min(req.remaining - (pos - req.pos) - 1, self.n_ctx - pos - 2, MAX_DRAFT,
+                   self._route.drafts_at(pos))
         if self.policy.should_draft and room > 0:
             k = min(self.window.next_window(), room)
             if self.draft is not None:
@@ -250,7 +251,7 @@ class SpeculativeDecoder:
             return None
         k = len(step.drafts)
         pos2, remaining2 = step.pos + k + 1, req.remaining - (k + 1)
-        room = min(remaining2 - 1, self.n_ctx - pos2 - 2, MAX_DRAFT)
+        room = min(remaining2 - 1, self.n_ctx - pos2 - 2, MAX_DRAFT, self._route.drafts_at(pos2))
         if room < 1:
             return None
         k2 = min(self.window.next_window(), room)

@@ -42,7 +42,7 @@ from typing import Any, Literal, Protocol
 from meshnode.config import MODES, MeshnodeConfig, SpeculativeSettings, WindowSettings
 from meshnode.errors import MeshnodeError
 from meshnode.limits import MAX_VERIFY_WINDOW
-from meshnode.spec.window import StageCompute, WindowPolicy, cap_for_route
+from meshnode.spec.window import StageCompute, WindowPolicy, cap_for_route, drafts_at
 
 __all__ = [
     "BUILTIN_STRATEGIES",
@@ -322,11 +322,18 @@ class RouteWindows:
     def __init__(self, asked: SpecConfig | None) -> None:
         self.asked = asked
         self.config = asked
+        self._stages: tuple[StageCompute, ...] = ()
 
     def follow(self, stages: Sequence[StageCompute]) -> bool:
         """The route's stages are now ``stages``; True when the window bounds changed."""
+        self._stages = tuple(stages)
         capped = exact_for_route(self.asked, stages)
         if capped is None or not capped.enabled or self.config is None or capped.window == self.config.window:
             return False
         self.config = capped
         return True
+
+    def drafts_at(self, pos: int) -> int:
+        """The most drafts a window at position ``pos`` may carry on this route and stay
+        exact (spec/window.py, ``drafts_at``: a GPU stage's KV buckets)."""
+        return drafts_at(pos, self._stages)

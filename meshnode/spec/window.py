@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from meshnode.limits import GPU_PAD_ROWS, MAX_VERIFY_WINDOW, gpu_exact_window_rows
+from meshnode.limits import GPU_PAD_ROWS, MAX_VERIFY_WINDOW, gpu_bucket_drafts, gpu_exact_window_rows
 from meshnode.spec.cost_model import CostModel
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "FixedWindow",
     "WindowController",
     "WindowPolicy",
+    "drafts_at",
     "make_window",
 ]
 
@@ -56,6 +57,13 @@ class WindowPolicy:
             raise ValueError(
                 f"window needs min <= initial <= max, got {self.min} <= {self.initial} <= {self.max}"
             )
+
+    def at_most(self, drafts: int) -> WindowPolicy:
+        """This policy with windows of at most ``drafts`` drafts (itself when already so)."""
+        most = max(1, drafts)
+        if self.max <= most:
+            return self
+        return WindowPolicy(self.kind, min(self.initial, most), min(self.min, most), most)
 
 
 # The widest verify window (the last token and its drafts) that reproduces one-row steps
@@ -87,15 +95,20 @@ def exact_window_rows(stage: StageCompute) -> int:
     return gpu_exact_window_rows(stage.gpu_pad_rows or GPU_PAD_ROWS)
 
 
+def drafts_at(pos: int, stages: Iterable[StageCompute]) -> int:
+    """The most drafts a window at position ``pos`` may carry on a route of ``stages`` and
+    stay exact: unbounded (MAX_VERIFY_WINDOW) on CPU stages; on a GPU stage, no further
+    than the KV bucket its one-row steps fill (limits.gpu_bucket_drafts)."""
+    return min((gpu_bucket_drafts(pos, s.gpu_pad_rows or GPU_PAD_ROWS)
+                for s in stages if s.backend not in ("", "cpu")), default=MAX_VERIFY_WINDOW)
+
+
 def cap_for_route(policy: WindowPolicy, stages: Iterable[StageCompute]) -> WindowPolicy:
     """``policy`` with at most as many drafts as every stage of the route computes exactly
     (a window of ``rows`` rows carries ``rows - 1`` drafts): one GPU stage caps the route,
     at its own node's pad width."""
     rows = min((exact_window_rows(s) for s in stages), default=MAX_VERIFY_WINDOW)
-    most = max(1, rows - 1)
-    if policy.max <= most:
-        return policy
-    return WindowPolicy(policy.kind, min(policy.initial, most), min(policy.min, most), most)
+    return policy.at_most(rows - 1)
 
 
 # ---- window controllers -------------------------------------------------------

@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-19}
+PART=${1:?part 1-22}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -318,5 +318,51 @@ fi
 if [ "$PART" = 19 ]; then
   write_l8b
   step 400 "load timing l8b, every layer on the GPU" "$PY" "$(dirname "$0")/load_timing.py" "$M/l8b.gguf" all 3
+fi
+# Part 20: issue 23's measure where verify rows are nearly free: the held-out prompts
+# (docs/benchmarks.md, "Measured by hand") through a 2-stage SmolLM2 split on GPU 0 with
+# the default 5 ms each way of the relay, baseline against n-gram auto, wall clock and
+# decode rate; steps padded to 2 rows (the default: windows up to 4 rows) and to 8.
+# Two chained calls (the GGUF is carried in halves):
+#   carry [.gpukit, .gpuwt/smol/part1]:  . .gpukit/device-setup.sh &&
+#     mkdir -p /tmp/smol && cp .gpuwt/smol/part1 /tmp/smol/
+#   carry [.gpuwt/smol/part2], at once:  export PYTHONPATH=$PWD:/tmp/site MESHNODE_KEYRING=file
+#     LD_PRELOAD=<system libstdc++.so.6>; cp .gpuwt/smol/part2 /tmp/smol/ && bash packaging/gpu/measure.sh 20 "$OUT"
+if [ "$PART" = 20 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  step 330 "bench spec SmolLM2 held-out, 2 stages on GPU 0, 5 ms each way, pad 2, --busy-poll" \
+    env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" --set heldout --tokens 96 \
+    --rounds 2 --strategies baseline,ngram_auto --gpu-layers all --busy-poll --json
+  step 200 "bench spec SmolLM2 held-out (quick), 2 stages on GPU 0, 5 ms each way, pad 8, --busy-poll" \
+    env MESHNODE_GPU_PAD_ROWS=8 CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
+    --set heldout --quick --strategies baseline,ngram_auto --gpu-layers all --busy-poll --json
+fi
+# Part 21: the draft-model strategy against n-gram auto where verify rows are nearly free:
+# the same held-out run as part 20 (pad 2) with the draft (the target requantized to
+# Q4_0, on the GPU too), then the quick subset at pad 8 (windows up to 7 drafts).
+# Carried and chained like part 20.
+if [ "$PART" = 21 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  step 420 "bench spec SmolLM2 held-out, 2 stages on GPU 0, 5 ms each way, pad 2, draft model, --busy-poll" \
+    env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" --set heldout --tokens 96 \
+    --rounds 2 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
+  step 150 "bench spec SmolLM2 held-out (quick), 2 stages on GPU 0, 5 ms each way, pad 8, draft model, --busy-poll" \
+    env MESHNODE_GPU_PAD_ROWS=8 CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
+    --set heldout --quick --strategies baseline,draft --gpu-layers all --busy-poll --json
+fi
+# Part 22: the KV-bucket rule (limits.gpu_bucket_drafts, docs/engine.md "GPU") on a GPU:
+# certify --schedule, whose windows a GPU engine cuts like a route does, at contexts whose
+# one-row steps stay inside a 256-cell bucket (200, 600) and cross an edge (240, 480), on a
+# tiny random model and on SmolLM2 when /tmp/smol holds it; every case should be exact.
+# Without the rule (before it) context 480 differed in the row at position 511. One call
+# on a fresh machine: carry [.gpukit]:  . .gpukit/device-setup.sh && bash packaging/gpu/measure.sh 22 "$OUT"
+if [ "$PART" = 22 ]; then
+  [ -f "$M/tiny.gguf" ] || step 60 "write tiny" "$PY" "$KIT/mkmodels.py" tiny "$M/tiny.gguf"
+  step 120 "schedule tiny, contexts across KV buckets" "$PY" -m meshnode models certify "$M/tiny.gguf" --schedule \
+    --gpu-layers all --contexts 200,240,480,600 --windows 2,3,4
+  [ -f "$SMOL" ] && step 200 "schedule SmolLM2, contexts across KV buckets" "$PY" -m meshnode models certify "$SMOL" \
+    --schedule --gpu-layers all --contexts 200,240,480,1000,1020 --windows 2,3,4
+  step 120 "schedule tiny, pad 8, contexts across KV buckets" env MESHNODE_GPU_PAD_ROWS=8 "$PY" -m meshnode models \
+    certify "$M/tiny.gguf" --schedule --gpu-layers all --contexts 200,240,480,600 --windows 2,4,8
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
