@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 WINDOW_POLICIES = ("adaptive", "fixed")
 MAX_SHUTDOWN_GRACE = 3600.0     # seconds; a longer wait is a mistake, not a setting
-MAX_PREFIX_CACHE = 4096         # sessions; the node keeps at most --parallel - 1 anyway
+MAX_PREFIX_CACHE = 4096         # sessions; the node keeps at most max(1, --parallel - 1) anyway
 
 
 class ConfigError(MeshnodeError):

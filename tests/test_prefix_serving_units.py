@@ -170,3 +170,36 @@ def test_requests_for_the_same_prompt_do_not_wait_behind_each_other_for_the_kept
     assert long_fin.timings.cache_n > 0 and short_fin.timings.cache_n == 0   # its source went to it
     assert marks[("short", "end")] < marks[("long", "end")]
     assert server.sessions_held == len(server.prefix) <= 1
+
+
+def test_one_slot_keeps_one_session_that_a_greedy_match_takes_over_whole():
+    """parallel 1: the finished session stays kept in the only slot; the same prompt again
+    (greedy) takes it over whole, nothing copied, and answers exactly; another prompt, or
+    a sampled request, frees it first and prefills in full."""
+    other = CODE.replace("def", "fn")
+
+    async def main():
+        pipe = CountingPipeline(TRUTH)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=1), CharTokenizer(), pipe)
+        assert server.prefix.capacity == 1
+        first = await _ask(server, "a", 30)
+        assert len(server.prefix) == 1 and server.sessions_held == 1
+        second = await _ask(server, "b", len(ANSWER))
+        third = await _ask(server, "c", 5, other)
+        sampled = await answer(server, GenerationRequest("d", "m", messages=(ChatMessage("user", other),),
+                                                         max_tokens=5, temperature=0.7, seed=3))
+        await server.scheduler.close()
+        return pipe, server, first, second, third, sampled
+
+    pipe, server, (t1, f1), (t2, f2), (_, f3), (_, f4) = asyncio.run(main())
+    n_prompt = f1.usage.prompt_tokens
+    assert t1 == ANSWER[:30] and t2 == ANSWER
+    assert f2.timings.cache_n == n_prompt - 1 and pipe.copies == []     # taken over, not copied
+    assert f3.timings.cache_n == 0 and f4.timings.cache_n == 0
+    assert server.prefix_stats()["hits"] == 1 and server.sessions_held <= 1 and len(pipe.kv) <= 1
+
+
+def test_the_prefix_cache_setting_is_bounded_by_the_slots():
+    for parallel, asked, kept in ((1, None, 1), (1, 0, 0), (1, 5, 1), (2, None, 1), (4, None, 3), (4, 2, 2),
+                                  (4, 9, 3)):
+        assert ServeSettings("m", parallel=parallel, prefix_cache=asked).prefix_sessions == kept

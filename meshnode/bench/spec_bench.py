@@ -353,7 +353,9 @@ def run(args: argparse.Namespace) -> int:
     print(latency, file=sys.stderr, flush=True)
 
     common = ("--gpu-layers", gpu_layers_flag(args.gpu_layers), "--threads", str(args.threads), "--ctx", str(args.ctx),
-              "--batch", "64", "--parallel", "1",
+              # one request at a time, each prefilled in full: speculation alone is measured
+              # (`bench prefix` measures prefix reuse, with or without it)
+              "--batch", "64", "--parallel", "1", "--prefix-cache", "0",
               *(("--decode-threads", str(args.decode_threads)) if args.decode_threads else ()),
               *(("--draft-max", str(args.draft_max)) if args.draft_max else ()), *busy_poll_flags(args))
     rounds = args.rounds or (2 if args.quick else 3)

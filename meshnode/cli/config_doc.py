@@ -38,7 +38,7 @@ KEYS: dict[str, tuple[str, str, str]] = {
     "node.prefix_cache": ("int 0-4096", "--prefix-cache",
                           "finished requests whose KV is kept on every stage, so a prompt that "
                           "begins with one's tokens prefills only the rest (docs/api.md, \"Prefix "
-                          "reuse\"); at most `--parallel` - 1; 0: off"),
+                          "reuse\"); at most `--parallel` - 1 (1 with `--parallel 1`); 0: off"),
     "node.busy_poll": ("bool", "--busy-poll, --no-busy-poll",
                        "while tokens flow, the event loop waits for the network on a spinning CPU "
                        "core instead of sleeping: shorter hops on a split's token path, for a core "
@@ -77,7 +77,7 @@ KEYS: dict[str, tuple[str, str, str]] = {
 _UNSET = {
     "node.name": "none (the host name, shown after authenticating)",
     "node.max_memory": "free RAM",
-    "node.prefix_cache": "`--parallel` - 1",
+    "node.prefix_cache": "`--parallel` - 1 (1 with `--parallel 1`)",
     "http.api_key": "none",
     "speculative.draft_model": "none (the strategy's)",
 }

@@ -95,7 +95,7 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="requests served at once (default 4)")
     m.add_argument("--prefix-cache", type=non_negative_int, default=None, metavar="N",
                    help="keep up to N finished requests' KV so a prompt that begins with an "
-                        "earlier one's tokens prefills only the rest (at most --parallel - 1, "
+                        "earlier one's tokens prefills only the rest (at most --parallel - 1, or 1 with --parallel 1, "
                         "the default; 0 = off; or [node] prefix_cache)")
     m.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
                    help="hidden states on the wire: f32 (exact, default) or f16 (half the bytes)")

@@ -141,14 +141,16 @@ class ServeSettings:
     max_queue: int = DEFAULT_MAX_QUEUE   # requests waiting beyond parallel; more get a 429
     aliases: tuple[str, ...] = ()
     spec: SpecConfig | None = None
-    # finished sessions kept for prefix reuse (serve/prefix_cache.py); None: parallel - 1.
-    # At most parallel - 1, so a match always has a free slot to be copied into.
+    # finished sessions kept for prefix reuse (serve/prefix_cache.py); None: the most.
+    # At most parallel - 1, so a match always has a free slot to be copied into; with one
+    # slot, one: a greedy match takes the kept session over whole (no copy, no second
+    # slot: ModelServer._take_slot_for), any other request frees it first.
     prefix_cache: int | None = None
 
     @property
     def prefix_sessions(self) -> int:
-        n = self.parallel - 1 if self.prefix_cache is None else self.prefix_cache
-        return max(0, min(n, self.parallel - 1))
+        most = max(1, self.parallel - 1)
+        return max(0, min(most if self.prefix_cache is None else self.prefix_cache, most))
 
 
 class ModelServer:
