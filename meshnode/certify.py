@@ -216,6 +216,21 @@ class ScheduleReport:
         return d
 
 
+def schedule_windows(ctx_len: int, n_steps: int, window: int, backend: str, pad_rows: int) -> list[tuple[int, int]]:
+    """The (offset, rows) of the windows that cover ``n_steps`` steps after ``ctx_len``
+    tokens: ``window`` rows each, on a GPU cut where a route cuts them (at the KV buckets
+    of :func:`meshnode.limits.gpu_bucket_drafts`)."""
+    out: list[tuple[int, int]] = []
+    a = 0
+    while a < n_steps:
+        n = min(window, n_steps - a)
+        if backend != "cpu":
+            n = min(n, 1 + gpu_bucket_drafts(ctx_len + a, pad_rows))
+        out.append((a, n))
+        a += n
+    return out
+
+
 def schedule_check(
     model_path: Path,
     *,
@@ -256,14 +271,9 @@ def schedule_check(
             for w in windows:
                 engine.rollback(0, ctx_len)
                 got = []
-                a = 0
-                while a < n_steps:
-                    n = min(w, n_steps - a)
-                    if engine.backend != "cpu":   # as a GPU route cuts its windows (limits.KV_BUCKET)
-                        n = min(n, 1 + gpu_bucket_drafts(ctx_len + a, engine.pad_rows))
+                for a, n in schedule_windows(ctx_len, n_steps, w, engine.backend, engine.pad_rows):
                     rows = steps[a:a + n]
                     got.append(engine.forward([Segment(0, ctx_len + a, tokens=rows, n_logits=n)])[0])
-                    a += n
                 g = np.concatenate(got)
                 diff = np.max(np.abs(g - ref), axis=1)
                 case = ScheduleCase(ctx_len, w, float(diff.max()),

@@ -78,3 +78,15 @@ def test_bad_schedule_options_are_one_line_errors(smollm2):
                        capture_output=True, text=True, env=env(), timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--windows must be numbers in 2..32" in r.stderr
+
+
+def test_on_a_gpu_the_schedule_cuts_windows_where_a_route_does():
+    """certify --schedule checks the windows a route sends: on CPU whole windows, on a GPU
+    cut at the KV bucket edges (limits.gpu_bucket_drafts): after 490 tokens, with pad 2,
+    the one-row step at position 510 (step 20) fills cells up to 512 and the one at 511
+    crosses into the next bucket, so a window ends at step 20."""
+    from meshnode.certify import schedule_windows
+
+    assert schedule_windows(490, 32, 8, "cpu", 1) == [(0, 8), (8, 8), (16, 8), (24, 8)]
+    assert schedule_windows(490, 32, 8, "cuda", 2) == [(0, 8), (8, 8), (16, 5), (21, 8), (29, 3)]
+    assert schedule_windows(200, 32, 8, "cuda", 2) == [(0, 8), (8, 8), (16, 8), (24, 8)]   # inside one bucket
