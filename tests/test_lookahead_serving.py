@@ -265,3 +265,47 @@ def test_windows_on_a_gpu_route_never_straddle_a_kv_bucket():
         gpu, gpu_text = asyncio.run(run([Stage("cpu"), Stage("cuda", pad)]))
         assert gpu_text == ANSWER
         assert [k for _, _, k in gpu.steps if k] and not straddling(gpu, pad)
+
+
+class _OracleDraft:
+    """A draft model that knows the true text (the ideal draft), counting its calls."""
+
+    def __init__(self, truth: list[int]) -> None:
+        self.truth = truth
+        self.context: list[int] = []
+        self.calls = 0
+
+    def reset(self, prompt, *, sync: bool = True) -> None:
+        self.context = list(prompt)
+
+    def propose(self, context_tail, k: int) -> list[int]:
+        self.calls += 1
+        n = len(self.context)
+        return list(self.truth[n:n + k]) if self.context == self.truth[:n] else []
+
+    def accept(self, tokens) -> None:
+        self.context.extend(tokens)
+
+    def close(self) -> None: ...
+
+
+def test_a_draft_model_is_asked_only_where_the_text_has_no_repeat_to_draft_from():
+    """With a draft model, a step drafts from the text's own repeats when the n-gram
+    proposer has some (free) and asks the draft model only otherwise; the text is exact."""
+    truth = CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER)
+
+    async def run():
+        pipe = OraclePipeline(truth)
+        draft = _OracleDraft(truth)
+        spec = SpecConfig("d", "draft-model", "on", "d.gguf", WindowPolicy(), "test")
+        server = ModelServer(ServeSettings("m", n_ctx=1024, spec=spec), CharTokenizer(), pipe, draft=draft)
+        text, fin = await _generate(server, len(ANSWER))
+        await server.scheduler.close()
+        return pipe, draft, text, fin
+
+    pipe, draft, text, fin = asyncio.run(run())
+    windows = sum(1 for _, _, k in pipe.steps if k)
+    assert text == ANSWER and windows > 0
+    # most of the answer copies the prompt: most windows came from the n-gram proposer
+    assert 0 < draft.calls < windows / 2
+    assert fin.timings.draft_lookahead == 0     # a draft model's state would follow a guess

@@ -13,8 +13,9 @@ own state (position, n-gram proposer, the lookahead in flight) lives on its
 :class:`~meshnode.serve.request.ActiveRequest`.
 
 A step sends ``[last]`` (plain) or ``[last, d1..dk]`` (a verify window; drafts from the
-n-gram proposer or the draft model, ``k`` from the window controller, capped by the
-tokens and context left) to the scheduler. N-gram drafts come from the request's own
+n-gram proposer, else from the draft model if there is one; ``k`` from the window
+controller, capped by the tokens and context left and, on a GPU route, by the KV bucket
+rule of :func:`meshnode.spec.window.drafts_at`) to the scheduler. N-gram drafts come from the request's own
 text and the same client's recent requests (:mod:`meshnode.spec.suffix`; each finished
 request is remembered by :meth:`SpeculativeDecoder.remember`). The final stage returns the accepted drafts
 plus one bonus token; rejected rows are dropped by every stage when the next step starts
@@ -212,11 +213,13 @@ class SpeculativeDecoder:
                    self._route.drafts_at(pos))
         if self.policy.should_draft and room > 0:
             k = min(self.window.next_window(), room)
-            if self.draft is not None:
+            assert req.ngram is not None
+            # The text's own repeats first: free, and as often right as a draft model's
+            # guesses where they match; the draft model only where they do not (it
+            # catches up on the tokens it skipped at its next call).
+            drafts = req.ngram.propose(k, min_match=self.min_match)
+            if not drafts and self.draft is not None:
                 drafts = await self._draft_call(self.draft.propose, [], k)
-            else:
-                assert req.ngram is not None
-                drafts = req.ngram.propose(k, min_match=self.min_match)
             drafts = [int(t) for t in drafts[:k]]
             self.telemetry.set_window(k)
         return self._send(req, pos, last, drafts, t0=t0)
