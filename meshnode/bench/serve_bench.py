@@ -210,8 +210,9 @@ def _run_configs(model_ref, args, stage_counts, concurrency, marks: "_Timeline")
 
     gl = ("--gpu-layers", gpu_layers_flag(args.gpu_layers),
           *busy_poll_flags(args))
+    # every request prefilled in full: TTFT and prefill are measured cold, every round alike
     flags = (*gl, "--threads", str(args.threads), "--parallel", str(max(concurrency)), "--ctx", "1024",
-             "--batch", "64", "--spec-mode", "off", "--model", str(model_ref.path))
+             "--batch", "64", "--spec-mode", "off", "--prefix-cache", "0", "--model", str(model_ref.path))
     ends: dict[int, tuple] = {}
     coords = {}
     with contextlib.ExitStack() as stack:
