@@ -118,7 +118,8 @@ def _complete(coord, model: str, max_tokens: int = 24) -> str:
     r = httpx.post(f"{coord.base_url}/chat/completions", timeout=120,
                    json=dict(model=model, max_tokens=max_tokens, temperature=0,
                              messages=[{"role": "user", "content": "List three uses of a paperclip."}]))
-    assert r.status_code == 200, r.text
+    # (the coordinator's log says which stage and link a failed step waited on)
+    assert r.status_code == 200, f"{r.text}\n--- coordinator log ---\n{coord.log()[-6000:]}"
     return r.json()["choices"][0]["message"]["content"]
 
 
