@@ -25,13 +25,21 @@ def set_offload(enabled: bool) -> None:
     _offload = enabled
 
 
+MEMORY_GRAIN = 64 << 20   # advertised memory is rounded down to this, so the record is stable
+
+
+def advertised(n_bytes: int) -> int:
+    """``n_bytes`` as a node advertises memory: rounded down to MEMORY_GRAIN."""
+    return n_bytes // MEMORY_GRAIN * MEMORY_GRAIN
+
+
 def local_capabilities(models: tuple[HeldModel, ...] = ()) -> Capabilities:
-    """This machine's summary now (free RAM and VRAM rounded to 64 MiB so the record is
-    stable)."""
+    """This machine's summary now (free RAM and VRAM rounded down to 64 MiB so the record
+    is stable)."""
     backend, vram = gpu_summary() if _offload else ("cpu", 0)
     return Capabilities(
-        free_ram_bytes=_free_ram() // (64 << 20) * (64 << 20),
-        free_vram_bytes=vram // (64 << 20) * (64 << 20),
+        free_ram_bytes=advertised(_free_ram()),
+        free_vram_bytes=advertised(vram),
         backend=backend,
         cores=usable_cores(),
         models=models,

@@ -34,7 +34,7 @@ from typing import Any
 from meshnode.errors import MeshnodeError
 from meshnode.fsutil import atomic_write
 from meshnode.mesh.fabric_api import Fabric
-from meshnode.mesh.local_caps import local_capabilities
+from meshnode.mesh.local_caps import advertised, local_capabilities
 from meshnode.mesh.planner import ModelShape
 from meshnode.mesh.stage_control import LoadLimits, Timeouts
 from meshnode.models.errors import ModelFileError
@@ -187,7 +187,7 @@ def node_capabilities(paths: NodePaths, *, max_memory: int | None = None,
     Blocking when ``models`` is None (lists the store)."""
     held = tuple(held_models(paths, shared=share) if models is None else models)
     me = local_capabilities(held)
-    me = dataclasses.replace(me, free_ram_bytes=me.free_ram_bytes + parked_bytes // (64 << 20) * (64 << 20),
+    me = dataclasses.replace(me, free_ram_bytes=me.free_ram_bytes + advertised(parked_bytes),
                              fetch_bytes_per_s=fetch_bytes_per_s)
     caps = capsmod.to_dict(me)
     if max_memory is not None:
