@@ -192,22 +192,38 @@ class ScheduleCase:
 
 
 @dataclass
+class TogetherCase:
+    """One session per context decoding its steps in the same forwards, against each
+    alone: what a node serving several requests at once needs (docs/engine.md,
+    "Sessions together")."""
+    contexts: list[int]
+    max_abs_diff: float = 0.0
+    sessions_differ: int = 0
+    greedy_match: bool = True
+
+
+@dataclass
 class ScheduleReport:
     """One model, one engine: do multi-row windows give exactly the logits of one-row
-    steps? What exact speculation needs (a verify window must reproduce plain decoding)."""
+    steps? What exact speculation needs (a verify window must reproduce plain decoding).
+    And do sessions decoded together give each one's logits alone (``together``)?"""
 
     model: str
     backend: str
     gpu_layers: int
     cases: list[ScheduleCase] = field(default_factory=list)
+    together: TogetherCase | None = None
 
     @property
     def exact(self) -> bool:
-        return all(c.max_abs_diff == 0.0 and c.greedy_match for c in self.cases)
+        t = self.together
+        return (all(c.max_abs_diff == 0.0 and c.greedy_match for c in self.cases)
+                and (t is None or (t.max_abs_diff == 0.0 and t.greedy_match)))
 
     @property
     def max_abs_diff(self) -> float:
-        return max((c.max_abs_diff for c in self.cases), default=0.0)
+        return max([c.max_abs_diff for c in self.cases] + ([self.together.max_abs_diff] if self.together else []),
+                   default=0.0)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -248,32 +264,38 @@ def schedule_check(
     compare every row's logits. On a GPU the windows are cut where a route cuts them, at
     the KV buckets of :func:`meshnode.limits.gpu_bucket_drafts` (one of the default
     contexts, 490, makes the steps cross one). A fixed pseudo-random token stream stands in for text
-    (it exercises the same kernels; what matters is that both schedules see it)."""
+    (it exercises the same kernels; what matters is that both schedules see it).
+
+    Each context is a session of its own; with two or more contexts the sessions then
+    also take their one-row steps together, one ``forward`` of all of them per step, and
+    every row is compared with the same session's step alone (``together``)."""
     if not contexts or not windows or min(contexts) < 1 or min(windows) < 2:
         raise CertifyError("contexts must be >= 1 and windows >= 2")
     n_batch = 64
     if max(windows) > n_batch:
         raise CertifyError(f"windows must be at most {n_batch} rows")
     n_ctx = max(contexts) + n_steps + 8
-    engine = StageEngine(EngineConfig(model_path, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=1,
+    ctxs = sorted(set(contexts))
+    engine = StageEngine(EngineConfig(model_path, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=len(ctxs),
                                       n_threads=n_threads, decode_threads=decode_threads,
                                       gpu_layers=gpu_layers, flash_attn=flash_attn))
     try:
         rng = np.random.default_rng(0)
         stream = rng.integers(0, engine.n_vocab, size=n_ctx, dtype=np.int32)
         report = ScheduleReport(model_path.name, engine.backend, engine.gpu_layers)
-        for ctx_len in sorted(set(contexts)):
-            engine.rollback(0, 0)
-            engine.run_session(0, 0, stream[:ctx_len], n_logits=1)
+        refs = []
+        for k, ctx_len in enumerate(ctxs):     # session k holds context ctxs[k]
+            engine.run_session(k, 0, stream[:ctx_len], n_logits=1)
             steps = stream[ctx_len:ctx_len + n_steps]
-            ref = np.stack([engine.forward([Segment(0, ctx_len + i, tokens=steps[i:i + 1], n_logits=1)])[0][0]
+            ref = np.stack([engine.forward([Segment(k, ctx_len + i, tokens=steps[i:i + 1], n_logits=1)])[0][0]
                             for i in range(n_steps)])
+            refs.append(ref)
             for w in windows:
-                engine.rollback(0, ctx_len)
+                engine.rollback(k, ctx_len)
                 got = []
                 for a, n in schedule_windows(ctx_len, n_steps, w, engine.backend, engine.pad_rows):
                     rows = steps[a:a + n]
-                    got.append(engine.forward([Segment(0, ctx_len + a, tokens=rows, n_logits=n)])[0])
+                    got.append(engine.forward([Segment(k, ctx_len + a, tokens=rows, n_logits=n)])[0])
                 g = np.concatenate(got)
                 diff = np.max(np.abs(g - ref), axis=1)
                 case = ScheduleCase(ctx_len, w, float(diff.max()),
@@ -282,6 +304,27 @@ def schedule_check(
                 report.cases.append(case)
                 if progress is not None:
                     progress(f"context {ctx_len}, window {w}: max |diff| {case.max_abs_diff:g}")
+        if len(ctxs) > 1:
+            report.together = _together(engine, ctxs, stream, n_steps, refs)
+            if progress is not None:
+                progress(f"{len(ctxs)} sessions together: max |diff| {report.together.max_abs_diff:g}")
         return report
     finally:
         engine.close()
+
+
+def _together(engine: StageEngine, ctxs: list[int], stream: np.ndarray, n_steps: int,
+              refs: list[np.ndarray]) -> TogetherCase:
+    """Session k (at context ``ctxs[k]``) takes its ``n_steps`` one-row steps in the same
+    forwards as every other session; its rows against ``refs[k]``, its steps alone."""
+    for k, c in enumerate(ctxs):
+        engine.rollback(k, c)
+    got: list[list[np.ndarray]] = [[] for _ in ctxs]
+    for i in range(n_steps):
+        outs = engine.forward([Segment(k, c + i, tokens=stream[c + i:c + i + 1], n_logits=1)
+                               for k, c in enumerate(ctxs)])
+        for k, out in enumerate(outs):
+            got[k].append(out[0])
+    diffs = [float(np.max(np.abs(np.stack(g) - r))) for g, r in zip(got, refs)]
+    match = all(np.array_equal(np.stack(g).argmax(axis=1), r.argmax(axis=1)) for g, r in zip(got, refs))
+    return TogetherCase(list(ctxs), max(diffs), sum(d > 0 for d in diffs), match)

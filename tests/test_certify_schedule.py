@@ -24,7 +24,17 @@ def test_windows_reproduce_one_row_steps_on_cpu(smollm2):
     rep = schedule_check(smollm2.path, contexts=(16, 100), windows=(2, 4, 8), n_steps=8, n_threads=1)
     assert rep.backend == "cpu" and rep.gpu_layers == 0
     assert [(c.context, c.window) for c in rep.cases] == [(16, 2), (16, 4), (16, 8), (100, 2), (100, 4), (100, 8)]
+    # and the two sessions (one per context) decoded together, against each alone
+    assert rep.together is not None and rep.together.contexts == [16, 100]
     assert rep.exact, rep.to_json()
+
+
+def test_sessions_together_that_differ_make_the_schedule_inexact():
+    from meshnode.certify import ScheduleReport, TogetherCase
+
+    rep = ScheduleReport("m", "cuda", 9, together=TogetherCase([16, 600], 0.5, 1, True))
+    assert not rep.exact and rep.max_abs_diff == 0.5
+    assert rep.to_json()["together"]["sessions_differ"] == 1
 
 
 def test_k_quant_windows_reproduce_one_row_steps_on_cpu(gemma3_270m):
@@ -71,6 +81,7 @@ def test_the_certify_command_reports_the_schedule_as_json(smollm2):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["exact"] is True and out["schedule"]["exact"] is True
     assert [c["window"] for c in out["schedule"]["cases"]] == [2, 4]
+    assert out["schedule"]["together"] is None     # one context: no sessions to put together
 
 
 def test_bad_schedule_options_are_one_line_errors(smollm2):
@@ -90,3 +101,60 @@ def test_on_a_gpu_the_schedule_cuts_windows_where_a_route_does():
     assert schedule_windows(490, 32, 8, "cpu", 1) == [(0, 8), (8, 8), (16, 8), (24, 8)]
     assert schedule_windows(490, 32, 8, "cuda", 2) == [(0, 8), (8, 8), (16, 5), (21, 8), (29, 3)]
     assert schedule_windows(200, 32, 8, "cuda", 2) == [(0, 8), (8, 8), (16, 8), (24, 8)]   # inside one bucket
+
+
+def test_sessions_together_on_a_padding_engine_run_as_alone_alike_calls(smollm2):
+    """What GPU nodes do with several sessions in one forward (docs/engine.md "GPU",
+    "Sessions together"): with pad 2, one-/two-row segments whose padded cells end in one
+    KV bucket go in pairs, each padded to 2 rows; every other segment runs alone. Each
+    output equals the session's output alone, positions advance by the real rows only."""
+    rng = np.random.default_rng(3)
+    ctx = {0: 10, 1: 20, 2: 255, 3: 30, 4: 300}
+    rows = {0: 1, 1: 1, 2: 1, 3: 3, 4: 1}
+    streams = {s: rng.integers(0, 2000, size=c + rows[s], dtype=np.int32) for s, c in ctx.items()}
+    cfg = dict(n_ctx=512, n_seq_max=5, n_threads=1, n_batch=64)
+
+    def segs():
+        return [Segment(s, ctx[s], tokens=streams[s][ctx[s]:], n_logits=rows[s]) for s in ctx]
+
+    with StageEngine(EngineConfig(smollm2.path, pad_rows=2, **cfg)) as eng:
+        for s, c in ctx.items():
+            for a in range(0, c, 64):
+                eng.forward([Segment(s, a, tokens=streams[s][a:min(c, a + 64)], n_logits=0)])
+        alone = [eng.forward([seg])[0] for seg in segs()]
+        for s, c in ctx.items():
+            eng.rollback(s, c)
+        calls: list[list[tuple[int, int]]] = []
+        real = eng._forward
+        eng._forward = lambda part: calls.append([(x.session, x.n_rows) for x in part]) or real(part)
+        together = eng.forward(segs())
+        assert [eng.next_pos(s) for s in ctx] == [ctx[s] + rows[s] for s in ctx]
+        # a bad segment anywhere in the batch changes nothing
+        with pytest.raises(Exception, match="position"):
+            eng.forward([Segment(0, ctx[0] + 1, tokens=streams[0][:1], n_logits=1),
+                         Segment(1, 5, tokens=streams[1][:1], n_logits=1)])
+        assert [eng.next_pos(s) for s in ctx] == [ctx[s] + rows[s] for s in ctx]
+    # sessions 0 and 1 (cells end in bucket 1) and 2 and 4 (bucket 2) in pairs of 2-row
+    # segments; the 3-row window of session 3 alone
+    assert calls == [[(0, 2), (1, 2)], [(2, 2), (4, 2)], [(3, 3)]]
+    for a, t in zip(alone, together):
+        assert a.shape == t.shape and np.array_equal(a, t)
+
+
+def test_alone_alike_groups_pair_short_segments_of_one_bucket():
+    from meshnode.engine.stage import _alone_alike_groups
+
+    def seg(pos, n=1):
+        return Segment(pos, pos, tokens=np.zeros(n, np.int32), n_logits=n)
+
+    segs = [seg(0), seg(300), seg(253), seg(254), seg(10, 2), seg(20, 5), seg(500)]
+    # 0+2 and 253+2 end in bucket 1, 10+2 too; 254+2 = 256 ends in bucket 1 as well;
+    # 300+2 and 500+2 in bucket 2; the 5-row segment alone
+    assert _alone_alike_groups(segs, 2, 1024, 64) == [[0, 2], [1, 6], [3, 4], [5]]
+    assert _alone_alike_groups(segs, 4, 1024, 64) == [[i] for i in range(len(segs))]
+    assert _alone_alike_groups([seg(1022), seg(1000)], 2, 1024, 64) == [[0, 1]]
+    assert _alone_alike_groups([seg(1023), seg(1000)], 2, 1024, 64) == [[0], [1]]
+    # a 2-row segment asking one logit row runs alone (its head runs 1 row alone)
+    two_one = Segment(5, 5, tokens=np.zeros(2, np.int32), n_logits=1)
+    two_none = Segment(6, 6, tokens=np.zeros(2, np.int32), n_logits=0)
+    assert _alone_alike_groups([seg(0), two_one, two_none], 2, 1024, 64) == [[0, 2], [1]]

@@ -19,7 +19,9 @@ def register(models_sub: argparse._SubParsersAction) -> None:
         "for the final logits, the max absolute difference. Exit 0 only when all are 0 and the "
         "greedy tokens match. With --schedule, also check that verify windows of 2-32 rows give "
         "exactly the logits of one-row steps at several context lengths (what exact speculation "
-        "needs); run it on every backend a mesh uses (e.g. on a GPU node with --gpu-layers all).",
+        "needs), and that sessions decoded together get each one's logits alone (what serving "
+        "several requests at once needs); run it on every backend a mesh uses (e.g. on a GPU "
+        "node with --gpu-layers all).",
     )
     add_common_options(p)
     p.add_argument("model", nargs="?", default=None,
@@ -28,7 +30,8 @@ def register(models_sub: argparse._SubParsersAction) -> None:
                    help="layers where a new stage starts, e.g. 10,20 for three stages "
                         "(required unless --schedule is given)")
     p.add_argument("--schedule", action="store_true",
-                   help="check the batch schedule: one-row steps against windows of 2-32 rows")
+                   help="check the batch schedule: one-row steps against windows of 2-32 rows, "
+                        "and sessions decoded together against each alone")
     p.add_argument("--contexts", default=None, metavar="N,N,...",
                    help="context lengths for --schedule (default 16,200,490,600; 490 crosses a KV bucket)")
     p.add_argument("--windows", default=None, metavar="N,N,...",
@@ -107,6 +110,12 @@ def run(args: argparse.Namespace) -> int:
                 where = "" if c.first_diff_row is None else f", first at row {c.first_diff_row}"
                 print(f"  context {c.context:5d}, window {c.window:2d}: max |diff| = {c.max_abs_diff:g}"
                       f"{where}{'' if c.greedy_match else ', greedy tokens DIFFER'}")
+            t = sched.together
+            if t is not None:
+                print(f"  {len(t.contexts)} sessions together (contexts {','.join(map(str, t.contexts))}) against "
+                      f"each alone: max |diff| = {t.max_abs_diff:g}"
+                      + (f", {t.sessions_differ} session(s) differ" if t.sessions_differ else "")
+                      + ("" if t.greedy_match else ", greedy tokens DIFFER"))
             print("SCHEDULE EXACT" if sched.exact else "SCHEDULE NOT EXACT")
     if args.json:
         out["exact"] = ok

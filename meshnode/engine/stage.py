@@ -45,7 +45,7 @@ from .errors import (
     ModelLoadError,
 )
 from meshnode import timeline
-from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES, MAX_VERIFY_WINDOW, gpu_pad_rows
+from meshnode.limits import DEFAULT_KV_TYPE, KV_BUCKET, KV_CACHE_TYPES, MAX_VERIFY_WINDOW, gpu_pad_rows
 
 from . import offload
 from .ggml import LayerTap
@@ -505,31 +505,60 @@ class StageEngine:
             for s in segs:
                 if s.session in self._next_pos and s.pos < self._next_pos[s.session]:
                     self.rollback(s.session, s.pos)
-        if (len(segs) == 1 and segs[0].n_rows < self.pad_rows <= self.n_batch
-                and segs[0].pos + self.pad_rows <= self.n_ctx):
-            return self._padded(segs[0])
+        if self.pad_rows > 1 and len(segs) > 1:
+            return self._forward_alone_alike(segs)
+        if len(segs) == 1 and self._pads(segs[0]):
+            return self._padded(segs)
         return self._forward(segs)
 
-    def _padded(self, s: Segment) -> list[np.ndarray]:
-        """``s`` (fewer than ``pad_rows`` rows) run as the first rows of a call of
-        ``pad_rows`` rows whose extra rows are dropped again: the kernels of every other
-        padded step. A row does not see the rows after it (causal attention, row-wise
-        matmuls), so its result is the one it gets in any padded call. A final stage asks
-        logits for the extra rows too: the rows that reach the head are the same count in
-        every padded call (llama.cpp prunes the last layer to the rows with outputs)."""
-        self._check([s])
-        n, extra = s.n_rows, self.pad_rows - s.n_rows
-        n_logits = s.n_logits + extra if s.n_logits else 0
-        if s.tokens is not None:
-            wide = Segment(s.session, s.pos, tokens=np.concatenate([s.tokens, np.repeat(s.tokens[-1:], extra)]),
-                           n_logits=n_logits)
-        else:
-            assert s.hidden is not None
-            wide = Segment(s.session, s.pos, n_logits=n_logits, hidden=np.concatenate(
-                [s.hidden, np.zeros((extra, s.hidden.shape[1]), dtype=s.hidden.dtype)]))
-        out = self._forward([wide])[0]
-        self.rollback(s.session, s.pos + n)
-        return [out[:s.n_logits] if self.has_head else out[:n]]
+    def _pads(self, s: Segment, rows: int | None = None) -> bool:
+        rows = rows or self.pad_rows
+        return s.n_rows < rows <= self.n_batch and s.pos + rows <= self.n_ctx
+
+    def _padded(self, segs: Sequence[Segment], rows: int | None = None) -> list[np.ndarray]:
+        """``segs`` (each of fewer than ``rows``, default ``pad_rows``, rows) run as the
+        first rows of ``rows`` rows each, whose extra rows are dropped again: the kernels of
+        every other padded step. A row does not see the rows after it (causal attention,
+        row-wise matmuls), so its result is the one it gets in any padded call. A final
+        stage asks logits for the extra rows too: the rows that reach the head are the same
+        count in every padded call (llama.cpp prunes the last layer to the rows with outputs)."""
+        self._check(segs)
+        rows = rows or self.pad_rows
+        outs = self._forward([_widened(s, rows) for s in segs])
+        for s in segs:
+            self.rollback(s.session, s.pos + s.n_rows)
+        return [out[:s.n_logits] if self.has_head else out[:s.n_rows] for s, out in zip(segs, outs)]
+
+    def _forward_alone_alike(self, segs: Sequence[Segment]) -> list[np.ndarray]:
+        """Several sessions on a GPU engine, each row computed as the session alone would
+        compute it (docs/engine.md "GPU", "Sessions together"). On CUDA a call's row count
+        picks the matmul kernels, and every session of a call attends as many KV cells as
+        the longest one's KV_BUCKET, so 8 sessions in one call gave other logits than each
+        alone (SmolLM2 and an 8B Q4_0 shape on an H200, ``packaging/gpu/batch_probe.py``;
+        14 of 16 greedy answers changed through a node). Measured exact there: two sessions
+        whose cells end in the same bucket, each padded to 2 rows, in one call, with pad 2.
+        So with pad 2 short segments (1-2 rows) go in such pairs, and every other segment
+        runs as it would alone; all are checked first, so a bad one changes nothing."""
+        self._check(segs)
+        outs: list[np.ndarray | None] = [None] * len(segs)
+        done: list[Segment] = []
+        try:
+            for group in _alone_alike_groups(segs, self.pad_rows, self.n_ctx, self.n_batch):
+                part = [segs[i] for i in group]
+                if len(part) == 2:
+                    got = self._padded(part, rows=2)
+                elif self._pads(part[0]):
+                    got = self._padded(part)
+                else:
+                    got = self._forward(part)
+                for i, out in zip(group, got):
+                    outs[i] = out
+                done += part
+        except BaseException:
+            for s in done:      # all or nothing, as one call
+                self.rollback(s.session, s.pos)
+            raise
+        return outs  # type: ignore[return-value]
 
     def _forward(self, segs: Sequence[Segment]) -> list[np.ndarray]:
         self._check(segs)
@@ -684,3 +713,39 @@ class StageEngine:
             self.close()
         except Exception:
             pass
+
+
+def _widened(s: Segment, rows: int) -> Segment:
+    """``s`` grown to ``rows`` rows: its last token repeated, or zero hidden states (the
+    rows are rolled back after the call); logits asked for the extra rows too when any."""
+    extra = rows - s.n_rows
+    n_logits = s.n_logits + extra if s.n_logits else 0
+    if s.tokens is not None:
+        return Segment(s.session, s.pos, tokens=np.concatenate([s.tokens, np.repeat(s.tokens[-1:], extra)]),
+                       n_logits=n_logits)
+    assert s.hidden is not None
+    return Segment(s.session, s.pos, n_logits=n_logits, hidden=np.concatenate(
+        [s.hidden, np.zeros((extra, s.hidden.shape[1]), dtype=s.hidden.dtype)]))
+
+
+def _alone_alike_groups(segs: Sequence[Segment], pad_rows: int, n_ctx: int, n_batch: int) -> list[list[int]]:
+    """The calls a GPU engine runs several segments as (indices into ``segs``): with
+    ``pad_rows`` 2, segments of 1-2 rows whose cells (padded to 2) end in the same
+    KV_BUCKET in pairs, in order of arrival; every other segment alone. Not paired: a
+    2-row segment asking one logit row, whose head runs 1 row alone (the head's kernels
+    go by its rows too; a pair's head runs 0, 2 or 4)."""
+    groups: list[list[int]] = []
+    waiting: dict[int, int] = {}       # bucket -> the group holding one short segment
+    for i, s in enumerate(segs):
+        if (pad_rows == 2 and (s.n_rows == 1 or (s.n_rows == 2 and s.n_logits != 1))
+                and s.pos + 2 <= n_ctx and n_batch >= 4):
+            bucket = -(-(s.pos + 2) // KV_BUCKET)
+            g = waiting.pop(bucket, None)
+            if g is None:
+                waiting[bucket] = len(groups)
+                groups.append([i])
+            else:
+                groups[g].append(i)
+        else:
+            groups.append([i])
+    return groups

@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-22}
+PART=${1:?part 1-23}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -364,5 +364,20 @@ if [ "$PART" = 22 ]; then
     --schedule --gpu-layers all --contexts 200,240,480,1000,1020 --windows 2,3,4
   step 120 "schedule tiny, pad 8, contexts across KV buckets" env MESHNODE_GPU_PAD_ROWS=8 "$PY" -m meshnode models \
     certify "$M/tiny.gguf" --schedule --gpu-layers all --contexts 200,240,480,600 --windows 2,4,8
+fi
+# Part 23: concurrent requests on a GPU node against the same requests alone
+# (packaging/gpu/concurrent_probe.py): every held-out prompt alone, then all at once, on one
+# node and on a 2-stage split of one GPU; the answers that differ are counted. First, at the
+# engine (packaging/gpu/batch_probe.py), which groupings of sessions into calls are exact. Needs SmolLM2
+# (/tmp/smol, carried like part 20).
+if [ "$PART" = 23 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  [ -f "$M/tiny.gguf" ] || step 60 "write tiny" "$PY" "$KIT/mkmodels.py" tiny "$M/tiny.gguf"
+  step 60 "batch groupings against alone, tiny" "$PY" "$(dirname "$0")/batch_probe.py" "$M/tiny.gguf"
+  step 60 "batch groupings against alone, SmolLM2" "$PY" "$(dirname "$0")/batch_probe.py" "$SMOL"
+  step 200 "concurrent requests against alone, one GPU node" \
+    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all
+  step 250 "concurrent requests against alone, 2 stages on one GPU" \
+    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"

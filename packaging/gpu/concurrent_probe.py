@@ -1,0 +1,99 @@
+"""Does a request answered beside others give the text it gives alone?
+
+On CPU every row of a batched step is computed as it would be alone (docs/engine.md), so
+concurrent greedy requests are exact. On a GPU two things could break that: several
+sessions share one llama.cpp call, whose row count picks the matmul kernels, and every
+session of the call attends as many KV cells as the longest one's 256-cell bucket
+(docs/engine.md "GPU"). This probe measures it through a real node: one ``meshnode serve``
+(or a split, ``--stages 2``) with ``--spec-mode off`` and no prefix cache, every held-out
+prompt (code edits and chats, 60 to 1500 tokens, so the sessions sit in different buckets)
+asked alone, then all at once, then all at once again started in another order; it prints
+how many answers differ from their answer alone and where the first difference is.
+
+    python packaging/gpu/concurrent_probe.py --model SmolLM2.gguf --gpu-layers all   # a GPU
+    python packaging/gpu/concurrent_probe.py --model SmolLM2.gguf --limit 6           # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from meshnode.argtypes import gpu_layers, gpu_layers_flag  # noqa: E402
+from meshnode.bench import prompt_sets  # noqa: E402
+from meshnode.bench.cluster import LocalCluster  # noqa: E402
+
+
+def ask(base: str, model: str, messages: list[dict], tokens: int) -> list[str]:
+    """A greedy completion's text pieces, one per streamed chunk (~one per token)."""
+    import httpx
+
+    from meshnode.bench.cluster import sse_chunks
+
+    body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0,
+            "stream": True}
+    pieces: list[str] = []
+    with httpx.Client(timeout=600, trust_env=False) as c, \
+            c.stream("POST", f"{base}/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for chunk in sse_chunks(r):
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                pieces.append(chunk["choices"][0]["delta"]["content"])
+    return pieces
+
+
+def first_difference(a: list[str], b: list[str]) -> int | None:
+    """Index of the first piece where ``a`` and ``b`` differ, None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="GGUF path")
+    p.add_argument("--gpu-layers", type=gpu_layers, default=0, metavar="N|all|auto")
+    p.add_argument("--stages", type=int, default=1, help="nodes in the route (default 1)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per answer (default 64)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    p.add_argument("--parallel", type=int, default=8, help="the node's --parallel (default 8)")
+    args = p.parse_args()
+
+    prompts = [q for w in prompt_sets.WORKLOADS
+               for q in prompt_sets.select(prompt_sets.load(w), "heldout") if q.step == 0]
+    prompts = prompts[:args.limit] if args.limit else prompts
+    gl = ("--gpu-layers", gpu_layers_flag(args.gpu_layers))
+    flags = (*gl, "--parallel", str(args.parallel), "--max-queue", str(len(prompts)), "--ctx", "4096",
+             "--spec-mode", "off", "--prefix-cache", "0", "--model", args.model)
+    with LocalCluster(Path(args.model), args.stages) as cluster:
+        for i in range(1, args.stages):
+            cluster.start(i, "--no-model", *gl, "--parallel", str(args.parallel))
+        coord = cluster.start(0, *flags, "--split", str(args.stages)).wait_model()
+        base, model = coord.base_url, coord.get("/v1/models")["data"][0]["id"]
+        print(f"{len(prompts)} prompts, {args.stages} stage(s), gpu layers "
+              f"{gpu_layers_flag(args.gpu_layers)}, --parallel {args.parallel}", flush=True)
+        alone = [ask(base, model, q.chat(), args.tokens) for q in prompts]
+        report: dict = {"prompts": len(prompts), "rounds": {}}
+        for name, order in (("together", list(range(len(prompts)))),
+                            ("together, reversed", list(range(len(prompts)))[::-1])):
+            with ThreadPoolExecutor(len(prompts)) as ex:
+                got = dict(zip(order, ex.map(lambda i: ask(base, model, prompts[i].chat(), args.tokens),
+                                             order)))
+            diffs = {prompts[i].id: first_difference(alone[i], got[i]) for i in order}
+            bad = {k: v for k, v in diffs.items() if v is not None}
+            report["rounds"][name] = {"differ": len(bad), "first_difference_at": bad}
+            print(f"{name}: {len(bad)} of {len(prompts)} answers differ from their answer alone"
+                  + (f" (first differing piece: {bad})" if bad else ""), flush=True)
+    print(json.dumps(report))
+    return 1 if any(r["differ"] for r in report["rounds"].values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
