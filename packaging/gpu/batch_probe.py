@@ -10,6 +10,7 @@ reference; then together, one step of every session per round, batched several w
 - ``by4``/``by2``: at most 4 or 2 sessions per call, in their order (buckets mixed);
 - ``bucket4``/``bucket2``: at most 4 or 2 per call, only sessions of one bucket;
 - ``bucket2x2``: at most 2 per call, one bucket, each session's row padded to 2 rows;
+- ``by2x2``: the same with buckets mixed (does the bucket matter for a padded pair?);
 - ``serial``: one session per call (what alone means; 0 by construction).
 
 One JSON line: per batching the max |logit diff| against alone, how many sessions differ
@@ -83,7 +84,7 @@ def run(kind: str) -> tuple[list[np.ndarray], float]:
 
 ref, _ = run("serial")
 res: dict = {"model": path.name, "pad_rows": eng.pad_rows, "backend": eng.backend}
-for kind in ("serial", "engine", "one call", "by4", "by2", "bucket4", "bucket2", "bucket2x2"):
+for kind in ("serial", "engine", "one call", "by4", "by2", "bucket4", "bucket2", "bucket2x2", "by2x2"):
     got, ms = run(kind)
     d = [float(np.max(np.abs(g - r))) for g, r in zip(got, ref)]
     res[kind] = {"max_diff": max(d), "sessions_differ": sum(x > 0 for x in d), "ms_per_round": round(ms, 2)}

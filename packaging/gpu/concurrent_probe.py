@@ -61,6 +61,9 @@ def main() -> int:
     p.add_argument("--model", required=True, help="GGUF path")
     p.add_argument("--gpu-layers", type=gpu_layers, default=0, metavar="N|all|auto")
     p.add_argument("--stages", type=int, default=1, help="nodes in the route (default 1)")
+    p.add_argument("--peer-gpu-layers", type=gpu_layers, default=None, metavar="N|all|auto",
+                   help="the other nodes' --gpu-layers (default: --gpu-layers); with 0 and "
+                        "--gpu-layers all only stage 0 is on the GPU, and the other way round")
     p.add_argument("--tokens", type=int, default=64, help="tokens per answer (default 64)")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
     p.add_argument("--parallel", type=int, default=8, help="the node's --parallel (default 8)")
@@ -73,12 +76,13 @@ def main() -> int:
     flags = (*gl, "--parallel", str(args.parallel), "--max-queue", str(len(prompts)), "--ctx", "4096",
              "--spec-mode", "off", "--prefix-cache", "0", "--model", args.model)
     with LocalCluster(Path(args.model), args.stages) as cluster:
+        peer = gl if args.peer_gpu_layers is None else ("--gpu-layers", gpu_layers_flag(args.peer_gpu_layers))
         for i in range(1, args.stages):
-            cluster.start(i, "--no-model", *gl, "--parallel", str(args.parallel))
+            cluster.start(i, "--no-model", *peer, "--parallel", str(args.parallel))
         coord = cluster.start(0, *flags, "--split", str(args.stages)).wait_model()
         base, model = coord.base_url, coord.get("/v1/models")["data"][0]["id"]
-        print(f"{len(prompts)} prompts, {args.stages} stage(s), gpu layers "
-              f"{gpu_layers_flag(args.gpu_layers)}, --parallel {args.parallel}", flush=True)
+        print(f"{len(prompts)} prompts, {args.stages} stage(s), gpu layers {gl[1]} (other nodes {peer[1]}), "
+              f"--parallel {args.parallel}", flush=True)
         alone = [ask(base, model, q.chat(), args.tokens) for q in prompts]
         report: dict = {"prompts": len(prompts), "rounds": {}}
         for name, order in (("together", list(range(len(prompts)))),

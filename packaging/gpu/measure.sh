@@ -379,5 +379,10 @@ if [ "$PART" = 23 ]; then
     "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all
   step 250 "concurrent requests against alone, 2 stages on one GPU" \
     "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
+  # which stage of a split changes an answer: only stage 0 on the GPU, then only stage 1
+  step 250 "concurrent requests against alone, 2 stages, stage 1 on CPU" \
+    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --peer-gpu-layers 0 --stages 2
+  step 250 "concurrent requests against alone, 2 stages, stage 0 on CPU" \
+    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers 0 --peer-gpu-layers all --stages 2
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
