@@ -50,6 +50,71 @@ def test_windows_and_matches_can_be_bounded_as_a_route_bounds_them():
     assert replay([prompt], [answer], 12, _cost(), 1)["windows"] > 0
 
 
+class _OracleDraft:
+    """A draft model stand-in for the replay's logic: proposes the known answer's next
+    tokens, one "call" per draft (as a draft does after catching up)."""
+
+    def __init__(self, prompt: list[int], answer: list[int]) -> None:
+        self.whole = prompt + answer
+        self.context: list[int] = []
+        self.calls = 0
+
+    @property
+    def stats(self):
+        from meshnode.spec.draft import DraftStats
+
+        return DraftStats(calls=self.calls)
+
+    def reset(self, prompt, *, sync=True):
+        self.context = list(prompt)
+
+    def propose(self, tail, k):
+        got = self.whole[len(self.context):len(self.context) + k]
+        self.calls += len(got)
+        return got
+
+    def accept(self, tokens):
+        self.context += list(tokens)
+
+
+def test_a_draft_model_drafts_where_the_n_gram_proposer_has_nothing():
+    prompt, answer = list(range(7, 40)), list(range(100, 160))   # nothing repeats
+    r = replay([prompt], [answer], 12, _cost(), 3, draft=_OracleDraft(prompt, answer), draft_ms=0.0)
+    assert r["plain_steps"] == 0 and r["acceptance"] == 1.0 and r["predicted_speedup"] > 1.5
+    # each draft call charged: dearer calls, a smaller predicted gain
+    r2 = replay([prompt], [answer], 12, _cost(), 3, draft=_OracleDraft(prompt, answer), draft_ms=30.0)
+    assert r2["predicted_speedup"] < r["predicted_speedup"]
+
+
+def test_draft_windows_are_sized_by_what_the_draft_s_calls_cost():
+    """The learned cost model charges a draft window its draft calls: free calls grow
+    the windows, calls dearer than a plain step keep them near one draft; shared with
+    the n-gram windows or a window of their own (``hybrid-split``)."""
+    prompt = CODE + list(range(40, 60))
+    answer = CODE[:20] + list(range(100, 160))     # copies the prompt, then new text
+    for split in (False, True):
+        free, dear = (replay([prompt], [answer], 12, _cost(), 3, draft=_OracleDraft(prompt, answer),
+                             draft_ms=ms, split_windows=split) for ms in (0.0, 60.0))
+        assert free["drafts"] / free["windows"] > 3 and dear["drafts"] / dear["windows"] < 1.5
+        assert free["plain_steps"] == dear["plain_steps"] == 0
+
+
+def test_the_window_is_sized_by_costs_learned_as_it_goes():
+    """A node's window starts from the cost prior and learns: where a verify row costs as
+    much as a plain step, windows stay smaller than where rows are nearly free."""
+    prompt, answer = CODE, CODE[:24] * 3
+    dear = replay([prompt], [answer], 12, _cost(40.0, 40.0), 3)
+    cheap = replay([prompt], [answer], 12, _cost(40.0, 1.0), 3)
+    assert dear["drafts"] / dear["windows"] < cheap["drafts"] / cheap["windows"]
+
+
+def test_without_the_n_gram_proposer_every_step_asks_the_draft():
+    answer = CODE[:24]
+    draft = _OracleDraft(CODE, answer)
+    r = replay([CODE], [answer], 12, _cost(), 3, draft=draft, n_gram=False)
+    assert r["plain_steps"] == 0 and draft.calls == r["drafts"]
+
+
 @pytest.mark.slow
 def test_bench_replay_runs_on_the_default_model(smollm2, tmp_path):
     r = subprocess.run(

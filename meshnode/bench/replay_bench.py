@@ -14,8 +14,14 @@ request's own prompt and answer) and ``suffix``
 (:class:`~meshnode.spec.suffix.SuffixProposer`: the same plus the same client's recent
 requests, replayed in order with one client per prompt and one per editor sequence, as
 `bench spec` sends them), each for every ``--max-n``; ``suffix`` also for every
-``--history-min``. Proposers are judged by **accepted tokens per verify round**
-(``accepted / windows``) and acceptance; per kind of prompt too.
+``--history-min``. With a draft model (the target requantized to Q4_0, as `bench spec`'s
+``draft`` strategy; :class:`~meshnode.spec.draft.DraftModelProposer`): ``draft`` (the
+draft model alone), ``hybrid`` (the suffix proposer first, the draft model where it has
+nothing, one window for both: how a node with ``--draft-model`` drafts) and
+``hybrid-split`` (the same with a window and a learned cost model of its own for each). A draft window costs its step plus ``--draft-ms`` for
+each llama.cpp call the draft made for it (catching up, then one per further draft;
+default: a one-row step of the draft measured here). Proposers are judged by **accepted
+tokens per verify round** (``accepted / windows``) and acceptance; per kind of prompt too.
 
 Per workload and proposer it prints the pipeline steps needed for the answers (plain
 steps and verify windows), the drafts proposed and accepted, and the *predicted* speedup
@@ -51,7 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which half of the prompt sets (default all)")
     p.add_argument("--quick", action="store_true", help="only the prompt sets' quick subset")
     p.add_argument("--proposers", type=_proposers, default=["ngram", "suffix"], metavar="P,P",
-                   help="proposers to compare: ngram, suffix (default both)")
+                   help="proposers to compare: ngram, suffix, draft, hybrid, hybrid-split "
+                        "(default ngram,suffix; the last three use a draft model, the target "
+                        "requantized to Q4_0)")
+    p.add_argument("--draft-ms", type=non_negative_float, default=None, metavar="MS",
+                   help="what one llama.cpp call of the draft model costs (default: measured "
+                        "here; e.g. a GPU's, to predict for it)")
     p.add_argument("--max-n", type=_max_ns, default=[12], metavar="N,N,...",
                    help="proposer max_n values to compare (default 12)")
     p.add_argument("--history-min", type=_max_ns, default=None, metavar="N,N,...",
@@ -97,10 +108,15 @@ def _step_ms(text: str) -> dict[int, float]:
     return out
 
 
+PROPOSERS = ("ngram", "suffix", "draft", "hybrid", "hybrid-split")
+DRAFTING = ("draft", "hybrid", "hybrid-split")     # the proposers that need a draft model
+
+
 def _proposers(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    if not names or any(n not in ("ngram", "suffix") for n in names):
-        raise argparse.ArgumentTypeError(f"want ngram and/or suffix separated by commas, got {text!r}")
+    if not names or any(n not in PROPOSERS for n in names):
+        raise argparse.ArgumentTypeError(
+            f"want some of {', '.join(PROPOSERS)} separated by commas, got {text!r}")
     return names
 
 
@@ -152,7 +168,19 @@ def run(args: argparse.Namespace) -> int:
             step_ms, hop_ms = args.step_ms, 0.0
     finally:
         engine.close()
-        tok.close()
+
+    draft = None
+    draft_ms = args.draft_ms or 0.0
+    if any(p in DRAFTING for p in args.proposers):
+        from meshnode.bench.spec_bench import _derived
+        from meshnode.spec.draft import DraftModelProposer
+
+        draft = DraftModelProposer(_derived(ref, paths, "Q4_0", "draft"), n_ctx=n_ctx, n_batch=64,
+                                   n_threads=args.threads, stop_ids=tok.eog_ids)
+        if args.draft_ms is None:
+            print("  measuring the draft's step cost", file=sys.stderr, flush=True)
+            draft_ms = _step_costs(draft.engine, prompts["code_edit"][0], (0,))[0]
+    tok.close()
 
     cost = CostModel(step_s=step_ms[0] / 1000)
     for k, ms in step_ms.items():
@@ -160,11 +188,15 @@ def run(args: argparse.Namespace) -> int:
     min_matches = args.min_match or [MIN_NGRAM_MATCH]
     print(f"replay: {ref.name}, set {args.split}{' (quick)' if args.quick else ''}, {args.threads} "
           f"thread(s), " + (f"hop {hop_ms:g} ms" if args.step_ms is None else "step costs as given")
-          + "; step ms by drafts " + " ".join(f"{k}:{1000 * cost.seconds(k):.1f}" for k in (0, 1, 2, 4, 8, 16)))
+          + "; step ms by drafts " + " ".join(f"{k}:{1000 * cost.seconds(k):.1f}" for k in (0, 1, 2, 4, 8, 16))
+          + (f"; a draft call {draft_ms:.2f} ms" if draft is not None else ""))
     configs = []
     for name in args.proposers:
+        if name == "draft":
+            configs.append(("draft", name, args.max_n[0], None, min_matches[0]))
+            continue
         for max_n in args.max_n:
-            for hmin in ((args.history_min or [HISTORY_MIN_MATCH]) if name == "suffix" else [None]):
+            for hmin in ((args.history_min or [HISTORY_MIN_MATCH]) if name != "ngram" else [None]):
                 for mm in min_matches:
                     label = (f"{name}/{max_n}" + (f"/h{hmin}" if hmin is not None else "")
                              + (f"/m{mm}" if args.min_match else ""))
@@ -176,8 +208,10 @@ def run(args: argparse.Namespace) -> int:
         result[w] = {}
         for label, name, max_n, hmin, mm in configs:
             r = replay(prompts[w], answers[w], max_n, cost, mm,
-                       clients=[p.client for p in chosen[w]] if name == "suffix" else None,
-                       kinds=[p.kind for p in chosen[w]], history_min=hmin, max_window=args.max_window)
+                       clients=[p.client for p in chosen[w]] if name != "ngram" else None,
+                       kinds=[p.kind for p in chosen[w]], history_min=hmin, max_window=args.max_window,
+                       draft=draft if name in DRAFTING else None, draft_ms=draft_ms,
+                       n_gram=name != "draft", split_windows=name == "hybrid-split")
             result[w][label] = r
             print(f"{w:11s} {label:16s} {r['steps']:6d} {r['plain_steps']:6d} {r['windows']:7d} "
                   f"{r['drafts']:7d} {r['accepted']:8d} {r['acceptance']:7.2f} "
@@ -188,6 +222,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{result[w][c[0]]['kinds'][k]['accepted_per_window']:.2f} "
                   f"({result[w][c[0]]['kinds'][k]['acceptance']:.2f})" for c in configs) for k in kinds)
               + f"  [{' / '.join(c[0] for c in configs)}]")
+    if draft is not None:
+        draft.close()
+        result["draft_ms"] = round(draft_ms, 3)
     if args.json:
         print(json.dumps(result))
     return 0
@@ -256,18 +293,30 @@ def _step_costs(engine, prompt: list[int], drafts: tuple[int, ...]) -> dict[int,
 
 def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost, min_match: int, *,
            clients: list[str] | None = None, kinds: list[str] | None = None,
-           history_min: int | None = None, max_window: int | None = None) -> dict:
+           history_min: int | None = None, max_window: int | None = None,
+           draft=None, draft_ms: float = 0.0, n_gram: bool = True, split_windows: bool = False) -> dict:
     """Replay known greedy ``answers`` through a proposer and the serving loop's default
-    window (one window and ``cost`` model for all prompts, as in one server): what
-    drafting would do, and what it would cost by ``cost`` (a CostModel). ``clients``
-    (one per prompt): use the suffix proposer, each prompt drafting also from the
-    earlier texts of its client, as a server remembers them; None: the n-gram proposer."""
+    window (one window for all prompts, as in one server): what drafting would do, and
+    what it would cost by ``cost`` (a CostModel of the true step costs). The window is
+    sized as a node sizes it, by a cost model that starts from the default prior and
+    learns every step's cost as it goes. ``clients`` (one per prompt): use the suffix
+    proposer, each prompt drafting also from the earlier texts of its client, as a server
+    remembers them; None: the n-gram proposer.
+
+    ``draft`` (a DraftModelProposer): drafts where the n-gram proposer has none (or
+    always, without ``n_gram``), each of its windows charged ``draft_ms`` per call the
+    draft made for it; with ``split_windows`` its windows have a controller and a learned
+    cost model of their own (else they share the n-gram window's)."""
+    from meshnode.spec.cost_model import CostModel
     from meshnode.spec.ngram import NGramProposer
     from meshnode.spec.suffix import HISTORY_MIN_MATCH, RecentTexts, SuffixProposer
     from meshnode.spec.window import WindowPolicy, make_window
 
     policy = WindowPolicy() if max_window is None else WindowPolicy().at_most(max_window)
-    window = make_window(policy, cost)
+    learned = CostModel(hop_s=0.0)       # as serve/speculation.py makes it
+    window = make_window(policy, learned)
+    draft_learned = CostModel(hop_s=0.0) if split_windows else learned
+    draft_window = make_window(policy, draft_learned) if split_windows else window
     recent = RecentTexts(max_clients=1 << 20, max_age_s=1e18) if clients is not None else None
     total = _Tally()
     by_kind: dict[str, _Tally] = {}
@@ -278,20 +327,36 @@ def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost,
                                    history_min=history_min or HISTORY_MIN_MATCH)
         else:
             ngram = NGramProposer(prompt, max_n=max_n)
+        if draft is not None:
+            draft.reset(prompt)        # its prefill is the request's, not a step's
         mine = by_kind.setdefault(kinds[j] if kinds else "all", _Tally())
         i = 0
         while i < len(answer):
-            proposal = ngram.propose(window.next_window(), min_match=min_match)
+            k = window.next_window()
+            proposal = ngram.propose(k, min_match=min_match) if n_gram else []
+            used, model, seconds = window, learned, 0.0
+            if not proposal and draft is not None:
+                used, model = draft_window, draft_learned
+                calls = draft.stats.calls
+                proposal = draft.propose([], draft_window.next_window() if split_windows else k)
+                seconds = (draft.stats.calls - calls) * draft_ms / 1000
             n = 0
             while n < len(proposal) and i + n < len(answer) and proposal[n] == answer[i + n]:
                 n += 1
+            seconds += cost.seconds(len(proposal))
             if proposal:
-                window.update(len(proposal), n)
+                used.update(len(proposal), n)
+                model.observe(len(proposal), seconds)
+            else:
+                for m in {id(learned): learned, id(draft_learned): draft_learned}.values():
+                    m.observe(0, seconds)    # a plain step: what every window is weighed against
             new = answer[i:i + n + 1]
             ngram.observe(new)
+            if draft is not None:
+                draft.accept(new)
             i += len(new)
             for t in (total, mine):
-                t.add(len(proposal), n, cost.seconds(len(proposal)))
+                t.add(len(proposal), n, seconds)
         for t in (total, mine):
             t.tokens += len(answer)
         if recent is not None:
