@@ -104,6 +104,7 @@ def test_ngram_on_equals_plain_greedy(split, reference):
     sent = sum(t["draft_lookahead"] for _, t in out)
     used = sum(t["draft_lookahead_used"] for _, t in out)
     assert sent >= 1 and 0 <= used <= sent, (sent, used)
+    assert all(t["draft_model_windows"] == 0 for _, t in out)     # no draft model here
 
 
 def test_draft_model_equals_plain_greedy(split, reference):
@@ -114,6 +115,9 @@ def test_draft_model_equals_plain_greedy(split, reference):
     assert [text for text, _ in out] == reference
     for _, timings in out:
         assert _drafted(timings), timings
+        # n-gram drafts first, the draft model where they have none: its windows counted apart
+        assert 0 < timings["draft_model_windows"] <= timings["draft_windows"], timings
+        assert timings["draft_model_n_accepted"] <= timings["draft_model_n"] <= timings["draft_n"]
 
 
 def test_package_declared_draft_and_no_draft(split, reference, package):

@@ -196,9 +196,9 @@ def _summary(runs_by_prompt: list[list[dict]]) -> dict:
     def total(key: str) -> float:
         return sum(r["timings"].get(key, 0) for r in every)
 
-    draft_n, accepted, windows, plain, ahead, ahead_used = (total(k) for k in (
+    draft_n, accepted, windows, plain, ahead, ahead_used, m_windows, m_n, m_accepted = (total(k) for k in (
         "draft_n", "draft_n_accepted", "draft_windows", "plain_steps", "draft_lookahead",
-        "draft_lookahead_used"))
+        "draft_lookahead_used", "draft_model_windows", "draft_model_n", "draft_model_n_accepted"))
     verify_ms = total("draft_verify_ms")
     # decode time not spent verifying is plain steps (plus the per-token bookkeeping)
     plain_ms = total("predicted_ms") - verify_ms
@@ -218,6 +218,8 @@ def _summary(runs_by_prompt: list[list[dict]]) -> dict:
         "ms_per_plain_step": plain_ms / plain if plain else 0.0,
         "lookahead": int(ahead),
         "lookahead_used": int(ahead_used),
+        # the windows the draft model drafted (a draft strategy drafts n-gram first)
+        "model_windows": int(m_windows), "model_drafts": int(m_n), "model_accepted": int(m_accepted),
         "tokens": sum(r["tokens"] for r in best),
         "texts": [r["text"] for r in best],
         "stable": all(len({r["text"] for r in rs}) == 1 for rs in runs_by_prompt),
@@ -419,8 +421,18 @@ def run(args: argparse.Namespace) -> int:
                          "plain_steps": r["plain_steps"],
                          "ms_per_plain_step": round(r["ms_per_plain_step"], 2),
                          "lookahead": r["lookahead"], "lookahead_used": r["lookahead_used"],
+                         "model_windows": r["model_windows"], "model_drafts": r["model_drafts"],
+                         "model_accepted": r["model_accepted"],
                          "tokens": r["tokens"], "same_text_as_baseline": same != "NO",
                          "kinds": kinds[w][s]}
+    for w in WORKLOADS:
+        r = results[w].get("draft")
+        if r and r["windows"]:
+            mw, nw = r["model_windows"], r["windows"] - r["model_windows"]
+            nd, na = r["draft_n"] - r["model_drafts"], r["draft_n_accepted"] - r["model_accepted"]
+            print(f"{w:<11} draft: {mw} windows from the draft model ({r['model_drafts'] / mw if mw else 0:.2f} "
+                  f"drafts each, acceptance {r['model_accepted'] / r['model_drafts'] if r['model_drafts'] else 0:.2f}), "
+                  f"{nw} from n-gram ({nd / nw if nw else 0:.2f} drafts each, acceptance {na / nd if nd else 0:.2f})")
     if "baseline" in strategies and len(strategies) > 1:
         print("by kind: wall-clock speedup against baseline (acceptance)")
         for w in WORKLOADS:

@@ -169,8 +169,10 @@ class Timings:
     accepted (acceptance rate = accepted / drafted), both 0 without speculation. The
     rest is ours (llama.cpp has no such fields): ``draft_windows`` verify steps taking
     ``draft_verify_ms`` in all, ``plain_steps`` one-token steps, lookahead windows sent
-    and used (:mod:`meshnode.spec.lookahead`), and the strategy, its auto-policy state
-    and window size when the request ended.
+    and used (:mod:`meshnode.spec.lookahead`), the windows a draft model drafted (of
+    ``draft_windows``; the rest came from the n-gram proposer) with their drafts and
+    accepted drafts, and the strategy, its auto-policy state and window size when the
+    request ended.
     """
 
     prompt_n: int = 0
@@ -185,6 +187,9 @@ class Timings:
     plain_steps: int = 0
     draft_lookahead: int = 0
     draft_lookahead_used: int = 0
+    draft_model_windows: int = 0
+    draft_model_n: int = 0
+    draft_model_n_accepted: int = 0
     spec_strategy: str = ""
     spec_state: str = ""
     spec_window: int = 0
@@ -216,6 +221,9 @@ class Timings:
             "plain_steps": self.plain_steps,
             "draft_lookahead": self.draft_lookahead,
             "draft_lookahead_used": self.draft_lookahead_used,
+            "draft_model_windows": self.draft_model_windows,
+            "draft_model_n": self.draft_model_n,
+            "draft_model_n_accepted": self.draft_model_n_accepted,
         }
         if self.spec_strategy:
             out |= {"spec_strategy": self.spec_strategy, "spec_state": self.spec_state,

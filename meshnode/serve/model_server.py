@@ -526,7 +526,8 @@ class ModelServer:
             draft_n_accepted=counters.accepted, draft_windows=counters.windows,
             draft_verify_ms=1e3 * counters.verify_s, plain_steps=counters.plain_steps,
             draft_lookahead=counters.lookahead, draft_lookahead_used=counters.lookahead_used,
-            spec_strategy=now.strategy, spec_state=now.state.value,
+            draft_model_windows=counters.model_windows, draft_model_n=counters.model_proposed,
+            draft_model_n_accepted=counters.model_accepted, spec_strategy=now.strategy, spec_state=now.state.value,
             spec_window=now.current_window), index=ar.index))
 
     # ---- steps --------------------------------------------------------------------------

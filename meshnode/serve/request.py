@@ -53,6 +53,7 @@ class SentStep:
     result: asyncio.Future
     t0: float                    # perf_counter when its drafting began
     lookahead: bool = False      # sent on a guess (meshnode.spec.lookahead)
+    by_model: bool = False       # its drafts came from the draft model
 
     @property
     def pos(self) -> int:

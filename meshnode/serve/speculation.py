@@ -167,7 +167,7 @@ class SpeculativeDecoder:
         await self._send_ahead(req, step.pos + len(tokens), tokens, nxt)
         # what only the telemetry and the UI need, while the next step runs
         if drafts:
-            self.telemetry.record_window(req.id, drafts, res.n_accepted, tokens[-1], dt)
+            self.telemetry.record_window(req.id, drafts, res.n_accepted, tokens[-1], dt, step.by_model)
             self._publish(DraftVerified(
                 req.id, self.telemetry.strategy,
                 tuple(self.tokenizer.decode([t]) for t in drafts), res.n_accepted,
@@ -209,6 +209,7 @@ class SpeculativeDecoder:
         and the proposer has drafts, else a plain step."""
         t0 = time.perf_counter()
         drafts: list[int] = []
+        by_model = False
         room = min(req.remaining - (pos - req.pos) - 1, self.n_ctx - pos - 2, MAX_DRAFT,
                    self._route.drafts_at(pos))
         if self.policy.should_draft and room > 0:
@@ -220,9 +221,10 @@ class SpeculativeDecoder:
             drafts = req.ngram.propose(k, min_match=self.min_match)
             if not drafts and self.draft is not None:
                 drafts = await self._draft_call(self.draft.propose, [], k)
+                by_model = bool(drafts)
             drafts = [int(t) for t in drafts[:k]]
             self.telemetry.set_window(k)
-        return self._send(req, pos, last, drafts, t0=t0)
+        return self._send(req, pos, last, drafts, t0=t0, by_model=by_model)
 
     def remember(self, req: ActiveRequest) -> None:
         """A request finished: its text (prompt + generated) becomes draftable for the
@@ -236,12 +238,12 @@ class SpeculativeDecoder:
         fut.add_done_callback(self._remembering.discard)
 
     def _send(self, req: ActiveRequest, pos: int, last: int, drafts: list[int], *,
-              lookahead: bool = False, t0: float | None = None) -> SentStep:
+              lookahead: bool = False, t0: float | None = None, by_model: bool = False) -> SentStep:
         mask = req.constraint.masks(drafts) if req.constraint is not None else None
         step = Step(req.session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
                     tuple(drafts), req.sampling, mask)
         return SentStep(step, self.scheduler.enqueue(step, req.epoch),
-                        time.perf_counter() if t0 is None else t0, lookahead)
+                        time.perf_counter() if t0 is None else t0, lookahead, by_model)
 
     def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: SuffixProposer) -> SentStep | None:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is

@@ -51,6 +51,9 @@ class SpecCounters:
     plain_steps: int = 0
     lookahead: int = 0          # lookahead windows sent (meshnode.spec.lookahead)
     lookahead_used: int = 0     # ... whose guess held
+    model_windows: int = 0      # windows drafted by the draft model (the rest: n-gram)
+    model_proposed: int = 0     # ... their drafts
+    model_accepted: int = 0     # ... of which kept
 
     @property
     def rejected(self) -> int:
@@ -120,8 +123,10 @@ class SpecTelemetry:
         n_accepted: int,
         bonus: int,
         seconds: float,
+        by_model: bool = False,
     ) -> DraftRecord:
-        """A verify window: ``n_accepted`` of ``proposed`` kept, then ``bonus``.
+        """A verify window: ``n_accepted`` of ``proposed`` kept, then ``bonus``;
+        ``by_model``: drafted by the draft model (else by the n-gram proposer).
 
         Returns the record (the node turns it into a ``DraftVerified`` event).
         """
@@ -137,6 +142,10 @@ class SpecTelemetry:
                 c.verify_s += seconds
                 c.predicted_n += n_accepted + 1
                 c.predicted_s += seconds
+                if by_model:
+                    c.model_windows += 1
+                    c.model_proposed += len(proposed)
+                    c.model_accepted += n_accepted
             self._recent.append(rec)
         return rec
 
