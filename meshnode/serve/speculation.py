@@ -150,9 +150,9 @@ class SpeculativeDecoder:
             self.cost.observe(len(drafts), dt)
         self.gate.window_done(len(drafts), res.n_accepted)   # a plain step ends any run
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %s: %d draft(s), %d accepted, %.1f ms (state %s, window %s%s)", req.id,
-                      len(drafts), res.n_accepted, 1e3 * dt, self.policy.state.value,
-                      self.window.size, ", lookahead" if step.lookahead else "")
+            log.debug("step %s: %d draft(s)%s, %d accepted, %.1f ms (state %s, window %s%s)", req.id,
+                      len(drafts), " by the draft model" if step.by_model else "", res.n_accepted, 1e3 * dt,
+                      self.policy.state.value, self.window.size, ", lookahead" if step.lookahead else "")
         if drafts:
             self.policy.record_verify(len(drafts), res.n_accepted, dt)
             self.window.update(len(drafts), res.n_accepted)
