@@ -82,8 +82,8 @@ class OraclePipeline:
     async def close(self) -> None: ...
 
 
-def _spec(mode: str = "on") -> SpecConfig:
-    return SpecConfig("ngram", "ngram", mode, None, WindowPolicy(), "test")
+def _spec(mode: str = "on", window: WindowPolicy | None = None) -> SpecConfig:
+    return SpecConfig("ngram", "ngram", mode, None, window or WindowPolicy(), "test")
 
 
 async def _generate(server: ModelServer, max_tokens: int, temperature: float = 0.0):
@@ -250,7 +250,8 @@ def test_windows_on_a_gpu_route_never_straddle_a_kv_bucket():
 
     async def run(route):
         pipe = OraclePipeline(truth)
-        server = _server(pipe, _spec())
+        # windows of 8 (the route cuts them), not sized by this fake pipeline's timings
+        server = _server(pipe, _spec(window=WindowPolicy("fixed", 8, 8, 8)))
         server.follow_route(route)
         text, _ = await _generate(server, len(ANSWER))
         await server.scheduler.close()

@@ -47,3 +47,27 @@ def test_measured_cpu_curve_best_window():
         hop.observe(rows - 1, ms / 1000 + 0.020)
     k = hop.best_window(0.8, 1, 31)
     assert 3 <= k <= 15 and hop.speedup(k, 0.8) > 1.3
+
+
+def test_a_window_s_fixed_cost_is_not_charged_to_each_further_draft():
+    """Above the widest measured window the slope among verify windows extends the
+    curve, not the slope from a plain step: a window has fixed costs (the draft model's
+    catch-up call, the verify's bookkeeping). The numbers: an H200's plain step (14.2 ms)
+    and a draft model's window (~21 ms at about one draft); extending 6.8 ms per draft
+    would keep the window at one draft, never measured wider."""
+    c = CostModel(hop_s=0.0)
+    c.observe(0, 0.0142)
+    c.observe(1, 0.0210)
+    # one window size measured: the prior's per-draft cost through it, so a wider window
+    # looks worth a try at a good acceptance
+    assert c.seconds(2) == pytest.approx(0.0210 + c.prior(2) - c.prior(1))
+    assert c.best_window(0.78, 1, 3) >= 2
+    # measured wider: the verify windows' own slope (1 ms per draft here)
+    c.observe(2, 0.0220)
+    assert c.seconds(3) == pytest.approx(0.0230)
+    assert c.best_window(0.78, 1, 3) == 3
+    # below the smallest measured window, the fit over every measured one (as before)
+    d = CostModel()
+    d.observe(2, 0.030)
+    d.observe(8, 0.090)
+    assert d.seconds(0) == pytest.approx(0.010)

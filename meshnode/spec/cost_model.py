@@ -4,7 +4,8 @@ Theory of operation. With per-token acceptance ``a``, a window of ``k`` drafts y
 ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens (accepted prefix + bonus,
 :func:`expected_tokens`) and costs one pipeline step of ``k + 1`` rows.
 :class:`CostModel` learns ``seconds(k)`` for this route: an EWMA per window, interpolated
-between measured windows, seeded with a linear prior (the hop latency plus a plain step
+between measured windows, extended above the widest by the slope among verify windows (a
+plain step is not one of them: :meth:`CostModel.seconds`), seeded with a linear prior (the hop latency plus a plain step
 that grows by ``row_slope`` steps per extra row; ~0.45 was measured on CPU). Its
 ``best_window`` (the ``k`` maximising ``E(k) / seconds(k)``) caps the adaptive window
 (:mod:`meshnode.spec.window`), and its ``speedup`` is the auto policy's fallback gate
@@ -87,12 +88,11 @@ class CostModel:
         """Current EWMA per measured window (a copy)."""
         return dict(self._ewma)
 
-    def _slope(self) -> float:
-        """Least-squares seconds per extra draft over measured windows (>= 0)."""
-        xs = list(self._ewma)
+    def _slope(self, xs: list[int]) -> float:
+        """Least-squares seconds per extra draft over the measured windows ``xs`` (>= 0)."""
         n = len(xs)
         mx = sum(xs) / n
-        my = sum(self._ewma.values()) / n
+        my = sum(self._ewma[x] for x in xs) / n
         sxx = sum((x - mx) ** 2 for x in xs)
         sxy = sum((x - mx) * (self._ewma[x] - my) for x in xs)
         return max(0.0, sxy / sxx)
@@ -113,9 +113,17 @@ class CostModel:
         near = lower if lower is not None else upper
         if near is None:  # unreachable: obs is non-empty
             return self.prior(k)
-        if len(obs) >= 2:
-            est = obs[near] + self._slope() * (k - near)
-        else:  # one measurement: shift the prior's shape through it
+        # Above the widest measured window, extend the slope among verify windows only: a
+        # window costs more than its rows over a plain step (the draft model's catch-up
+        # call, the verify's bookkeeping), so the slope from a plain step to a one-draft
+        # window overstates each further draft, and a window capped by it may never
+        # grow to be measured. With one window size measured, the prior's per-draft
+        # cost: optimistic where rows are dear (a CPU), so the next size gets measured
+        # and corrects it.
+        xs = [x for x in obs if x >= 1] if lower is not None else list(obs)
+        if len(xs) >= 2:
+            est = obs[near] + self._slope(xs) * (k - near)
+        else:  # one measurement to go by: shift the prior's shape through it
             est = obs[near] + self.prior(k) - self.prior(near)
         return max(est, 1e-9)
 
