@@ -62,6 +62,23 @@ log = logging.getLogger(__name__)
 _REQUESTS = (wire.Claim, wire.Prepare, wire.Load, wire.Stop)
 _DATA = (wire.Forward, wire.Trim, wire.SessionEnd, wire.GrammarMask, wire.SessionCopy)
 PROGRESS_EVERY_S = 0.25
+# How long a Load waits for an authenticated link to the next stage's node. A node that
+# just joined (or came back) may be linked to the coordinator, which planned with it,
+# before it is to this node; a step forwarded before then would be dropped and the
+# request wait out its reply timeout. A Load that waits in vain fails with the reason, and
+# the coordinator plans again.
+LINK_WAIT_S = 15.0
+LINK_POLL_S = 0.05
+
+
+async def wait_for_peer(fabric: Fabric, node_id: str, within_s: float, poll_s: float = LINK_POLL_S) -> bool:
+    """Whether ``node_id`` is an authenticated peer, waiting up to ``within_s`` for it."""
+    deadline = time.monotonic() + within_s
+    while not any(p.node_id == node_id and p.authenticated for p in fabric.peers()):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +363,9 @@ class StageServerRuntime:
         t0 = time.perf_counter()
         host = None
         try:
+            if ev.downstream and not await wait_for_peer(self.fabric, ev.downstream, LINK_WAIT_S):
+                raise MeshnodeError(f"no link to {ev.downstream}, the next stage's node, "
+                                    f"within {LINK_WAIT_S:g} s")
             if self._slice is None or self._slice[0] != claim:
                 raise MeshnodeError("no prepared slice for this load")
             _, path, n_total = self._slice
