@@ -335,3 +335,33 @@ def test_a_session_whose_kv_is_missing_fails_alone_and_says_why():
     assert engine.calls == [(GOOD,)]
     assert isinstance(fwd, wire.Forward) and [s.session for s in fwd.segments] == [GOOD]
     np.testing.assert_array_equal(fwd.act, act[:2] + 1.0)      # GOOD's rows, computed
+
+
+def test_a_middle_stage_that_cannot_reach_the_next_fails_the_batch_at_once():
+    """Without a link to the next stage's node, a Forward would be dropped and stage 0
+    would wait out its reply timeout: the coordinator gets a DataError for the batch."""
+    from meshnode.mesh.fabric import PeerUnavailableError
+
+    class _Middle:
+        def forward(self, segs, rewind=False):
+            return [np.zeros((s.n_rows, N_EMBD), dtype=np.float32) for s in segs]
+
+        def next_pos(self, session):
+            return 1 << 30
+
+    class _NoLinkToNext(_Fabric):
+        async def send_data(self, node, msg, key) -> None:
+            if node == "next":
+                raise PeerUnavailableError("no authenticated link to peer next")
+            self.sent.append((node, msg))
+
+    async def main():
+        fabric = _NoLinkToNext()
+        host = StageHost(fabric, _Worker(_Middle()), StageRoute(coordinator="c", downstream="next"))
+        await host._forward(_window(7, 10, ()))
+        await host.close()
+        return fabric.sent
+
+    sent = asyncio.run(main())
+    assert [(node, type(m).__name__, m.batch_id) for node, m in sent] == [("c", "DataError", 7)]
+    assert "cannot reach the next stage's node next" in sent[0][1].message

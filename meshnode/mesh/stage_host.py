@@ -459,6 +459,11 @@ class StageHost:
             await self.fabric.send_data(node, msg, DATA_STREAM)
         except Exception as exc:  # noqa: BLE001
             log.warning("cannot send %s to %s: %s", type(msg).__name__, node, exc)
+            if isinstance(msg, wire.Forward) and node != self.route.coordinator:
+                # the batch would wait out its reply timeout at stage 0: fail it now, saying why
+                await self._send(self.route.coordinator, wire.DataError(
+                    ref=0, batch_id=msg.batch_id, session=WHOLE_BATCH, code=wire.ErrorCode.BUSY,
+                    message=f"cannot reach the next stage's node {node}: {exc}"))
 
 
 def _keep_segments(msg: wire.Forward, keep: list[wire.Segment]) -> wire.Forward:
