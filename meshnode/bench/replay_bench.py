@@ -172,10 +172,10 @@ def run(args: argparse.Namespace) -> int:
     draft = None
     draft_ms = args.draft_ms or 0.0
     if any(p in DRAFTING for p in args.proposers):
-        from meshnode.bench.spec_bench import _derived
+        from meshnode.bench.spec_bench import derived_model
         from meshnode.spec.draft import DraftModelProposer
 
-        draft = DraftModelProposer(_derived(ref, paths, "Q4_0", "draft"), n_ctx=n_ctx, n_batch=64,
+        draft = DraftModelProposer(derived_model(ref, paths, "Q4_0", "draft"), n_ctx=n_ctx, n_batch=64,
                                    n_threads=args.threads, stop_ids=tok.eog_ids)
         if args.draft_ms is None:
             print("  measuring the draft's step cost", file=sys.stderr, flush=True)
@@ -348,8 +348,10 @@ def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost,
                 used.update(len(proposal), n)
                 model.observe(len(proposal), seconds)
             else:
-                for m in {id(learned): learned, id(draft_learned): draft_learned}.values():
-                    m.observe(0, seconds)    # a plain step: what every window is weighed against
+                # a plain step: what every window is weighed against
+                learned.observe(0, seconds)
+                if draft_learned is not learned:
+                    draft_learned.observe(0, seconds)
             new = answer[i:i + n + 1]
             ngram.observe(new)
             if draft is not None:

@@ -250,7 +250,7 @@ def _differences(raw: dict, strategies: list[str]) -> list[str]:
 # ---- the run ------------------------------------------------------------------------
 
 
-def _derived(ref, paths, quant: str, role: str, n_layers: int | None = None):
+def derived_model(ref, paths, quant: str, role: str, n_layers: int | None = None):
     """``ref``'s model requantized to ``quant`` (made once into the cache), cut to its
     first ``n_layers`` blocks plus head when given (also once), vocab checked."""
     from meshnode.spec.derive import requantize, truncate_layers
@@ -341,9 +341,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"meshnode bench spec: --draft-layers {args.draft_layers}: {ref.name} has "
               f"{ref.n_layers} layers; a truncated draft keeps fewer", file=sys.stderr)
         return 2
-    draft_path = (_derived(ref, paths, args.draft_quant, "draft", args.draft_layers)
+    draft_path = (derived_model(ref, paths, args.draft_quant, "draft", args.draft_layers)
                   if "draft" in strategies else None)
-    target = _derived(ref, paths, args.target_quant, "target") if args.target_quant else ref.path
+    target = derived_model(ref, paths, args.target_quant, "target") if args.target_quant else ref.path
     place = ("network namespaces on a bridge (own addresses, 1500-byte MTU)" if args.netns
              else "loopback")
     latency = (f"latency: emulated by a delaying UDP relay, {args.delay_ms:g} ms each way "
