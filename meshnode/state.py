@@ -180,6 +180,11 @@ class SpecStats:
     verify_ms: float        # mean time of a verify pass
     lookahead: int = 0      # lookahead windows sent behind a verify (meshnode.spec.lookahead)
     lookahead_used: int = 0  # ... whose guess held (they became the next window)
+    # what the window is sized by (meshnode.spec.window): the route's learned seconds of a
+    # step per window, as (drafts, ms) pairs (0 = a plain step), and the running per-token
+    # acceptance estimate
+    step_ms: tuple[tuple[int, float], ...] = ()
+    acceptance_estimate: float = 0.0
 
     @property
     def acceptance(self) -> float:

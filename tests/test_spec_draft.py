@@ -282,3 +282,44 @@ def test_a_lazy_reset_prefills_at_the_first_proposal(synthetic_gguf):
         assert lazy.stats.rows == 0 and lazy.stats.calls == 0
         assert lazy.propose([], 4) == want
         assert lazy.stats.rows == 72 + 3        # context caught up in one go, then 3 drafts
+
+
+@pytest.mark.slow
+def test_a_padding_engine_drafts_in_calls_of_one_shape(synthetic_gguf):
+    """On a GPU engine (pad 2 here, on the CPU) every call of drafting (catch-ups of up to
+    UNIFORM_CATCHUP_ROWS rows, one-row steps) has the shape of a padded one-row step, so
+    llama.cpp keeps replaying one CUDA graph; the drafts are those of an unpadded draft."""
+    from meshnode.spec.draft import UNIFORM_CATCHUP_ROWS
+
+    path = synthetic_gguf(n_layer=2, vocab=320, weight_scale=0.5, seed=5)
+    padded = StageEngine(EngineConfig(path, n_ctx=512, n_batch=N_BATCH, n_seq_max=1, n_threads=1, pad_rows=2))
+    calls: list[tuple[int, int]] = []
+    forward = padded.forward
+
+    def spy(segs, **kw):
+        calls.extend((s.n_rows, s.n_logits) for s in segs)
+        return forward(segs, **kw)
+
+    padded.forward = spy
+    rng = random.Random(4)
+    with DraftModelProposer(padded, owns_engine=True) as a, DraftModelProposer(_engine(path), owns_engine=True) as b:
+        prompt = list(range(3, 60))
+        a.reset(prompt)
+        b.reset(prompt)
+        calls.clear()   # the prompt is one long call, as on any engine
+        for _ in range(12):
+            k = rng.randint(1, 4)
+            da, db = a.propose([], k), b.propose([], k)
+            assert da == db
+            m = rng.randint(0, k)
+            tail = [*da[:m], rng.randrange(320)] + [rng.randrange(320) for _ in range(rng.randint(0, 5))]
+            a.accept(tail)
+            b.accept(tail)
+        assert calls and all(rows <= 2 and logits == rows for rows, logits in calls), calls
+        # a long catch-up is one call again
+        long_tail = [rng.randrange(320) for _ in range(UNIFORM_CATCHUP_ROWS + 1)]
+        a.accept(long_tail)
+        b.accept(long_tail)
+        calls.clear()
+        assert a.propose([], 1) == b.propose([], 1)
+        assert len(calls) == 1 and calls[0][0] > UNIFORM_CATCHUP_ROWS and calls[0][1] == 1, calls

@@ -105,6 +105,13 @@ def test_ngram_on_equals_plain_greedy(split, reference):
     used = sum(t["draft_lookahead_used"] for _, t in out)
     assert sent >= 1 and 0 <= used <= sent, (sent, used)
     assert all(t["draft_model_windows"] == 0 for _, t in out)     # no draft model here
+    # /status shows what the windows were sized by: the learned cost of a plain step and
+    # of the windows it ran, and the acceptance estimate
+    spec = split.coord.status()["spec"][0]
+    learned = dict(spec["step_ms"])
+    assert 0 in learned and any(k >= 1 for k in learned), learned
+    assert all(ms > 0 for ms in learned.values()), learned
+    assert 0 < spec["acceptance_estimate"] < 1, spec
 
 
 def test_draft_model_equals_plain_greedy(split, reference):

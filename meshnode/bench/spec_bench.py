@@ -311,6 +311,18 @@ def _start_split(stack: contextlib.ExitStack, strategy: str, target, draft_path,
     return coord.base_url, model, relay, coord
 
 
+def _learned_costs(coord) -> str:
+    """What the coordinator sized its windows by at the end of the run (``/status``): the
+    learned milliseconds of a step per window and the acceptance estimate."""
+    try:
+        spec = coord.get("/status")["spec"][0]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        return f"learned step cost: not read ({exc})"
+    costs = ", ".join(f"{k}: {ms:.1f}" for k, ms in spec.get("step_ms", ()))
+    return (f"learned ms per step by drafts {{{costs}}}, acceptance estimate "
+            f"{spec.get('acceptance_estimate', 0):.2f}")
+
+
 def run(args: argparse.Namespace) -> int:
     from meshnode.bench import prompt_sets
     from meshnode.bench.serve_bench import _rotated
@@ -383,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
                             base, model, prompt.chat(), max_tokens, f"r{rnd}-{prompt.client}", coord.inside))
             print(f"  round {rnd + 1}/{rounds}: {time.perf_counter() - t0:.0f} s",
                   file=sys.stderr, flush=True)
+        learned = {s: _learned_costs(splits[s][3]) for s in strategies if s != "baseline"}
         up = sum(relay.relay.counters.datagrams_up for _, _, relay, _ in splits.values())
         down = sum(relay.relay.counters.datagrams_down for _, _, relay, _ in splits.values())
     print(f"relays forwarded {up} datagrams up, {down} down", file=sys.stderr)
@@ -433,6 +446,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{w:<11} draft: {mw} windows from the draft model ({r['model_drafts'] / mw if mw else 0:.2f} "
                   f"drafts each, acceptance {r['model_accepted'] / r['model_drafts'] if r['model_drafts'] else 0:.2f}), "
                   f"{nw} from n-gram ({nd / nw if nw else 0:.2f} drafts each, acceptance {na / nd if nd else 0:.2f})")
+    for s, line in learned.items():
+        print(f"{s:<11} {line}")
     if "baseline" in strategies and len(strategies) > 1:
         print("by kind: wall-clock speedup against baseline (acceptance)")
         for w in WORKLOADS:

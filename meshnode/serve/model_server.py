@@ -749,7 +749,7 @@ class ModelServer:
         return tuple(r.info for r in self._active.values()) + tuple(self._recent)
 
     def spec_stats(self):
-        return (self._decoder.telemetry.snapshot(),)
+        return (self._decoder.stats(),)
 
     def recent_drafts(self):
         return self._decoder.telemetry.recent()

@@ -31,6 +31,7 @@ first"), so on a split that work overlaps the next step's trip through the stage
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -51,7 +52,7 @@ from meshnode.spec.policy import AutoPolicy
 from meshnode.spec.stats import SpecTelemetry
 from meshnode.spec.strategy import Proposer, RouteWindows, SpecConfig
 from meshnode.spec.window import StageCompute, WindowController, WindowPolicy, make_window
-from meshnode.state import DraftVerified
+from meshnode.state import DraftVerified, SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,14 @@ class SpeculativeDecoder:
             drafts = [int(t) for t in drafts[:k]]
             self.telemetry.set_window(k)
         return self._send(req, pos, last, drafts, t0=t0, by_model=by_model)
+
+    def stats(self) -> SpecStats:
+        """The model's speculation counters, with what sizes its windows: the learned
+        step cost per window and the acceptance estimate."""
+        return dataclasses.replace(
+            self.telemetry.snapshot(),
+            step_ms=tuple((k, round(1e3 * s, 3)) for k, s in sorted(self.cost.observed.items())),
+            acceptance_estimate=round(self.window.acceptance, 4))
 
     def remember(self, req: ActiveRequest) -> None:
         """A request finished: its text (prompt + generated) becomes draftable for the

@@ -13,13 +13,15 @@ The proposer keeps:
   bonus, fed through :meth:`DraftModelProposer.accept`);
 * ``kv`` -- the tokens whose keys/values sit in the draft's cache, positions 0..n-1;
 * ``pred[i]`` -- the draft's argmax after ``kv[:i+1]``, where those logits were read
-  (the last row of every decode call; prefill rows before it have none).
+  (the last row of every decode call, every row of a GPU catch-up; prefill rows before
+  the last have none).
 
 :meth:`~DraftModelProposer.reset` prefills the prompt in chunks of ``n_batch`` rows
 (logits for the last row only). :meth:`~DraftModelProposer.propose` first *syncs*: it
 rolls the cache back to the longest common prefix of ``kv`` and ``context`` and feeds
 only the context tokens after it, in one call, asking for the logits of the last row
-only. Then ``d1 = pred[len(context) - 1]`` costs nothing, and each further draft is one
+only (on a GPU engine a short catch-up goes in calls shaped like its padded one-row steps,
+so llama.cpp keeps replaying one CUDA graph: :data:`UNIFORM_CATCHUP_ROWS`). Then ``d1 = pred[len(context) - 1]`` costs nothing, and each further draft is one
 single-row decode of the previous draft -- or nothing, when an earlier proposal already
 cached it (cached drafts beyond the context are kept until the context contradicts
 them). The last draft is never decoded: if it is accepted the next sync feeds it
@@ -253,22 +255,38 @@ class DraftModelProposer:
             del self._pred[n:]
 
     def _feed(self, pos: int, tokens: Sequence[int]) -> None:
-        """Decode ``tokens`` at ``pos`` in chunks of n_batch; logits of the last row only."""
-        step = self.engine.n_batch
+        """Decode ``tokens`` at ``pos`` in chunks of n_batch, logits of the last row only;
+        on a padding (GPU) engine a short catch-up in calls shaped like its padded one-row
+        steps instead (:data:`UNIFORM_CATCHUP_ROWS`)."""
         arr = np.asarray(tokens, dtype=np.int32)
         n = len(arr)
+        pad = self.engine.pad_rows
+        uniform = pad > 1 and n <= UNIFORM_CATCHUP_ROWS
+        step = pad if uniform else self.engine.n_batch
         for start in range(0, n, step):
             chunk = arr[start:start + step]
             last = start + step >= n
-            seg = Segment(self.session, pos + start, tokens=chunk, n_logits=1 if last else 0)
+            n_logits = len(chunk) if uniform else 1 if last else 0
+            seg = Segment(self.session, pos + start, tokens=chunk, n_logits=n_logits)
             out = self.engine.forward([seg], rewind=True)  # on error the engine changed nothing
             self._kv.extend(int(t) for t in chunk)
             self._pred.extend([None] * len(chunk))
             self._rows += len(chunk)
             self._calls += 1
-            if last:
-                self._logit_rows += 1
-                self._pred[-1] = int(np.argmax(out[0][-1]))
+            self._logit_rows += n_logits
+            for i, row in enumerate(out[0][:n_logits]):   # the argmax after each of the last rows
+                self._pred[len(self._pred) - n_logits + i] = int(np.argmax(row))
+
+
+# On a GPU llama.cpp replays a captured CUDA graph while consecutive calls have the same
+# shape (rows, rows with logits) and captures a new one when it changes: SmolLM2's shape on
+# an H200 took 1.5 ms a call in a run of one shape and 4.4-6 ms a call when a draft's
+# pattern (a 2-row catch-up with one logits row, then one-row steps) alternated shapes,
+# about what it takes with graphs off (packaging/gpu/step_probe.py). A GPU engine pads a
+# one-row step to its pad width with logits for every row, so a catch-up of up to this
+# many rows goes in calls of that shape too (each row's logits asked); a longer one (a
+# prompt, a long run of n-gram windows) in one call of up to n_batch rows.
+UNIFORM_CATCHUP_ROWS = 8
 
 
 # ---- vocabulary check -------------------------------------------------------------------

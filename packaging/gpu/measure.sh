@@ -343,9 +343,9 @@ fi
 # Carried and chained like part 20.
 if [ "$PART" = 21 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
-  step 420 "bench spec SmolLM2 held-out, 2 stages on GPU 0, 5 ms each way, pad 2, draft model, --busy-poll" \
+  step 400 "bench spec SmolLM2 held-out, 2 stages on GPU 0, 5 ms each way, pad 2, draft model, --busy-poll" \
     env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" --set heldout --tokens 96 \
-    --rounds 2 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
+    --rounds ${MEASURE_ROUNDS:-2} --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
   step 150 "bench spec SmolLM2 held-out (quick), 2 stages on GPU 0, 5 ms each way, pad 8, draft model, --busy-poll" \
     env MESHNODE_GPU_PAD_ROWS=8 CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
     --set heldout --quick --strategies baseline,draft --gpu-layers all --busy-poll --json
@@ -372,17 +372,17 @@ fi
 # (/tmp/smol, carried like part 20).
 if [ "$PART" = 23 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
-  [ -f "$M/tiny.gguf" ] || step 60 "write tiny" "$PY" "$KIT/mkmodels.py" tiny "$M/tiny.gguf"
-  step 60 "batch groupings against alone, tiny" "$PY" "$(dirname "$0")/batch_probe.py" "$M/tiny.gguf"
-  step 60 "batch groupings against alone, SmolLM2" "$PY" "$(dirname "$0")/batch_probe.py" "$SMOL"
-  step 200 "concurrent requests against alone, one GPU node" \
-    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all
-  step 250 "concurrent requests against alone, 2 stages on one GPU" \
+  # the split first (what was last seen to differ), then which of its stages changes an
+  # answer: only stage 0 on the GPU, then only stage 1
+  step 200 "concurrent requests against alone, 2 stages on one GPU" \
     "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
-  # which stage of a split changes an answer: only stage 0 on the GPU, then only stage 1
-  step 250 "concurrent requests against alone, 2 stages, stage 1 on CPU" \
+  step 150 "concurrent requests against alone, 2 stages, stage 1 on CPU" \
     "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --peer-gpu-layers 0 --stages 2
-  step 250 "concurrent requests against alone, 2 stages, stage 0 on CPU" \
+  step 150 "concurrent requests against alone, 2 stages, stage 0 on CPU" \
     "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers 0 --peer-gpu-layers all --stages 2
+  step 100 "concurrent requests against alone, one GPU node" \
+    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all
+  [ -f "$M/tiny.gguf" ] || step 60 "write tiny" "$PY" "$KIT/mkmodels.py" tiny "$M/tiny.gguf"
+  step 60 "batch groupings against alone, SmolLM2" "$PY" "$(dirname "$0")/batch_probe.py" "$SMOL"
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"

@@ -9,7 +9,6 @@ are read by llama.cpp at start). One JSON line per engine and pad width.
     python packaging/gpu/split_timing.py MODEL.gguf [LABEL] [PADS]
 """
 import json
-import os
 import sys
 import time
 from pathlib import Path
