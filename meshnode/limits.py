@@ -56,6 +56,28 @@ def gpu_pad_rows() -> int:
     return GPU_PAD_ROWS
 
 
+# How many calls a GPU stage keeps padding its small calls to the widest exact width
+# (gpu_exact_window_rows: 4 rows at pad 2) after a verify window wider than its pad width
+# (StageEngine._width); 0, the default, never. llama.cpp replays a captured CUDA graph while
+# consecutive calls keep one shape and runs calls without one when the shape changes (then
+# captures again): with SmolLM2's shape on an H200 a call in a run of one shape took 1.5 ms,
+# a call after a change 4.4-6 ms, and padding to 4 rows cost 0.3 ms a call
+# (packaging/gpu/step_probe.py), so a speculating route of a small model gains by staying 4
+# rows wide while windows come. On the 8B shape padding to 4 costs 1.3 ms a step and a call
+# without its graph ~1.1 ms, so there it would lose: hence off unless a node sets
+# $MESHNODE_GPU_STICKY_CALLS (a number of calls) for its engines; not yet measured end to end.
+GPU_STICKY_CALLS = 0
+GPU_STICKY_CALLS_ENV = "MESHNODE_GPU_STICKY_CALLS"
+
+
+def gpu_sticky_calls() -> int:
+    """$MESHNODE_GPU_STICKY_CALLS when it is a number (0 = off), else GPU_STICKY_CALLS."""
+    import os
+
+    raw = os.environ.get(GPU_STICKY_CALLS_ENV, "").strip()
+    return int(raw) if raw.isdigit() else GPU_STICKY_CALLS
+
+
 # llama.cpp attends, in every call, the KV cells of a sequence up to the last one in use
 # rounded up to a multiple of KV_BUCKET (its n_kv, llama_kv_cache::get_n_kv, the current
 # call's cells included). On CPU that length changes nothing (flash attention skips masked

@@ -158,3 +158,45 @@ def test_alone_alike_groups_pair_short_segments_of_one_bucket():
     two_one = Segment(5, 5, tokens=np.zeros(2, np.int32), n_logits=1)
     two_none = Segment(6, 6, tokens=np.zeros(2, np.int32), n_logits=0)
     assert _alone_alike_groups([seg(0), two_one, two_none], 2, 1024, 64) == [[0, 2], [1]]
+
+
+def test_a_padding_engine_keeps_one_call_shape_while_windows_come(smollm2, monkeypatch):
+    """A GPU engine (pad 2) with $MESHNODE_GPU_STICKY_CALLS set runs its small calls 4 rows
+    wide for that many calls after a window of 3-4 rows (one shape: llama.cpp keeps replaying its CUDA graph), not
+    where those rows would end in another KV bucket than a 2-row step's; every result is
+    the row an unpadded engine computes, positions advance by the real rows only."""
+    monkeypatch.setenv("MESHNODE_GPU_STICKY_CALLS", "3")
+    path = smollm2.path   # (a q8_0 KV cache: rows are batch-invariant on the CPU)
+    rng = np.random.default_rng(1)
+    stream = rng.integers(3, 2000, size=300, dtype=np.int32)
+    cfg = dict(n_ctx=512, n_seq_max=1, n_threads=1, n_batch=64)
+    # (position, rows) of each call after a 240-token prompt; windows rewind to their start
+    plan = [(240, 1), (241, 3), (242, 1), (243, 1), (244, 2), (246, 1), (247, 1), (248, 1),
+            (249, 4), (253, 1), (254, 1), (255, 1), (256, 1)]
+
+    def run(pad: int) -> tuple[list[np.ndarray], list[int]]:
+        calls: list[int] = []
+        with StageEngine(EngineConfig(path, pad_rows=pad, **cfg)) as eng:
+            for a in range(0, 240, 64):
+                eng.forward([Segment(0, a, tokens=stream[a:min(240, a + 64)], n_logits=0)])
+            real = eng._forward
+            eng._forward = lambda part: calls.append(sum(x.n_rows for x in part)) or real(part)
+            outs = []
+            for pos, n in plan:
+                outs.append(eng.forward([Segment(0, pos, tokens=stream[pos:pos + n], n_logits=n)],
+                                        rewind=True)[0])
+                assert eng.next_pos(0) == pos + n
+        return outs, calls
+
+    padded, calls = run(2)
+    plain, _ = run(1)
+    # 2 rows until the 3-row window, then 4 for the three calls after it; the 4-row window
+    # renews it, but at 253 and 254 a 4-row call would end past cell 256 where a 2-row
+    # step's does not (2 rows), at 255 both end in the next bucket (4 rows)
+    assert calls == [2, 4, 4, 4, 4, 2, 2, 2, 4, 2, 2, 4, 2], calls
+    for a, b in zip(padded, plain):
+        assert np.array_equal(a, b)
+
+    monkeypatch.setenv("MESHNODE_GPU_STICKY_CALLS", "0")   # off: each call at its own width
+    _, calls = run(2)
+    assert calls == [2, 3, 2, 2, 2, 2, 2, 2, 4, 2, 2, 2, 2], calls

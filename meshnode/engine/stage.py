@@ -45,7 +45,15 @@ from .errors import (
     ModelLoadError,
 )
 from meshnode import timeline
-from meshnode.limits import DEFAULT_KV_TYPE, KV_BUCKET, KV_CACHE_TYPES, MAX_VERIFY_WINDOW, gpu_pad_rows
+from meshnode.limits import (
+    DEFAULT_KV_TYPE,
+    KV_BUCKET,
+    KV_CACHE_TYPES,
+    MAX_VERIFY_WINDOW,
+    gpu_exact_window_rows,
+    gpu_pad_rows,
+    gpu_sticky_calls,
+)
 
 from . import offload
 from .ggml import LayerTap
@@ -253,6 +261,9 @@ class StageEngine:
             self.close()
             raise EngineInputError(f"pad_rows must be an integer in [1, {MAX_VERIFY_WINDOW}], got {pad!r}")
         self.pad_rows = pad
+        # small calls run this wide for the next _wide_left calls (_width)
+        self._sticky_calls = gpu_sticky_calls() if pad > 1 else 0
+        self._wide_left = 0
         if self._tap is not None:
             cparams.cb_eval = self._tap.c_callback
             cparams.cb_eval_user_data = self._tap.user_data
@@ -507,13 +518,31 @@ class StageEngine:
                     self.rollback(s.session, s.pos)
         if self.pad_rows > 1 and len(segs) > 1:
             return self._forward_alone_alike(segs)
-        if len(segs) == 1 and self._pads(segs[0]):
-            return self._padded(segs)
+        if len(segs) == 1 and self.pad_rows > 1:
+            width = self._width(segs[0])
+            if width > segs[0].n_rows:
+                return self._padded(segs, rows=width)
         return self._forward(segs)
 
     def _pads(self, s: Segment, rows: int | None = None) -> bool:
         rows = rows or self.pad_rows
         return s.n_rows < rows <= self.n_batch and s.pos + rows <= self.n_ctx
+
+    def _width(self, s: Segment) -> int:
+        """The rows a GPU engine runs ``s`` as when it runs alone: at least its pad width;
+        the widest exact width (4 rows at pad 2) while verify windows wider than the pad
+        width keep coming (limits.GPU_STICKY_CALLS: one call shape, one CUDA graph), where
+        those cells end in the KV bucket of the segment's padded one-row step (so every row
+        attends what it would in a one-row step: limits.gpu_bucket_drafts)."""
+        n, width = s.n_rows, max(s.n_rows, self.pad_rows)
+        top = gpu_exact_window_rows(self.pad_rows)
+        if self._sticky_calls and n <= top:
+            wide = n > self.pad_rows or self._wide_left > 0
+            self._wide_left = self._sticky_calls if n > self.pad_rows else max(0, self._wide_left - 1)
+            if (wide and self._pads(s, top)
+                    and -(-(s.pos + top) // KV_BUCKET) == -(-(s.pos + self.pad_rows) // KV_BUCKET)):
+                width = top
+        return width if self._pads(s, width) else n
 
     def _padded(self, segs: Sequence[Segment], rows: int | None = None) -> list[np.ndarray]:
         """``segs`` (each of fewer than ``rows``, default ``pad_rows``, rows) run as the
@@ -547,8 +576,8 @@ class StageEngine:
                 part = [segs[i] for i in group]
                 if len(part) == 2:
                     got = self._padded(part, rows=2)
-                elif self._pads(part[0]):
-                    got = self._padded(part)
+                elif (width := self._width(part[0])) > part[0].n_rows:
+                    got = self._padded(part, rows=width)
                 else:
                     got = self._forward(part)
                 for i, out in zip(group, got):
