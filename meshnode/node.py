@@ -336,7 +336,8 @@ class Node:
             caps = await asyncio.to_thread(node_capabilities, self.paths, max_memory=self.max_memory,
                                            share=self.share.enabled,
                                            fetch_bytes_per_s=self.share.fetch_bytes_per_s,
-                                           parked_bytes=self.stage_server.shelf.held_bytes())
+                                           parked_bytes=self.stage_server.shelf.held_bytes(),
+                                           parked_vram=self.stage_server.shelf.held_vram())
             await self.fabric.set_capabilities(caps)
             await asyncio.to_thread(warm_headers, self.paths)   # for a coordinator's Prepare
         except Exception:  # noqa: BLE001 - stale capabilities are better than a dead node

@@ -160,3 +160,47 @@ def test_a_node_advertises_its_parked_engines_memory_as_free(tmp_path, monkeypat
     assert parked["free_ram"] == (4 << 30) + (256 << 20)
     capped = runtime.node_capabilities(paths, models=[], parked_bytes=1 << 40, max_memory=1 << 30)
     assert capped["free_ram"] == 1 << 30     # --max-memory still caps it
+
+
+def test_a_parked_gpu_engine_gives_back_the_vram_its_load_took(loads, monkeypatch):
+    """On a GPU the device memory a load took (free VRAM before against after) comes back
+    to the node's free VRAM while the engine is parked, across owners; a CPU engine's
+    load is not measured."""
+    import dataclasses
+
+    import meshnode.engine.shelf as shelf_mod
+
+    free = iter([10 << 30, 7 << 30])            # before and after the GPU engine's load
+    monkeypatch.setattr(shelf_mod, "_free_vram", lambda: next(free))
+    gpu = dataclasses.replace(A, gpu_layers=99)
+
+    async def go():
+        shelf = EngineShelf()
+        w = await shelf.load(gpu, "s", held_bytes=100)
+        assert w.held_vram == 3 << 30 and shelf.held_vram() == 0   # in use: not free
+        await w.close()
+        assert shelf.held_vram() == 3 << 30 and shelf.held_bytes() == 100
+        w2 = await shelf.load(gpu, "s")            # taken back, parked again: still known
+        assert shelf.held_vram() == 0
+        await w2.close()
+        assert shelf.held_vram() == 3 << 30
+        cpu = await shelf.load(B, "s")             # another config: the GPU engine closes
+        assert shelf.held_vram() == 0 and cpu.held_vram == 0
+        await shelf.close()
+
+    asyncio.run(go())
+
+
+def test_a_node_advertises_its_parked_engines_vram_as_free_only_with_a_gpu(tmp_path, monkeypatch):
+    import dataclasses
+
+    import meshnode.mesh.runtime as runtime
+    from meshnode.paths import NodePaths
+
+    paths = NodePaths.resolve(tmp_path / "home").ensure()
+    real = runtime.local_capabilities
+    for backend, vram, want in (("cuda", 8 << 30, (8 << 30) + (512 << 20)), ("cpu", 0, 0)):
+        monkeypatch.setattr(runtime, "local_capabilities", lambda held=(), b=backend, v=vram:
+                            dataclasses.replace(real(held), backend=b, free_vram_bytes=v))
+        caps = runtime.node_capabilities(paths, models=[], parked_vram=(512 << 20) + 7)
+        assert caps["free_vram"] == want, (backend, caps["free_vram"])

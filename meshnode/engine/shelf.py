@@ -14,8 +14,9 @@ under its :class:`EngineConfig` for ``keep_s`` seconds. A load with an equal con
 it back at once (a new :class:`EngineWorker`: the old owner's worker refuses every call
 from then on); a load of anything else first closes every parked engine, so parking never
 adds to the memory a node needs at its peak. So the parked engines' memory
-(:meth:`held_bytes`) counts as free wherever a node weighs its memory: what a Load may ask
-of a stage server, a coordinator's own capacity, the free RAM a node advertises to its
+(:meth:`held_bytes`, and on a GPU :meth:`held_vram`, the device memory the engine's load
+took) counts as free wherever a node weighs its memory: what a Load may ask of a stage
+server, a coordinator's own capacity, the free RAM and VRAM a node advertises to its
 peers. That memory is freed before anything else loads, or reused as it is.
 
 Results do not change: a stage's results never depend on the sessions it served before
@@ -44,7 +45,15 @@ KEEP_S = 30.0   # a re-plan loads within ~1 s; a spare fetching a slice takes lo
 class _Parked:
     worker: EngineWorker
     held_bytes: int
+    held_vram: int
     timer: asyncio.TimerHandle | None
+
+
+def _free_vram() -> int:
+    """Free device memory now, summed over the GPUs (0 without one)."""
+    from .offload import gpu_devices
+
+    return sum(d.free_bytes for d in gpu_devices())
 
 
 class EngineShelf:
@@ -62,6 +71,10 @@ class EngineShelf:
     def held_bytes(self) -> int:
         """The memory the parked engines hold, as estimated when each was loaded."""
         return sum(p.held_bytes for p in self._parked.values())
+
+    def held_vram(self) -> int:
+        """The device memory the parked engines hold, as their loads took it."""
+        return sum(p.held_vram for p in self._parked.values())
 
     def holds(self, config: EngineConfig) -> bool:
         return config in self._parked
@@ -81,7 +94,12 @@ class EngineShelf:
             worker = parked.worker.handover(name)
         else:
             await self.clear()
+            # what the load takes of the GPUs (weights, KV, buffers), measured: the shelf
+            # gives it back to the node's free VRAM while the engine is parked
+            before = _free_vram() if config.gpu_layers else 0
             worker = await EngineWorker.load(config, name)
+            if config.gpu_layers:
+                worker.held_vram = max(0, before - _free_vram())
         worker.shelf, worker.held_bytes = self, held_bytes
         return worker
 
@@ -114,7 +132,7 @@ class EngineShelf:
         old = self._parked.pop(config, None)
         if old is not None:
             self._close_soon(old)
-        parked = _Parked(worker.handover(worker.name), worker.held_bytes, None)
+        parked = _Parked(worker.handover(worker.name), worker.held_bytes, worker.held_vram, None)
         parked.timer = asyncio.get_running_loop().call_later(self.keep_s, self._expire, config, parked)
         self._parked[config] = parked
 

@@ -79,6 +79,7 @@ class EngineWorker:
         self.released = False                   # handed to another owner: every call refused
         self.shelf = None                       # the EngineShelf that loaded it: close() parks it there
         self.held_bytes = 0                     # its memory estimate, for the shelf
+        self.held_vram = 0                      # the device memory its load took, for the shelf
         self._closing = False
 
     @classmethod
@@ -93,6 +94,7 @@ class EngineWorker:
         self._check_owned()
         other = EngineWorker(self.engine, name, inline_max_s=self.inline_max_s)
         other._step_s = dict(self._step_s)
+        other.held_vram = self.held_vram
         self.released = True
         return other
 

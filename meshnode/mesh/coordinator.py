@@ -414,7 +414,7 @@ class CoordinatorRuntime:
         # (a parked engine's memory is free to the plan: reused as it is, or freed first)
         cands = [Candidate(self.fabric.node_id, self.fabric.name, me.free_ram_bytes + self.shelf.held_bytes(),
                            budget=options.max_memory, speed=me.speed or None, is_coordinator=True,
-                           free_vram=me.free_vram_bytes if self.gpu_layers != 0 else 0)]
+                           free_vram=me.free_vram_bytes + self.shelf.held_vram() if self.gpu_layers != 0 else 0)]
         skipped = []
         peers = [p for p in self.fabric.peers() if p.node_id not in exclude]
         # a peer that lacks the model fetches its layers from one that shares it (this node too)
