@@ -93,7 +93,8 @@ def make_snapshot() -> NodeSnapshot:
         RequestInfo("req-0003", MODEL, RequestStatus.CANCELLED, 33, 12, 44.1, 150.2, T0 + 20.0, T0 + 21.0, "draft"),
     )
     spec = (
-        SpecStats("ngram", SpecState.ENABLED, 1840, 1214, 310, 6, 31.4, 96, 71),
+        SpecStats("ngram", SpecState.ENABLED, 1840, 1214, 310, 6, 31.4, 96, 71,
+                  step_ms=((0, 15.2), (1, 16.8), (2, 19.7), (3, 19.5)), acceptance_estimate=0.81),
         SpecStats("draft", SpecState.COLD, 96, 40, 24, 4, 22.9),
     )
     models = (

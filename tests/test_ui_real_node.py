@@ -184,6 +184,12 @@ async def test_real_node_screens_show_what_the_node_reports(tmp_path: Path, mode
             fmt_ms(spec.verify_ms) if spec.windows else "-",
             fmt_ahead(spec.lookahead_used, spec.lookahead),
         ]
+        # under the table, what sized the windows: the learned step costs, the estimate
+        costs = spec_screen.query_one("#spec-costs")
+        await wait_for(pilot, lambda: "step cost" in str(costs.render()), 5, "step costs")
+        [spec] = node.snapshot().spec
+        assert spec.step_ms and spec.step_ms[0][0] == 0, spec.step_ms   # plain steps were measured
+        assert str(costs.render()).startswith(f"ngram step cost by drafts: plain {spec.step_ms[0][1]:.1f}")
         # every verified window arrived as a DraftVerified event and is drawn
         assert app.feed.drafts.total == spec.windows
         drafts = spec_screen.query_one("#drafts", RichLog)

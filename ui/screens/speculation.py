@@ -11,7 +11,7 @@ from textual.widgets import DataTable, Label, RichLog
 
 from meshnode.state import NodeSnapshot, SpecState
 from ui.feed import EventFeed
-from ui.format import fmt_ahead, fmt_ms, render_draft
+from ui.format import fmt_ahead, fmt_ms, fmt_step_costs, render_draft
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
 from ui.widgets import MetricRow
@@ -34,6 +34,8 @@ class SpeculationScreen(NodeScreen):
     def compose_body(self) -> ComposeResult:
         with Vertical(id="spec-body"):
             yield DataTable(id="spec-stats", cursor_type="none")
+            # what sizes the windows: the learned step cost per window, the acceptance estimate
+            yield Label("", id="spec-costs")
             yield Label("Acceptance per window (recent)", classes="section")
             yield Vertical(id="acceptance")
             yield Label("Drafts  ✓ accepted  ✗ rejected  → bonus", classes="section")
@@ -65,6 +67,10 @@ class SpeculationScreen(NodeScreen):
             for s in snap.spec
         ]
         fill_table(self.query_one("#spec-stats", DataTable), rows)
+        self.query_one("#spec-costs", Label).update("\n".join(
+            f"{s.strategy} step cost by drafts: {fmt_step_costs(s.step_ms)}; "
+            f"acceptance estimate {100 * s.acceptance_estimate:.0f}%"
+            for s in snap.spec if s.step_ms))
 
     def show_feed(self, feed: EventFeed) -> None:
         box = self.query_one("#acceptance", Vertical)
