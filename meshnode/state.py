@@ -16,6 +16,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
+def format_step_costs(step_ms) -> str:
+    """A route's learned step cost per window (``SpecStats.step_ms``: ``(drafts, ms)``
+    pairs, or ``[drafts, ms]`` lists from ``/status``) as 'plain 15.2, 1: 16.8, 3: 19.5 ms'
+    ('-' before any step was measured). The TUI and ``meshnode status`` show it."""
+    parts = [f"plain {ms:.1f}" if k == 0 else f"{k}: {ms:.1f}" for k, ms in step_ms]
+    return ", ".join(parts) + " ms" if parts else "-"
+
+
 def printable(text: object, limit: int = 200) -> str:
     """``text`` safe to print on a terminal: control characters (ESC sequences that retitle
     the window, move the cursor or rewrite the screen, BEL, CR, and the C1 and bidi

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nodeproc import TwoStageSplit
+from tests.nodeproc import TwoStageSplit, meshnode_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.net]
 
@@ -112,6 +112,9 @@ def test_ngram_on_equals_plain_greedy(split, reference):
     assert 0 in learned and any(k >= 1 for k in learned), learned
     assert all(ms > 0 for ms in learned.values()), learned
     assert 0 < spec["acceptance_estimate"] < 1, spec
+    shown = meshnode_cmd("status", "--home", str(split.homes[0])).stdout   # and the terminal too
+    assert (f"speculation ngram ({spec['state']}): {spec['accepted']} of {spec['proposed']} drafts accepted "
+            f"in {spec['windows']} windows; step cost by drafts plain {learned[0]:.1f}") in shown, shown
 
 
 def test_draft_model_equals_plain_greedy(split, reference):

@@ -58,3 +58,11 @@ def test_plain_steps_only():
 def test_bad_window_rejected():
     with pytest.raises(ValueError):
         SpecTelemetry("ngram").record_window("r", [1], 2, 0, 0.0)
+
+
+def test_step_costs_read_as_plain_then_drafts():
+    from meshnode.state import format_step_costs
+
+    assert format_step_costs(((0, 15.24), (1, 16.8), (3, 19.5))) == "plain 15.2, 1: 16.8, 3: 19.5 ms"
+    assert format_step_costs([[2, 20.0]]) == "2: 20.0 ms"     # as /status's JSON gives them
+    assert format_step_costs(()) == "-"

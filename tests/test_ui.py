@@ -457,14 +457,6 @@ def test_sparkline_draws_one_column_per_sample_from_zero():
     assert spark_text([], 5) == ""
 
 
-def test_step_costs_read_as_plain_then_drafts():
-    from ui.format import fmt_step_costs
-
-    assert fmt_step_costs(((0, 15.24), (1, 16.8), (3, 19.5))) == "plain 15.2, 1: 16.8, 3: 19.5 ms"
-    assert fmt_step_costs([[2, 20.0]]) == "2: 20.0 ms"     # as /status's JSON gives them
-    assert fmt_step_costs(()) == "-"
-
-
 async def test_no_color_keeps_every_foreground_readable(monkeypatch):
     from rich.style import Style
     from textual.color import Color

@@ -95,13 +95,6 @@ def fmt_ahead(used: int, sent: int) -> str:
     return f"{used}/{sent}" if sent else "-"
 
 
-def fmt_step_costs(step_ms) -> str:
-    """A route's learned step cost per window, ``[(drafts, ms), ...]``, as
-    'plain 15.2, 1: 16.8, 3: 19.5 ms' ('-' before any was measured)."""
-    parts = [f"{'plain' if k == 0 else k}{'' if k == 0 else ':'} {ms:.1f}" for k, ms in step_ms]
-    return ", ".join(parts) + " ms" if parts else "-"
-
-
 def short_id(request_id: str, keep: int = 8) -> str:
     """Long generated ids ('chatcmpl-<32 hex>') as '…' + their last ``keep`` characters."""
     return request_id if len(request_id) <= keep + 4 else "…" + request_id[-keep:]

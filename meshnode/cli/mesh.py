@@ -80,7 +80,7 @@ def fetch_status(paths, timeout: float = 5.0) -> dict:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from meshnode.state import printable as pr   # names and details come from other machines
+    from meshnode.state import format_step_costs, printable as pr   # names and details come from other machines
 
     data = fetch_status(_paths(args), args.timeout)
     if args.json:
@@ -98,6 +98,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             detail = f"  ({pr(s['detail'])})" if s.get("detail") else ""
             on = f" ({pr(s['backend'])})" if s.get("backend") else ""
             print(f"       stage {s['index']}: layers [{a},{b}) on {pr(s['node'])}{on}: {pr(s['state'])}{detail}")
+    for sp in data.get("spec") or []:   # docs/speculative.md, "Telemetry"
+        if sp.get("strategy") in (None, "none"):
+            continue
+        print(f"       speculation {pr(sp['strategy'])} ({pr(sp['state'])}): {sp['accepted']} of "
+              f"{sp['proposed']} drafts accepted in {sp['windows']} windows; step cost by drafts "
+              f"{format_step_costs(sp.get('step_ms') or ())}, acceptance estimate "
+              f"{100 * sp.get('acceptance_estimate', 0):.0f}%")
     pc = data.get("prefix_cache")
     if pc and pc.get("capacity"):   # docs/api.md, "Prefix reuse"
         print(f"       prefix reuse: {pc['sessions']}/{pc['capacity']} sessions kept, {pc['hits']} hits "

@@ -9,9 +9,9 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, Label, RichLog
 
-from meshnode.state import NodeSnapshot, SpecState
+from meshnode.state import NodeSnapshot, SpecState, format_step_costs
 from ui.feed import EventFeed
-from ui.format import fmt_ahead, fmt_ms, fmt_step_costs, render_draft
+from ui.format import fmt_ahead, fmt_ms, render_draft
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
 from ui.widgets import MetricRow
@@ -68,7 +68,7 @@ class SpeculationScreen(NodeScreen):
         ]
         fill_table(self.query_one("#spec-stats", DataTable), rows)
         self.query_one("#spec-costs", Label).update("\n".join(
-            f"{s.strategy} step cost by drafts: {fmt_step_costs(s.step_ms)}; "
+            f"{s.strategy} step cost by drafts: {format_step_costs(s.step_ms)}; "
             f"acceptance estimate {100 * s.acceptance_estimate:.0f}%"
             for s in snap.spec if s.step_ms))
 
