@@ -259,3 +259,25 @@ def test_a_proposer_that_cannot_be_observed_probes_by_drafting():
     assert pol.state is SpecState.COOLING_DOWN      # a new prompt is no reason to probe
     pol.on_generated(10)
     assert pol.state is SpecState.ENABLED and pol.should_draft
+
+
+def test_a_draft_models_auto_policy_measures_plain_steps_before_its_first_window():
+    """Drafting at every step would leave no plain step to judge the draft's windows
+    against (only the acceptance floor): a fresh route decodes a few tokens plainly first."""
+    from meshnode.spec.cost_model import CostModel
+
+    cost = CostModel()
+    reasons: list[str] = []
+    pol = AutoPolicy("auto", AutoPolicyParams(measure_tokens=4, cooldown_tokens=10), cost=cost, observes=False,
+                     on_transition=lambda old, new, why: reasons.append(why))
+    assert pol.state is SpecState.COOLING_DOWN and not pol.should_draft and pol.cooldown_left == 4
+    for _ in range(4):
+        cost.observe(0, 0.020)          # the plain steps, as the decoder measures them
+        pol.on_generated(1)
+    assert pol.state is SpecState.ENABLED
+    for _ in range(8):
+        pol.record_verify(1, 1, 0.043)  # 2 tokens in 2.15 plain steps' time: it loses
+    assert pol.state is SpecState.COOLING_DOWN and "ran at 0.93x" in reasons[-1], reasons
+    # measured already, or pinned on: drafting from the first step
+    assert AutoPolicy("auto", cost=cost, observes=False).state is SpecState.ENABLED
+    assert AutoPolicy("on", cost=CostModel(), observes=False).state is SpecState.ENABLED

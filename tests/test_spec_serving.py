@@ -119,7 +119,8 @@ def test_ngram_on_equals_plain_greedy(split, reference):
 
 def test_draft_model_equals_plain_greedy(split, reference):
     # The target as its own draft: same vocabulary by construction, drafts mostly accepted.
-    split.start("--draft-model", str(split.model))
+    # Pinned on: in auto mode a draft as costly as the target is soon only probed here.
+    split.start("--draft-model", str(split.model), "--spec-mode", "on")
     assert split.spec_strategy() == "draft"
     out = split.complete_all()
     assert [text for text, _ in out] == reference
@@ -128,6 +129,19 @@ def test_draft_model_equals_plain_greedy(split, reference):
         # n-gram drafts first, the draft model where they have none: its windows counted apart
         assert 0 < timings["draft_model_windows"] <= timings["draft_windows"], timings
         assert timings["draft_model_n_accepted"] <= timings["draft_model_n"] <= timings["draft_n"]
+
+
+def test_a_draft_model_in_auto_mode_measures_plain_steps_first(split, reference):
+    # The default mode: the first tokens on a fresh route are plain (what the draft's
+    # windows are judged against), then it drafts; the text is the same either way.
+    split.start("--draft-model", str(split.model))
+    out = split.complete_all()
+    assert [text for text, _ in out] == reference
+    first = out[0][1]
+    assert first["plain_steps"] >= 4 and first["draft_windows"] > 0, first
+    spec = split.coord.status()["spec"][0]
+    assert spec["strategy"] == "draft" and spec["state"] in ("enabled", "cooling-down"), spec
+    assert dict(spec["step_ms"]).get(0, 0) > 0, spec   # plain steps measured on this route
 
 
 def test_package_declared_draft_and_no_draft(split, reference, package):
@@ -140,7 +154,7 @@ def test_package_declared_draft_and_no_draft(split, reference, package):
                            "window_policy": {"default": "adaptive", "initial_window": 4,
                                              "min_window": 1, "max_window": 8}}}, "pkg-draft")
     try:
-        split.start()
+        split.start("--spec-mode", "on")   # the package's draft, pinned on (test_draft_model_equals_plain_greedy)
         assert split.spec_strategy() == "draft"
         out = split.complete_all()
         assert [text for text, _ in out] == reference

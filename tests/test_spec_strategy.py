@@ -50,7 +50,7 @@ def test_builtin_default():
 def test_package_default():
     c = resolve_strategy("qwen2.5-7b", package=PACKAGE)
     assert (c.strategy_name, c.type, c.mode, c.draft_model) == (
-        "qwen-draft", "draft-model", "on", "qwen2.5-0.5b.gguf")
+        "qwen-draft", "draft-model", "auto", "qwen2.5-0.5b.gguf")
     assert c.window == WindowPolicy("adaptive", 6, 2, 12)
     assert "model package" in c.source
 
@@ -123,7 +123,7 @@ def test_errors():
 
 def test_builtin_draft_model_strategy_with_config_draft():
     c = resolve_strategy("q", config=cfg('[models.q.speculative]\nstrategy = "draft-model"\ndraft_model = "d.gguf"\n'))
-    assert (c.type, c.draft_model, c.mode) == ("draft-model", "d.gguf", "on")
+    assert (c.type, c.draft_model, c.mode) == ("draft-model", "d.gguf", "auto")
 
 
 @pytest.mark.parametrize(

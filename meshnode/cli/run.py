@@ -122,7 +122,8 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec", dest="spec_strategy", default=None, metavar="STRATEGY",
                    help="strategy: ngram, draft-model, none, or a name from model-package.json")
     s.add_argument("--spec-mode", choices=["auto", "on", "off"], default=None,
-                   help="auto (n-gram turns itself on and off), on, or off")
+                   help="auto (speculation turns itself on where it pays, off where it does not; "
+                        "the default), on, or off")
     s.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="draft GGUF (must share the target's vocabulary); implies --spec draft-model")
     s.add_argument("--no-draft", action="store_true",

@@ -46,6 +46,7 @@ from meshnode.serve.errors import EngineFailedError
 from meshnode.serve.request import ActiveRequest, SentStep
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.spec.cost_model import CostModel
+from meshnode.spec.draft import UNIFORM_CATCHUP_ROWS
 from meshnode.spec.lookahead import LookaheadGate
 from meshnode.spec.suffix import RecentTexts, SuffixProposer
 from meshnode.spec.policy import AutoPolicy
@@ -221,6 +222,12 @@ class SpeculativeDecoder:
             # catches up on the tokens it skipped at its next call).
             drafts = req.ngram.propose(k, min_match=self.min_match)
             if not drafts and self.draft is not None:
+                if getattr(self.draft, "lag", 0) > UNIFORM_CATCHUP_ROWS:
+                    # a prompt, or the tokens of a cooldown, to catch up on: once per
+                    # request or probe, not what a window costs (the window's time
+                    # feeds the cost model and the policy's judgement)
+                    await self._draft_call(self.draft.sync)
+                    t0 = time.perf_counter()
                 drafts = await self._draft_call(self.draft.propose, [], k)
                 by_model = bool(drafts)
             drafts = [int(t) for t in drafts[:k]]

@@ -201,6 +201,12 @@ class DraftModelProposer:
             self._sync()
 
     @property
+    def lag(self) -> int:
+        """Context tokens not in the draft's cache yet: what the next call catches up on
+        (a new request's prompt, the tokens of plain decoding meanwhile)."""
+        return max(0, len(self._context) - len(self._kv))
+
+    @property
     def context(self) -> Sequence[int]:
         """Prompt + accepted tokens as this proposer knows them (read-only view)."""
         return self._context

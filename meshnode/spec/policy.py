@@ -11,7 +11,10 @@ Theory of operation.
     OFF: mode "off" (never leaves); mode "on" pins ENABLED.
 
 A proposer that cannot be watched for free (a draft model) has no COLD phase
-(``observes=False``): auto starts ENABLED and a cooldown ends in ENABLED (a probe).
+(``observes=False``): a cooldown ends in ENABLED (a probe), and auto starts ENABLED once
+plain steps have been measured on this route; before that it decodes ``measure_tokens``
+tokens plainly (a short COOLING_DOWN), since a draft that drafts at every step would
+leave nothing to judge its windows against but the acceptance floor.
 
 COLD costs nothing: the node decodes plainly and asks the proposer, before each
 token arrives, whether it *would* have drafted it (``NGramProposer.would_hit``).
@@ -108,6 +111,7 @@ class AutoPolicyParams:
     cooldown_tokens: int = 64           # first cooldown, in generated tokens
     cooldown_growth: float = 2.0        # each further failure multiplies it
     cooldown_max_tokens: int = 2048
+    measure_tokens: int = 4             # plain tokens before a draft model's first window
 
 
 class AutoPolicy:
@@ -149,6 +153,10 @@ class AutoPolicy:
         self._verifies: deque[tuple[int, int, float | None]] = deque(maxlen=self.params.judge_windows)
         self._failures = 0
         self._cooldown_left = 0
+        if (self._state is SpecState.ENABLED and mode == "auto" and cost is not None
+                and cost.plain_s is None and self.params.measure_tokens > 0):
+            # measure plain steps first: what this drafting is judged against
+            self._state, self._cooldown_left = SpecState.COOLING_DOWN, self.params.measure_tokens
         self.last_affinity: float | None = None
 
     # ---- queries ------------------------------------------------------------
