@@ -123,9 +123,10 @@ class AutoPolicy:
     always :meth:`on_generated` with the number of tokens emitted.
 
     ``observes=False`` is for proposers that cannot be watched for free (a draft model
-    costs a forward pass per guess): there is no COLD phase. Auto mode starts ENABLED,
-    ignores prompt shape, and probes again *by drafting* when a cooldown ends; the
-    judgement (floor, realized gain, cooldowns) is the same.
+    costs a forward pass per guess): there is no COLD phase. Auto mode starts ENABLED
+    (after ``measure_tokens`` plain tokens when ``cost`` has no plain step yet), ignores
+    prompt shape, and probes again *by drafting* when a cooldown ends; the judgement
+    (floor, realized gain, cooldowns) is the same.
     """
 
     def __init__(
