@@ -186,8 +186,8 @@ class SpeculativeDecoder:
 
         Nothing is sent when the request may end here (an end-of-generation token, its
         last token; a stop string can still end it, and the model server then withdraws
-        the step) or when the next step needs more than this (a draft model's proposal,
-        a grammar's masks)."""
+        the step) or when the next step needs more than this (the proposal of a draft
+        model that drafts now, a grammar's masks)."""
         if req.remaining <= len(tokens) or not self.tokenizer.eog_ids.isdisjoint(tokens):
             if guess is not None:
                 guess.withdraw()   # the request ends
@@ -201,8 +201,8 @@ class SpeculativeDecoder:
                 return
             log.debug("step %s: lookahead at %d dropped", req.id, guess.pos)
             guess.withdraw()
-        if self.draft is not None or req.constraint is not None:
-            return
+        if (self.draft is not None and self.policy.should_draft) or req.constraint is not None:
+            return   # (a draft model not drafting, cooling down, leaves plain steps: sent ahead)
         req.ahead = await self._next_step(req, pos, tokens[-1])
         await asyncio.sleep(0)   # the scheduler starts it before the caller goes on
 
