@@ -36,24 +36,30 @@ GPU_PAD_ROWS_ENV = "MESHNODE_GPU_PAD_ROWS"
 MAX_GPU_PAD_ROWS = 8
 
 
-_warned_pad: set[str] = set()
+_warned_env: set[tuple[str, str]] = set()
+
+
+def _env_count(name: str, lo: int, hi: int, default: int) -> int:
+    """$name when it is a number in lo..hi, else ``default`` (with a warning, once per
+    value, naming the range)."""
+    import os
+
+    raw = os.environ.get(name, "").strip()
+    if raw.isdigit() and lo <= int(raw) <= hi:
+        return int(raw)
+    if raw and (name, raw) not in _warned_env:
+        import logging
+
+        _warned_env.add((name, raw))
+        logging.getLogger("meshnode").warning("%s=%r is not a number in %d..%d; using %d",
+                                              name, raw, lo, hi, default)
+    return default
 
 
 def gpu_pad_rows() -> int:
     """The pad width of this node's GPU engines: $MESHNODE_GPU_PAD_ROWS when it is a
-    number in 2..8, else GPU_PAD_ROWS (with a warning, once per value, naming the range)."""
-    import os
-
-    raw = os.environ.get(GPU_PAD_ROWS_ENV, "").strip()
-    if raw.isdigit() and 2 <= int(raw) <= MAX_GPU_PAD_ROWS:
-        return int(raw)
-    if raw and raw not in _warned_pad:
-        import logging
-
-        _warned_pad.add(raw)
-        logging.getLogger("meshnode").warning("%s=%r is not a number in 2..%d; using %d",
-                                              GPU_PAD_ROWS_ENV, raw, MAX_GPU_PAD_ROWS, GPU_PAD_ROWS)
-    return GPU_PAD_ROWS
+    number in 2..8, else GPU_PAD_ROWS (with a warning naming the range)."""
+    return _env_count(GPU_PAD_ROWS_ENV, 2, MAX_GPU_PAD_ROWS, GPU_PAD_ROWS)
 
 
 # How many calls a GPU stage keeps padding its small calls to the widest exact width
@@ -71,11 +77,9 @@ GPU_STICKY_CALLS_ENV = "MESHNODE_GPU_STICKY_CALLS"
 
 
 def gpu_sticky_calls() -> int:
-    """$MESHNODE_GPU_STICKY_CALLS when it is a number (0 = off), else GPU_STICKY_CALLS."""
-    import os
-
-    raw = os.environ.get(GPU_STICKY_CALLS_ENV, "").strip()
-    return int(raw) if raw.isdigit() else GPU_STICKY_CALLS
+    """$MESHNODE_GPU_STICKY_CALLS when it is a number (0 = off), else GPU_STICKY_CALLS
+    (with a warning)."""
+    return _env_count(GPU_STICKY_CALLS_ENV, 0, 1 << 30, GPU_STICKY_CALLS)
 
 
 # llama.cpp attends, in every call, the KV cells of a sequence up to the last one in use
@@ -89,6 +93,12 @@ def gpu_sticky_calls() -> int:
 KV_BUCKET = 256
 
 
+def kv_bucket(cells: int) -> int:
+    """Which KV_BUCKET a sequence's first ``cells`` cells end in (1 for 1..256): llama.cpp
+    attends ``kv_bucket(cells) * KV_BUCKET`` cells in a call that fills them."""
+    return -(-cells // KV_BUCKET)
+
+
 def gpu_bucket_drafts(pos: int, pad_rows: int) -> int:
     """The most drafts a verify window starting at position ``pos`` may carry on a GPU
     stage that pads calls to ``pad_rows`` rows, so that each of its rows attends as many KV
@@ -96,7 +106,7 @@ def gpu_bucket_drafts(pos: int, pad_rows: int) -> int:
     padded one-row step end in the same KV_BUCKET (a sequence's cells hold positions 0, 1,
     ... in order). 0 where the one-row step at ``pos`` already fills its bucket."""
     edge = pos + max(1, pad_rows)
-    return -(-edge // KV_BUCKET) * KV_BUCKET - edge
+    return kv_bucket(edge) * KV_BUCKET - edge
 
 
 def gpu_exact_window_rows(pad_rows: int) -> int:

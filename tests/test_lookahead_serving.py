@@ -287,6 +287,10 @@ class _OracleDraft:
     def accept(self, tokens) -> None:
         self.context.extend(tokens)
 
+    lag = 0              # (it knows every token at once: nothing to catch up on)
+
+    def sync(self) -> None: ...
+
     def close(self) -> None: ...
 
 

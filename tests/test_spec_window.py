@@ -117,7 +117,7 @@ def test_the_pad_width_comes_from_the_environment(monkeypatch, caplog):
     from meshnode import limits
     from meshnode.limits import gpu_pad_rows
 
-    monkeypatch.setattr(limits, "_warned_pad", set())
+    monkeypatch.setattr(limits, "_warned_env", set())
     for value, pad in (("8", 8), ("5", 5), ("4", 4), ("2", 2), ("1", 2), ("9", 2), ("x", 2), ("", 2)):
         monkeypatch.setenv("MESHNODE_GPU_PAD_ROWS", value)
         assert gpu_pad_rows() == pad

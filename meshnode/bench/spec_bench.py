@@ -318,9 +318,10 @@ def _learned_costs(coord) -> str:
         spec = coord.get("/status")["spec"][0]
     except (OSError, ValueError, KeyError, IndexError) as exc:
         return f"learned step cost: not read ({exc})"
-    costs = ", ".join(f"{k}: {ms:.1f}" for k, ms in spec.get("step_ms", ()))
-    return (f"learned ms per step by drafts {{{costs}}}, acceptance estimate "
-            f"{spec.get('acceptance_estimate', 0):.2f}")
+    from meshnode.state import format_step_costs
+
+    return (f"learned step cost by drafts {format_step_costs(spec.get('step_ms', ()))}, "
+            f"acceptance estimate {spec.get('acceptance_estimate', 0):.2f}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -47,12 +47,12 @@ from .errors import (
 from meshnode import timeline
 from meshnode.limits import (
     DEFAULT_KV_TYPE,
-    KV_BUCKET,
     KV_CACHE_TYPES,
     MAX_VERIFY_WINDOW,
     gpu_exact_window_rows,
     gpu_pad_rows,
     gpu_sticky_calls,
+    kv_bucket,
 )
 
 from . import offload
@@ -516,16 +516,16 @@ class StageEngine:
             for s in segs:
                 if s.session in self._next_pos and s.pos < self._next_pos[s.session]:
                     self.rollback(s.session, s.pos)
-        if self.pad_rows > 1 and len(segs) > 1:
-            return self._forward_alone_alike(segs)
-        if len(segs) == 1 and self.pad_rows > 1:
-            width = self._width(segs[0])
-            if width > segs[0].n_rows:
-                return self._padded(segs, rows=width)
+        if self.pad_rows > 1:
+            if len(segs) > 1:
+                return self._forward_alone_alike(segs)
+            if segs and (width := self._width(segs[0])) > segs[0].n_rows:
+                return self._padded(segs, width)
         return self._forward(segs)
 
-    def _pads(self, s: Segment, rows: int | None = None) -> bool:
-        rows = rows or self.pad_rows
+    def _pads(self, s: Segment, rows: int) -> bool:
+        """Whether ``s`` can run as ``rows`` rows (more than its own, within the batch and
+        its context)."""
         return s.n_rows < rows <= self.n_batch and s.pos + rows <= self.n_ctx
 
     def _width(self, s: Segment) -> int:
@@ -539,20 +539,18 @@ class StageEngine:
         if self._sticky_calls and n <= top:
             wide = n > self.pad_rows or self._wide_left > 0
             self._wide_left = self._sticky_calls if n > self.pad_rows else max(0, self._wide_left - 1)
-            if (wide and self._pads(s, top)
-                    and -(-(s.pos + top) // KV_BUCKET) == -(-(s.pos + self.pad_rows) // KV_BUCKET)):
+            if wide and self._pads(s, top) and kv_bucket(s.pos + top) == kv_bucket(s.pos + self.pad_rows):
                 width = top
         return width if self._pads(s, width) else n
 
-    def _padded(self, segs: Sequence[Segment], rows: int | None = None) -> list[np.ndarray]:
-        """``segs`` (each of fewer than ``rows``, default ``pad_rows``, rows) run as the
+    def _padded(self, segs: Sequence[Segment], rows: int) -> list[np.ndarray]:
+        """``segs`` (each of fewer than ``rows`` rows) run as the
         first rows of ``rows`` rows each, whose extra rows are dropped again: the kernels of
         every other padded step. A row does not see the rows after it (causal attention,
         row-wise matmuls), so its result is the one it gets in any padded call. A final
         stage asks logits for the extra rows too: the rows that reach the head are the same
         count in every padded call (llama.cpp prunes the last layer to the rows with outputs)."""
         self._check(segs)
-        rows = rows or self.pad_rows
         outs = self._forward([_widened(s, rows) for s in segs])
         for s in segs:
             self.rollback(s.session, s.pos + s.n_rows)
@@ -575,9 +573,9 @@ class StageEngine:
             for group in _alone_alike_groups(segs, self.pad_rows, self.n_ctx, self.n_batch):
                 part = [segs[i] for i in group]
                 if len(part) == 2:
-                    got = self._padded(part, rows=2)
+                    got = self._padded(part, 2)
                 elif (width := self._width(part[0])) > part[0].n_rows:
-                    got = self._padded(part, rows=width)
+                    got = self._padded(part, width)
                 else:
                     got = self._forward(part)
                 for i, out in zip(group, got):
@@ -768,7 +766,7 @@ def _alone_alike_groups(segs: Sequence[Segment], pad_rows: int, n_ctx: int, n_ba
     for i, s in enumerate(segs):
         if (pad_rows == 2 and (s.n_rows == 1 or (s.n_rows == 2 and s.n_logits != 1))
                 and s.pos + 2 <= n_ctx and n_batch >= 4):
-            bucket = -(-(s.pos + 2) // KV_BUCKET)
+            bucket = kv_bucket(s.pos + 2)
             g = waiting.pop(bucket, None)
             if g is None:
                 waiting[bucket] = len(groups)

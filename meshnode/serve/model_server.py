@@ -98,7 +98,7 @@ from meshnode.serve.speculation import SpeculativeDecoder
 from meshnode.serve.structured import compile_constraint
 from meshnode.serve.tools import render_messages
 from meshnode.spec.ngram import MIN_NGRAM_MATCH
-from meshnode.spec.strategy import Proposer, SpecConfig
+from meshnode.spec.strategy import DraftProposer, SpecConfig
 from meshnode.spec.window import StageCompute
 from meshnode.state import RequestInfo, RequestStatus, RequestUpdated
 
@@ -158,7 +158,7 @@ class ModelServer:
 
     def __init__(self, settings: ServeSettings, tokenizer: Tokenizer, pipeline: Pipeline, *,
                  publish: Callable[[object], None] | None = None,
-                 draft: Proposer | None = None) -> None:
+                 draft: DraftProposer | None = None) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.pipeline = pipeline

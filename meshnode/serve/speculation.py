@@ -51,7 +51,7 @@ from meshnode.spec.lookahead import LookaheadGate
 from meshnode.spec.suffix import RecentTexts, SuffixProposer
 from meshnode.spec.policy import AutoPolicy
 from meshnode.spec.stats import SpecTelemetry
-from meshnode.spec.strategy import Proposer, RouteWindows, SpecConfig
+from meshnode.spec.strategy import DraftProposer, RouteWindows, SpecConfig
 from meshnode.spec.window import StageCompute, WindowController, WindowPolicy, make_window
 from meshnode.state import DraftVerified, SpecStats
 
@@ -64,7 +64,7 @@ class SpeculativeDecoder:
     """One model's speculation machinery, shared by its requests, and the decode steps
     that drive it. See the module docstring."""
 
-    def __init__(self, config: SpecConfig | None, draft: Proposer | None, *,
+    def __init__(self, config: SpecConfig | None, draft: DraftProposer | None, *,
                  scheduler: BatchScheduler, tokenizer: Tokenizer, n_ctx: int, min_match: int,
                  publish: Callable[[object], None]) -> None:
         self.scheduler = scheduler
@@ -222,7 +222,7 @@ class SpeculativeDecoder:
             # catches up on the tokens it skipped at its next call).
             drafts = req.ngram.propose(k, min_match=self.min_match)
             if not drafts and self.draft is not None:
-                if getattr(self.draft, "lag", 0) > UNIFORM_CATCHUP_ROWS:
+                if self.draft.lag > UNIFORM_CATCHUP_ROWS:
                     # a prompt, or the tokens of a cooldown, to catch up on: once per
                     # request or probe, not what a window costs (the window's time
                     # feeds the cost model and the policy's judgement)

@@ -276,12 +276,11 @@ class DraftModelProposer:
             seg = Segment(self.session, pos + start, tokens=chunk, n_logits=n_logits)
             out = self.engine.forward([seg], rewind=True)  # on error the engine changed nothing
             self._kv.extend(int(t) for t in chunk)
-            self._pred.extend([None] * len(chunk))
+            # the argmax after each row whose logits came back (its last n_logits)
+            self._pred.extend([None] * (len(chunk) - n_logits) + np.argmax(out[0][:n_logits], axis=1).tolist())
             self._rows += len(chunk)
             self._calls += 1
             self._logit_rows += n_logits
-            for i, row in enumerate(out[0][:n_logits]):   # the argmax after each of the last rows
-                self._pred[len(self._pred) - n_logits + i] = int(np.argmax(row))
 
 
 # On a GPU llama.cpp replays a captured CUDA graph while consecutive calls have the same

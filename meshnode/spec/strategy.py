@@ -47,6 +47,7 @@ from meshnode.spec.window import StageCompute, WindowPolicy, cap_for_route, draf
 __all__ = [
     "BUILTIN_STRATEGIES",
     "CliSpecOptions",
+    "DraftProposer",
     "PackageSpeculative",
     "PackageStrategy",
     "Proposer",
@@ -84,6 +85,22 @@ class Proposer(Protocol):
     def accept(self, tokens: Sequence[int]) -> None:
         """Tokens the target emitted (accepted drafts, then the bonus), in order."""
         ...
+
+
+class DraftProposer(Proposer, Protocol):
+    """A proposer that is a model of its own (``spec/draft.py``): it decodes the tokens it
+    was told about at its next call, which the serving loop may do early."""
+
+    @property
+    def lag(self) -> int:
+        """Context tokens its next call would catch up on first."""
+        ...
+
+    def sync(self) -> None:
+        """Catch up on them now."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
