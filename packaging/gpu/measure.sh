@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-24}
+PART=${1:?part 1-25}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -385,16 +385,19 @@ if [ "$PART" = 23 ]; then
   [ -f "$M/tiny.gguf" ] || step 60 "write tiny" "$PY" "$KIT/mkmodels.py" tiny "$M/tiny.gguf"
   step 60 "batch groupings against alone, SmolLM2" "$PY" "$(dirname "$0")/batch_probe.py" "$SMOL"
 fi
-# Part 24: call shapes and CUDA graphs (docs/engine.md "Call shapes and CUDA graphs"): a
-# draft's proposals in calls of one shape (draft_probe: k = 1, 2, 3 drafts should now cost
-# about 1, 2 and 3 one-row steps), engine call patterns (step_probe), certify --schedule
-# with sticky 4-row calls (must stay exact), then the held-out run of part 21 (one round)
-# without and with MESHNODE_GPU_STICKY_CALLS=32. Needs SmolLM2 (/tmp/smol, carried like
-# part 20); about 9 minutes.
+# Part 24: call shapes and CUDA graphs on a split (docs/engine.md "Call shapes and CUDA
+# graphs"): certify --schedule with sticky 4-row calls (must stay exact), then the held-out
+# run of part 21 (one round) without and with MESHNODE_GPU_STICKY_CALLS=32. Needs SmolLM2
+# (/tmp/smol, carried like part 20); about 8 minutes. Part 25 (no SmolLM2, ~2 minutes, so
+# it fits in the call that builds llama.cpp): a draft's proposals in calls of one shape
+# (draft_probe: k = 1, 2, 3 drafts should cost about 1, 2 and 3 one-row steps) and engine
+# call patterns (step_probe), on a random model of SmolLM2's shape. As run:
+#   carry [.gpukit, .gpuwt/smol/part1]: . .gpukit/device-setup.sh && mkdir -p /tmp/smol &&
+#     cp .gpuwt/smol/part1 /tmp/smol/ && bash packaging/gpu/measure.sh 25 "$OUT"
+#   carry [.gpuwt/smol/part2], at once: (the exports of part 20); cp .gpuwt/smol/part2 /tmp/smol/ &&
+#     bash packaging/gpu/measure.sh 24 "$OUT"
 if [ "$PART" = 24 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
-  step 60 "draft proposals on the GPU, SmolLM2's shape" "$PY" "$(dirname "$0")/draft_probe.py" /tmp/smolshape.gguf --smol-shape
-  step 30 "engine call patterns, pad 2" "$PY" "$(dirname "$0")/step_probe.py" /tmp/smolshape.gguf 2
   step 120 "schedule SmolLM2 with sticky 4-row calls" env MESHNODE_GPU_STICKY_CALLS=32 "$PY" -m meshnode models \
     certify "$SMOL" --schedule --gpu-layers all --contexts 200,480 --windows 2,3,4
   for sticky in 0 32; do
@@ -402,5 +405,9 @@ if [ "$PART" = 24 ]; then
       env MESHNODE_GPU_STICKY_CALLS=$sticky CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
       --set heldout --tokens 96 --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
   done
+fi
+if [ "$PART" = 25 ]; then
+  step 60 "draft proposals on the GPU, SmolLM2's shape" "$PY" "$(dirname "$0")/draft_probe.py" /tmp/smolshape.gguf --smol-shape
+  step 30 "engine call patterns, pad 2" "$PY" "$(dirname "$0")/step_probe.py" /tmp/smolshape.gguf 2
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
