@@ -39,9 +39,9 @@ MAX_GPU_PAD_ROWS = 8
 _warned_env: set[tuple[str, str]] = set()
 
 
-def _env_count(name: str, lo: int, hi: int, default: int) -> int:
+def _env_count(name: str, lo: int, hi: int, default: int, using: str = "") -> int:
     """$name when it is a number in lo..hi, else ``default`` (with a warning, once per
-    value, naming the range)."""
+    value, naming the range and ``using``, what the default means, or the default)."""
     import os
 
     raw = os.environ.get(name, "").strip()
@@ -51,8 +51,8 @@ def _env_count(name: str, lo: int, hi: int, default: int) -> int:
         import logging
 
         _warned_env.add((name, raw))
-        logging.getLogger("meshnode").warning("%s=%r is not a number in %d..%d; using %d",
-                                              name, raw, lo, hi, default)
+        logging.getLogger("meshnode").warning("%s=%r is not a number in %d..%d; using %s",
+                                              name, raw, lo, hi, using or default)
     return default
 
 
@@ -64,22 +64,27 @@ def gpu_pad_rows() -> int:
 
 # How many calls a GPU stage keeps padding its small calls to the widest exact width
 # (gpu_exact_window_rows: 4 rows at pad 2) after a verify window wider than its pad width
-# (StageEngine._width); 0, the default, never. llama.cpp replays a captured CUDA graph while
+# (StageEngine._width), where that wins. llama.cpp replays a captured CUDA graph while
 # consecutive calls keep one shape and runs calls without one when the shape changes (then
 # captures again): with SmolLM2's shape on an H200 a call in a run of one shape took 1.5 ms,
 # a call after a change 4.4-6 ms, and padding to 4 rows cost 0.3 ms a call
-# (packaging/gpu/step_probe.py), so a speculating route of a small model gains by staying 4
-# rows wide while windows come. On the 8B shape padding to 4 costs 1.3 ms a step and a call
-# without its graph ~1.1 ms, so there it would lose: hence off unless a node sets
-# $MESHNODE_GPU_STICKY_CALLS (a number of calls) for its engines; not yet measured end to end.
-GPU_STICKY_CALLS = 0
+# (packaging/gpu/step_probe.py); on the 8B shape padding to 4 cost 1.3 ms a step and a call
+# without its graph ~1.1 ms. So each GPU engine times the three at load
+# (engine/callshape.py) and stays wide for GPU_STICKY_CALLS calls only where that wins;
+# $MESHNODE_GPU_STICKY_CALLS (a number of calls, 0 = never) sets it for a node's engines.
+GPU_STICKY_CALLS = 32
 GPU_STICKY_CALLS_ENV = "MESHNODE_GPU_STICKY_CALLS"
 
 
-def gpu_sticky_calls() -> int:
-    """$MESHNODE_GPU_STICKY_CALLS when it is a number (0 = off), else GPU_STICKY_CALLS
-    (with a warning)."""
-    return _env_count(GPU_STICKY_CALLS_ENV, 0, 1 << 30, GPU_STICKY_CALLS)
+def gpu_sticky_calls() -> int | None:
+    """$MESHNODE_GPU_STICKY_CALLS when it is a number (0 = never); None when it is unset or
+    not a number (with a warning): then each GPU engine decides by timing itself."""
+    import os
+
+    if not os.environ.get(GPU_STICKY_CALLS_ENV, "").strip():
+        return None
+    calls = _env_count(GPU_STICKY_CALLS_ENV, 0, 1 << 30, -1, "each engine's timing")
+    return None if calls < 0 else calls
 
 
 # llama.cpp attends, in every call, the KV cells of a sequence up to the last one in use

@@ -15,6 +15,9 @@ import pytest
 
 from meshnode.certify import schedule_check
 from meshnode.engine import EngineConfig, Segment, StageEngine
+from meshnode.engine import stage as stage_mod
+from meshnode.engine.callshape import TIMED_CALLS, WARM_CALLS, CallShapeTimes, time_call_shapes
+from meshnode.limits import GPU_STICKY_CALLS
 from nodeproc import env, meshnode_argv
 
 pytestmark = pytest.mark.slow
@@ -200,3 +203,50 @@ def test_a_padding_engine_keeps_one_call_shape_while_windows_come(smollm2, monke
     monkeypatch.setenv("MESHNODE_GPU_STICKY_CALLS", "0")   # off: each call at its own width
     _, calls = run(2)
     assert calls == [2, 3, 2, 2, 2, 2, 2, 2, 4, 2, 2, 2, 2], calls
+
+
+def test_call_shape_timing_patterns_and_verdict():
+    """time_call_shapes runs each pattern (warm calls first, then timed ones) and calls
+    wide calls the winner only when a wide step in a run costs less than alternating
+    steps."""
+    widths: list[int] = []
+    now = [0.0]
+    cost = {2: 1e-3, 4: 2e-3}
+
+    def step(rows: int) -> None:
+        # a call costs 5 ms more when its width differs from the call before it
+        changed = bool(widths) and widths[-1] != rows
+        widths.append(rows)
+        now[0] += cost[rows] + (5e-3 if changed else 0.0)
+
+    t = time_call_shapes(step, 2, 4, clock=lambda: now[0])
+    n = WARM_CALLS + TIMED_CALLS
+    assert widths == [2] * n + [4] * n + [(2, 4)[i % 2] for i in range(n)]
+    assert (t.narrow, t.wide) == pytest.approx((1.0, 2.0))
+    assert t.changing == pytest.approx(6.5)   # median of 6 and 7 ms
+    assert t.wide_wins and "alternating 6.50 ms" in t.summary()
+    assert not CallShapeTimes(2, 4, 1.0, 2.0, 1.5).wide_wins
+
+
+def test_an_offloading_engine_chooses_its_sticky_calls_by_timing_itself(smollm2, monkeypatch):
+    """Without $MESHNODE_GPU_STICKY_CALLS an engine with offloaded layers and a pad width
+    times its call shapes and stays wide GPU_STICKY_CALLS calls only when wide calls win;
+    the scratch steps leave no session behind; a CPU engine and a set variable skip the
+    timing."""
+    monkeypatch.delenv("MESHNODE_GPU_STICKY_CALLS", raising=False)
+    with StageEngine(EngineConfig(smollm2.path, pad_rows=2, n_ctx=512, n_seq_max=1,
+                                  n_threads=1, n_batch=64)) as eng:
+        assert eng.call_shapes is None and eng._sticky_calls == 0   # CPU: not timed
+        real = time_call_shapes(eng._scratch_step, 2, 4)   # real steps on this engine
+        assert min(real.narrow, real.wide, real.changing) > 0 and eng.sessions() == []
+        eng.forward([Segment(0, 0, tokens=np.arange(3, 8, dtype=np.int32), n_logits=1)])
+        eng.gpu_layers = 1   # as if offloaded: the verdict follows the timing
+        for verdict, calls in ((CallShapeTimes(2, 4, 1.5, 1.8, 4.4), GPU_STICKY_CALLS),
+                               (CallShapeTimes(2, 4, 3.6, 4.9, 4.7), 0)):
+            monkeypatch.setattr(stage_mod, "time_call_shapes", lambda *a, v=verdict, **k: v)
+            assert eng._choose_sticky_calls("m") == calls
+        monkeypatch.setenv("MESHNODE_GPU_STICKY_CALLS", "5")
+        assert eng._choose_sticky_calls("m") == 5
+        monkeypatch.setenv("MESHNODE_GPU_STICKY_CALLS", "lots")   # not a number: timing
+        assert eng._choose_sticky_calls("m") == 0
+        assert eng.sessions() == [0] and eng.next_pos(0) == 5

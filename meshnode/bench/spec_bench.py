@@ -311,6 +311,17 @@ def _start_split(stack: contextlib.ExitStack, strategy: str, target, draft_path,
     return coord.base_url, model, relay, coord
 
 
+def _call_shapes(coord) -> list[str]:
+    """What the split's GPU engines timed at load and chose (engine/callshape.py), from
+    its nodes' logs: none on a CPU."""
+    lines = []
+    for path in sorted(coord.home.parent.glob("node*/node.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if "call shapes on" in line:
+                lines.append(f"{path.parent.name}: {line.split(': ', 1)[-1].strip()}")
+    return lines
+
+
 def _learned_costs(coord) -> str:
     """What the coordinator sized its windows by at the end of the run (``/status``): the
     learned milliseconds of a step per window and the acceptance estimate."""
@@ -397,6 +408,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  round {rnd + 1}/{rounds}: {time.perf_counter() - t0:.0f} s",
                   file=sys.stderr, flush=True)
         learned = {s: _learned_costs(splits[s][3]) for s in strategies if s != "baseline"}
+        shapes = {s: _call_shapes(splits[s][3]) for s in strategies}
         up = sum(relay.relay.counters.datagrams_up for _, _, relay, _ in splits.values())
         down = sum(relay.relay.counters.datagrams_down for _, _, relay, _ in splits.values())
     print(f"relays forwarded {up} datagrams up, {down} down", file=sys.stderr)
@@ -449,6 +461,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{nw} from n-gram ({nd / nw if nw else 0:.2f} drafts each, acceptance {na / nd if nd else 0:.2f})")
     for s, line in learned.items():
         print(f"{s:<11} {line}")
+    for s, lines in shapes.items():
+        for line in lines:
+            print(f"{s:<11} {line}")
     if "baseline" in strategies and len(strategies) > 1:
         print("by kind: wall-clock speedup against baseline (acceptance)")
         for w in WORKLOADS:

@@ -50,16 +50,21 @@ from meshnode.limits import (
     KV_CACHE_TYPES,
     MAX_VERIFY_WINDOW,
     gpu_exact_window_rows,
+    GPU_STICKY_CALLS,
     gpu_pad_rows,
     gpu_sticky_calls,
     kv_bucket,
 )
 
 from . import offload
+from .callshape import CallShapeTimes, time_call_shapes
 from .ggml import LayerTap
 from .llama_log import install_log_bridge
 
 log = logging.getLogger(__name__)
+
+# the session id of the steps an engine times before any session exists (_scratch_step)
+_SCRATCH_SESSION = -1
 
 # ggml_type of each KV cache type a stage may be asked for (wire Load.kv_type).
 KV_TYPES = {"q8_0": 8, "f16": 1, "bf16": 30, "f32": 0}
@@ -261,9 +266,9 @@ class StageEngine:
             self.close()
             raise EngineInputError(f"pad_rows must be an integer in [1, {MAX_VERIFY_WINDOW}], got {pad!r}")
         self.pad_rows = pad
-        # small calls run this wide for the next _wide_left calls (_width)
-        self._sticky_calls = gpu_sticky_calls() if pad > 1 else 0
-        self._wide_left = 0
+        self._sticky_calls = 0   # after a wide window, small calls stay wide this many calls
+        self._wide_left = 0      # ... and this many are left (_width)
+        self.call_shapes: CallShapeTimes | None = None   # what _choose_sticky_calls measured
         if self._tap is not None:
             cparams.cb_eval = self._tap.c_callback
             cparams.cb_eval_user_data = self._tap.user_data
@@ -279,6 +284,7 @@ class StageEngine:
         self._free_seqs = list(range(config.n_seq_max - 1, -1, -1))
         self._copies_queued = False   # a cross-stream KV copy waits for the next decode
         self._next_pos: dict[int, int] = {}   # session -> next position expected
+        self._sticky_calls = self._choose_sticky_calls(path.name)
 
     # ---- batch buffers (owned by numpy, referenced by one llama_batch struct) ----------
 
@@ -542,6 +548,41 @@ class StageEngine:
             if wide and self._pads(s, top) and kv_bucket(s.pos + top) == kv_bucket(s.pos + self.pad_rows):
                 width = top
         return width if self._pads(s, width) else n
+
+    def _choose_sticky_calls(self, name: str) -> int:
+        """How many calls a GPU engine's small calls stay wide after a verify window
+        (_width): $MESHNODE_GPU_STICKY_CALLS when set; else, on an engine with layers
+        offloaded and a pad width, GPU_STICKY_CALLS where timing this engine shows wide
+        calls cost less than calls that change shape (callshape.py), 0 where not."""
+        if self.pad_rows == 1:
+            return 0
+        calls = gpu_sticky_calls()
+        if calls is not None or not self.gpu_layers:
+            return calls or 0
+        wide = gpu_exact_window_rows(self.pad_rows)
+        if wide <= self.pad_rows or wide > min(self.n_batch, self.n_ctx):
+            return 0
+        try:
+            self.call_shapes = time_call_shapes(self._scratch_step, self.pad_rows, wide)
+        except (DecodeError, EngineBusyError) as e:
+            log.warning("%s: could not time call shapes (%s); small calls keep their width", name, e)
+            return 0
+        on = self.call_shapes.wide_wins
+        log.info("%s: call shapes on %s: %s; after a verify window small calls %s", name,
+                 self.backend, self.call_shapes.summary(),
+                 f"stay {wide} rows wide" if on else "keep their width")
+        return GPU_STICKY_CALLS if on else 0
+
+    def _scratch_step(self, rows: int) -> None:
+        """A one-row step of a scratch session at position 0, run ``rows`` rows wide,
+        then forgotten (what time_call_shapes times)."""
+        one = ({"tokens": np.zeros(1, dtype=np.int32)} if self.takes_tokens
+               else {"hidden": np.zeros((1, self.n_embd), dtype=np.float32)})
+        s = Segment(_SCRATCH_SESSION, 0, n_logits=1 if self.has_head else 0, **one)
+        try:
+            self._padded([s], rows) if rows > 1 else self._forward([s])
+        finally:
+            self.drop(_SCRATCH_SESSION)
 
     def _padded(self, segs: Sequence[Segment], rows: int) -> list[np.ndarray]:
         """``segs`` (each of fewer than ``rows`` rows) run as the

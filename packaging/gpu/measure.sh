@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-25}
+PART=${1:?part 1-26}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -409,5 +409,16 @@ fi
 if [ "$PART" = 25 ]; then
   step 60 "draft proposals on the GPU, SmolLM2's shape" "$PY" "$(dirname "$0")/draft_probe.py" /tmp/smolshape.gguf --smol-shape
   step 30 "engine call patterns, pad 2" "$PY" "$(dirname "$0")/step_probe.py" /tmp/smolshape.gguf 2
+  write_l8b
+  step 60 "engine call patterns, 8b shape, pad 2" "$PY" "$(dirname "$0")/step_probe.py" "$M/l8b.gguf" 2
+fi
+# Part 26: the held-out run of part 24 with what each engine chose by timing itself at load
+# (no MESHNODE_GPU_STICKY_CALLS: the default). Carried and chained like part 24.
+if [ "$PART" = 26 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  step 200 "bench spec SmolLM2 held-out, 2 stages on GPU 0, pad 2, call shapes by timing, 1 round" \
+    env -u MESHNODE_GPU_STICKY_CALLS CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
+    --set heldout --tokens 96 --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
+  grep -h "call shapes on" "$MESHNODE_HOME"/logs/*.log 2>/dev/null | tail -n 8 >> "$LOG"
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"

@@ -28,6 +28,9 @@ def main() -> int:
     e = StageEngine(EngineConfig(path, n_ctx=4096, n_batch=256, n_seq_max=1, n_threads=1,
                                  gpu_layers=gl, pad_rows=pad))
     print(f"backend {e.backend}, gpu layers {e.gpu_layers}, pad rows {e.pad_rows}", flush=True)
+    if e.call_shapes is not None:   # what the engine timed at load, and its choice
+        print(f"call shapes at load: {e.call_shapes.summary()}; stays wide after a window: "
+              f"{e.call_shapes.wide_wins}", flush=True)
     rng = np.random.default_rng(0)
     tok = lambda n: rng.integers(100, 40000, n).astype(np.int32)
     pos = 0
