@@ -205,6 +205,34 @@ def test_a_padding_engine_keeps_one_call_shape_while_windows_come(smollm2, monke
     assert calls == [2, 3, 2, 2, 2, 2, 2, 2, 4, 2, 2, 2, 2], calls
 
 
+def test_a_padding_engine_widens_only_rows_that_all_reach_the_head(smollm2, monkeypatch):
+    """Prompt chunks asking fewer logits than rows neither start wide calls nor run wide
+    (the head runs on the rows asking logits, its kernels go by their count); windows and
+    one-row steps do, and chunks asking none may; results equal an unpadded engine's."""
+    monkeypatch.setenv("MESHNODE_GPU_STICKY_CALLS", "8")
+    rng = np.random.default_rng(2)
+    stream = rng.integers(3, 2000, size=64, dtype=np.int32)
+    # (position, rows, logits): a 3-row chunk asking 1 starts nothing; a window does; then
+    # a 2-row chunk asking 1 keeps its width, a 2-row chunk asking none and steps go wide
+    plan = [(0, 16, 0), (16, 3, 1), (19, 1, 1), (20, 3, 3), (23, 2, 1), (25, 2, 0), (27, 1, 1)]
+
+    def run(pad: int) -> tuple[list[np.ndarray], list[int]]:
+        calls: list[int] = []
+        with StageEngine(EngineConfig(smollm2.path, pad_rows=pad, n_ctx=256, n_seq_max=1,
+                                      n_threads=1, n_batch=64)) as eng:
+            real = eng._forward
+            eng._forward = lambda part: calls.append(sum(x.n_rows for x in part)) or real(part)
+            outs = [eng.forward([Segment(0, p, tokens=stream[p:p + n], n_logits=k)])[0]
+                    for p, n, k in plan]
+        return outs, calls
+
+    padded, calls = run(2)
+    plain, _ = run(1)
+    assert calls == [16, 3, 2, 4, 2, 4, 4], calls
+    for a, b in zip(padded, plain):
+        assert np.array_equal(a, b)
+
+
 def test_call_shape_timing_patterns_and_verdict():
     """time_call_shapes runs each pattern (warm calls first, then timed ones) and calls
     wide calls the winner only when a wide step in a run costs less than alternating

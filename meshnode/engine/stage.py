@@ -537,15 +537,20 @@ class StageEngine:
     def _width(self, s: Segment) -> int:
         """The rows a GPU engine runs ``s`` as when it runs alone: at least its pad width;
         the widest exact width (4 rows at pad 2) while verify windows wider than the pad
-        width keep coming (limits.GPU_STICKY_CALLS: one call shape, one CUDA graph), where
+        width keep coming (segments asking every row's logits or none) (limits.GPU_STICKY_CALLS: one call shape, one CUDA graph), where
         those cells end in the KV bucket of the segment's padded one-row step (so every row
         attends what it would in a one-row step: limits.gpu_bucket_drafts)."""
         n, width = s.n_rows, max(s.n_rows, self.pad_rows)
         top = gpu_exact_window_rows(self.pad_rows)
         if self._sticky_calls and n <= top:
-            wide = n > self.pad_rows or self._wide_left > 0
-            self._wide_left = self._sticky_calls if n > self.pad_rows else max(0, self._wide_left - 1)
-            if wide and self._pads(s, top) and kv_bucket(s.pos + top) == kv_bucket(s.pos + self.pad_rows):
+            # A window asks every row's logits (prefill chunks ask the last or none). Only
+            # rows that all reach the head, or none does, go wide: llama.cpp runs the head on
+            # the rows asking logits, and its kernels go by their count (1 row is not 3).
+            window = s.n_logits == n > self.pad_rows
+            wide = window or self._wide_left > 0
+            self._wide_left = self._sticky_calls if window else max(0, self._wide_left - 1)
+            if (wide and s.n_logits in (0, n) and self._pads(s, top)
+                    and kv_bucket(s.pos + top) == kv_bucket(s.pos + self.pad_rows)):
                 width = top
         return width if self._pads(s, width) else n
 

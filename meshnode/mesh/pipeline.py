@@ -122,9 +122,10 @@ class Pipeline(Protocol):
     async def close(self) -> None: ...
 
 
-def _segments(steps: Sequence[Step], has_head: bool) -> list[Segment]:
-    return [Segment(s.session, s.pos, tokens=s.tokens, n_logits=s.n_logits if has_head else 0)
-            for s in steps]
+def _segments(steps: Sequence[Step]) -> list[Segment]:
+    # n_logits on every stage (a stage without the head tells windows from prompt chunks
+    # by it: StageEngine._width)
+    return [Segment(s.session, s.pos, tokens=s.tokens, n_logits=s.n_logits) for s in steps]
 
 
 class LocalPipeline:
@@ -138,7 +139,7 @@ class LocalPipeline:
         self.closed: str | None = None   # why, once closed: later runs fail with it
 
     def _run_sync(self, steps: Sequence[Step]) -> list[StepResult]:
-        outs = self.worker.engine.forward(_segments(steps, True), rewind=True)
+        outs = self.worker.engine.forward(_segments(steps), rewind=True)
         return [self._finalize(s, out) if s.n_logits else None for s, out in zip(steps, outs)]
 
     def _finalize(self, step: Step, logits: np.ndarray) -> Finalized | StepFailedError:
@@ -257,7 +258,7 @@ class MeshPipeline:
         if self.closed is not None:
             raise PipelineUnavailableError(self.closed)
         try:
-            hidden = await self.worker.forward(_segments(steps, False), rewind=True)
+            hidden = await self.worker.forward(_segments(steps), rewind=True)
         except EngineError as exc:
             raise PipelineFailedError(f"stage 0: {exc}") from exc
         act = np.concatenate(hidden, axis=0)

@@ -292,8 +292,9 @@ class StageHost:
         act = np.asarray(msg.act, dtype=np.float32)
         segs, row = [], 0
         for s in msg.segments:
-            segs.append(Segment(s.session, s.pos, hidden=act[row:row + s.n_rows],
-                                n_logits=s.n_logits if self.is_last else 0))
+            # n_logits on every stage: a stage without the head returns every row, but
+            # tells a verify window (all rows' logits) from a prompt's chunk by it (_width)
+            segs.append(Segment(s.session, s.pos, hidden=act[row:row + s.n_rows], n_logits=s.n_logits))
             row += s.n_rows
         outs = self.worker.engine.forward(segs, rewind=True)
         if not self.is_last:
