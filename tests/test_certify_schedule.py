@@ -278,3 +278,19 @@ def test_an_offloading_engine_chooses_its_sticky_calls_by_timing_itself(smollm2,
         monkeypatch.setenv("MESHNODE_GPU_STICKY_CALLS", "lots")   # not a number: timing
         assert eng._choose_sticky_calls("m") == 0
         assert eng.sessions() == [0] and eng.next_pos(0) == 5
+
+
+@pytest.mark.parametrize(("a", "b"), [(0, 15), (15, 30)])
+def test_call_shape_steps_run_on_every_kind_of_slice(smollm2, tmp_path, a, b):
+    """The scratch steps an engine times at load run on a first slice (tokens, no head) and
+    a final one (hidden states, the head), padded and not, and leave nothing behind."""
+    from meshnode.models.slicer import stage_role, write_slice
+
+    role = stage_role(a, b, 30)
+    dest = tmp_path / f"s{a}.gguf"
+    write_slice(smollm2.path, a, b, dest, keep_embedding=role.keep_embedding, keep_head=role.keep_head)
+    with StageEngine(EngineConfig(dest, pad_rows=2, n_ctx=256, n_seq_max=1, n_threads=1, n_batch=64,
+                                  takes_tokens=role.keep_embedding, has_head=role.keep_head)) as eng:
+        t = time_call_shapes(eng._scratch_step, 2, 4)
+        eng._scratch_step(1)
+        assert min(t.narrow, t.wide, t.changing) > 0 and eng.sessions() == []
