@@ -537,9 +537,10 @@ class StageEngine:
     def _width(self, s: Segment) -> int:
         """The rows a GPU engine runs ``s`` as when it runs alone: at least its pad width;
         the widest exact width (4 rows at pad 2) while verify windows wider than the pad
-        width keep coming (segments asking every row's logits or none) (limits.GPU_STICKY_CALLS: one call shape, one CUDA graph), where
-        those cells end in the KV bucket of the segment's padded one-row step (so every row
-        attends what it would in a one-row step: limits.gpu_bucket_drafts)."""
+        width keep coming (limits.GPU_STICKY_CALLS: one call shape, one CUDA graph), for a
+        segment asking every row's logits or none, where those cells end in the KV bucket
+        of the segment's padded one-row step (so every row attends what it would in a
+        one-row step: limits.gpu_bucket_drafts)."""
         n, width = s.n_rows, max(s.n_rows, self.pad_rows)
         top = gpu_exact_window_rows(self.pad_rows)
         if self._sticky_calls and n <= top:
