@@ -456,6 +456,7 @@ class ModelServer:
                 ar.withdraw_lookahead()
                 self.scheduler.leave(ar.session)
                 decoder.telemetry.end_request(ar.id)
+                decoder.end(ar)
             # A kept session (and its slot) now belongs to the prefix cache. Otherwise the
             # slots come back once every stage was told to free the sessions (even
             # when this task is cancelled meanwhile): the next request's steps then
@@ -498,11 +499,11 @@ class ModelServer:
         decoder.telemetry.record_prompt(ar.id, len(ar.prompt) - ar.cached, prefill_s)   # evaluated
         ar.first_token_t = time.perf_counter()
         first_token = first.tokens[-1]
-        await decoder.start(ar, first_token)
         ar.pos = len(ar.prompt)
         pending, lps = [first_token], first.logprobs
         t_decode = time.perf_counter()
         self.scheduler.enter(ar.session)
+        started = False
         while True:
             # emit what the last step produced
             for delta in ar.take(pending, self.tokenizer, lps):
@@ -510,6 +511,11 @@ class ModelServer:
             self._progress(ar)
             if ar.done:
                 break
+            if not started:
+                # after the first token is out: the proposers' start (a draft model's
+                # prefill of the prompt) is not what the client waits for it
+                await decoder.start(ar, first_token)
+                started = True
             pending = await self._decode_step(ar, pending[-1])
             lps = ar.last_logprobs
             ar.pos += len(pending)  # last + accepted drafts entered the KV

@@ -87,6 +87,9 @@ class SpeculativeDecoder:
         self.telemetry = SpecTelemetry(strategy, state=self.policy.state)
         self.draft = draft
         self.draft_lock = asyncio.Lock()
+        # The draft model holds one context: it follows one request at a time (the first
+        # to start while it is free); requests beside it draft by n-gram alone.
+        self._draft_for: ActiveRequest | None = None
         self.gate = LookaheadGate()
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
         self.recent = RecentTexts() if strategy == "ngram" else None
@@ -114,12 +117,23 @@ class SpeculativeDecoder:
         req.ngram = SuffixProposer(req.prompt, history)
         req.ngram.observe([first])
         self.policy.on_prompt(req.prompt)
-        if self.draft is not None:
+        if self.draft is not None and self._draft_for is None:
+            self._draft_for = req
             # prefill the draft now only if it will draft (not while cooling down)
             await self._draft_call(functools.partial(self.draft.reset, list(req.prompt),
                                                      sync=self.policy.should_draft))
             await self._draft_call(self.draft.accept, [first])
         self.gate.window_done(0, 0)   # a new text: no run to continue yet
+
+    def end(self, req: ActiveRequest) -> None:
+        """``req`` is over (done, failed or cancelled): the draft model is free for the
+        next request."""
+        if self._draft_for is req:
+            self._draft_for = None
+
+    def _draft_of(self, req: ActiveRequest) -> DraftProposer | None:
+        """The draft model when it follows ``req``."""
+        return self.draft if self._draft_for is req else None
 
     async def step(self, req: ActiveRequest, last: int) -> list[int]:
         """One decode step of ``last`` at ``req.pos``: the tokens it produced (the
@@ -162,8 +176,8 @@ class SpeculativeDecoder:
             if self.policy.should_observe:
                 self.policy.record_cold(ngram.would_hit(tokens[0], min_match=self.min_match))
         ngram.observe(tokens)
-        if self.draft is not None:
-            await self._draft_call(self.draft.accept, tokens)
+        if (draft := self._draft_of(req)) is not None:
+            await self._draft_call(draft.accept, tokens)
         self.policy.on_generated(len(tokens))
         req.last_logprobs = res.logprobs
         await self._send_ahead(req, step.pos + len(tokens), tokens, nxt)
@@ -201,7 +215,7 @@ class SpeculativeDecoder:
                 return
             log.debug("step %s: lookahead at %d dropped", req.id, guess.pos)
             guess.withdraw()
-        if (self.draft is not None and self.policy.should_draft) or req.constraint is not None:
+        if (self._draft_of(req) is not None and self.policy.should_draft) or req.constraint is not None:
             return   # (a draft model not drafting, cooling down, leaves plain steps: sent ahead)
         req.ahead = await self._next_step(req, pos, tokens[-1])
         await asyncio.sleep(0)   # the scheduler starts it before the caller goes on
@@ -221,14 +235,14 @@ class SpeculativeDecoder:
             # guesses where they match; the draft model only where they do not (it
             # catches up on the tokens it skipped at its next call).
             drafts = req.ngram.propose(k, min_match=self.min_match)
-            if not drafts and self.draft is not None:
-                if self.draft.lag > UNIFORM_CATCHUP_ROWS:
+            if not drafts and (draft := self._draft_of(req)) is not None:
+                if draft.lag > UNIFORM_CATCHUP_ROWS:
                     # a prompt, or the tokens of a cooldown, to catch up on: once per
                     # request or probe, not what a window costs (the window's time
                     # feeds the cost model and the policy's judgement)
-                    await self._draft_call(self.draft.sync)
+                    await self._draft_call(draft.sync)
                     t0 = time.perf_counter()
-                drafts = await self._draft_call(self.draft.propose, [], k)
+                drafts = await self._draft_call(draft.propose, [], k)
                 by_model = bool(drafts)
             drafts = [int(t) for t in drafts[:k]]
             self.telemetry.set_window(k)
