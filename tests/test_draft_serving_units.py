@@ -11,6 +11,7 @@ import time
 from char_tokenizer import CharTokenizer
 from meshnode.serve.client import ChatMessage, GenerationRequest, TextDelta
 from meshnode.serve.model_server import ModelServer, ServeSettings
+from meshnode.spec.draft import UNIFORM_CATCHUP_ROWS
 from meshnode.spec.strategy import SpecConfig
 from meshnode.spec.window import WindowPolicy
 from inproc import answer
@@ -42,8 +43,9 @@ class SlowStartDraft:
         return self._lag
 
     def propose(self, context_tail, k: int) -> list[int]:
-        if self._lag:
-            self.sync()
+        if self._lag > UNIFORM_CATCHUP_ROWS:
+            self.sync()   # (a prompt: slow)
+        self._lag = 0     # (a few tokens: quick)
         return []
 
     def accept(self, tokens) -> None:
@@ -119,3 +121,44 @@ def test_the_draft_model_follows_one_request_at_a_time():
     prompt_len = len(context) - 40   # the prompt as templated, then 40 answer tokens
     assert tok.decode(context[prompt_len:]) == ANSWER[:40], tok.decode(context[prompt_len:])
     assert draft.resets == 2   # the third request took the free draft
+
+
+class _TimedPipeline(OraclePipeline):
+    """Records when each step reaches the stages."""
+
+    def __init__(self, truth: list[int], delay: float) -> None:
+        super().__init__(truth, delay)
+        self.started: list[tuple[float, int]] = []   # (time, position)
+
+    async def run(self, steps):
+        self.started += [(time.monotonic(), s.pos) for s in steps]
+        return await super().run(steps)
+
+
+def test_on_a_split_the_draft_catches_up_while_the_first_step_is_away():
+    """On a split the draft prefills the prompt in the background while the first decode
+    step is at the stages (that step goes without the draft's help); on one node before
+    the first decode step is sent, as it needs the draft. Both texts are exact."""
+    tok = CharTokenizer()
+    spec = SpecConfig("draft", "draft-model", "on", "draft.gguf", WindowPolicy(), "test")
+
+    async def main(n_stages: int):
+        draft = SlowStartDraft(0.3)
+        pipe = _TimedPipeline(tok.encode(CODE) + tok.encode(ANSWER), 0.2)
+        pipe.n_stages = n_stages
+        # n_batch: the prompt in one step, so the first decode step is the second one
+        server = ModelServer(ServeSettings("m", n_ctx=1024, n_batch=1024, spec=spec), tok, pipe, draft=draft)
+        text, _ = await answer(server, GenerationRequest("r", "m", messages=(ChatMessage("user", CODE),),
+                                                         max_tokens=8, temperature=0.0))
+        await server.scheduler.close()
+        return text, draft.prefilled_at, pipe.started
+
+    for n_stages in (2, 1):
+        text, prefilled, started = asyncio.run(main(n_stages))
+        assert text == ANSWER[:8]
+        (_, prompt_pos), (first_decode, pos) = started[0], started[1]
+        assert prompt_pos == 0 and pos > 0 and prefilled
+        if n_stages == 2:
+            assert first_decode < prefilled[0] - 0.2, (first_decode, prefilled)
+        else:
+            assert first_decode >= prefilled[0], (first_decode, prefilled)

@@ -90,6 +90,7 @@ class SpeculativeDecoder:
         # The draft model holds one context: it follows one request at a time (the first
         # to start while it is free); requests beside it draft by n-gram alone.
         self._draft_for: ActiveRequest | None = None
+        self._catching_up: asyncio.Future | None = None   # its catch-up in the background
         self.gate = LookaheadGate()
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
         self.recent = RecentTexts() if strategy == "ngram" else None
@@ -119,9 +120,11 @@ class SpeculativeDecoder:
         self.policy.on_prompt(req.prompt)
         if self.draft is not None and self._draft_for is None:
             self._draft_for = req
-            # prefill the draft now only if it will draft (not while cooling down)
+            # prefill the draft now only if it will draft (not while cooling down), and on
+            # a split not even then: it catches up while the first step is away
+            # (_catch_up_meanwhile)
             await self._draft_call(functools.partial(self.draft.reset, list(req.prompt),
-                                                     sync=self.policy.should_draft))
+                                                     sync=self.policy.should_draft and not self._split))
             await self._draft_call(self.draft.accept, [first])
         self.gate.window_done(0, 0)   # a new text: no run to continue yet
 
@@ -134,6 +137,29 @@ class SpeculativeDecoder:
     def _draft_of(self, req: ActiveRequest) -> DraftProposer | None:
         """The draft model when it follows ``req``."""
         return self.draft if self._draft_for is req else None
+
+    @property
+    def _split(self) -> bool:
+        return self.scheduler.pipeline.n_stages > 1
+
+    async def _catch_up_meanwhile(self, req: ActiveRequest) -> None:
+        """On a split, a draft model further behind ``req``'s context than a window's
+        catch-up (the prompt, a long run of n-gram drafts) catches up now, in the
+        background, while the step just sent is away at the other stages; the step's
+        result then waits for it (the draft's calls take turns: ``draft_lock``), and the
+        next window finds it ready instead of catching up before it is sent."""
+        draft = self._draft_of(req)
+        if (draft is None or not self._split or self._catching_up is not None
+                or not self.policy.should_draft or draft.lag <= UNIFORM_CATCHUP_ROWS):
+            return
+        await asyncio.sleep(0)   # the scheduler hands the step to stage 0 first
+        self._catching_up = asyncio.ensure_future(self._draft_call(draft.sync))
+        self._catching_up.add_done_callback(self._caught_up)
+
+    def _caught_up(self, fut: asyncio.Future) -> None:
+        self._catching_up = None
+        if not fut.cancelled():
+            fut.exception()   # (logged by _draft_call; its next call fails the request)
 
     async def step(self, req: ActiveRequest, last: int) -> list[int]:
         """One decode step of ``last`` at ``req.pos``: the tokens it produced (the
@@ -150,6 +176,7 @@ class SpeculativeDecoder:
                 ahead.withdraw()
             step = await self._next_step(req, req.pos, last)
         nxt = self._look_ahead(req, step, ngram)
+        await self._catch_up_meanwhile(req)
         try:
             res = await step.result
         except BaseException:
@@ -235,13 +262,18 @@ class SpeculativeDecoder:
             # guesses where they match; the draft model only where they do not (it
             # catches up on the tokens it skipped at its next call).
             drafts = req.ngram.propose(k, min_match=self.min_match)
-            if not drafts and (draft := self._draft_of(req)) is not None:
-                if draft.lag > UNIFORM_CATCHUP_ROWS:
-                    # a prompt, or the tokens of a cooldown, to catch up on: once per
-                    # request or probe, not what a window costs (the window's time
-                    # feeds the cost model and the policy's judgement)
+            draft = self._draft_of(req) if not drafts else None
+            if draft is not None and draft.lag > UNIFORM_CATCHUP_ROWS:
+                # a prompt, or the tokens of a cooldown, to catch up on: once per request
+                # or probe, not what a window costs (the window's time feeds the cost
+                # model and the policy's judgement). On a split this step goes without
+                # the draft's help and the draft catches up while it is away.
+                if self._split:
+                    draft = None
+                else:
                     await self._draft_call(draft.sync)
                     t0 = time.perf_counter()
+            if draft is not None:
                 drafts = await self._draft_call(draft.propose, [], k)
                 by_model = bool(drafts)
             drafts = [int(t) for t in drafts[:k]]
