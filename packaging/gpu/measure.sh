@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-26}
+PART=${1:?part 1-27}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -420,5 +420,17 @@ if [ "$PART" = 26 ]; then
     env -u MESHNODE_GPU_STICKY_CALLS CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
     --set heldout --tokens 96 --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
   grep -h "call shapes on" "$MESHNODE_HOME"/logs/*.log 2>/dev/null | tail -n 8 >> "$LOG"
+fi
+# Part 27: the two checks a change to call shapes or drafting needs, in one call after part
+# 25 (carried and chained like part 24, ~5 minutes): concurrent requests against alone on a
+# 2-stage split of one GPU (every answer must equal its answer alone), then part 26's
+# held-out run with the default call shapes.
+if [ "$PART" = 27 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  step 200 "concurrent requests against alone, 2 stages on one GPU" \
+    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
+  step 200 "bench spec SmolLM2 held-out, 2 stages on GPU 0, pad 2, call shapes by timing, 1 round" \
+    env -u MESHNODE_GPU_STICKY_CALLS CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
+    --set heldout --tokens 96 --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
