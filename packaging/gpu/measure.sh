@@ -419,7 +419,6 @@ if [ "$PART" = 26 ]; then
   step 200 "bench spec SmolLM2 held-out, 2 stages on GPU 0, pad 2, call shapes by timing, 1 round" \
     env -u MESHNODE_GPU_STICKY_CALLS CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
     --set heldout --tokens 96 --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
-  grep -h "call shapes on" "$MESHNODE_HOME"/logs/*.log 2>/dev/null | tail -n 8 >> "$LOG"
 fi
 # Part 27: the two checks a change to call shapes or drafting needs, in one call after part
 # 25 (carried and chained like part 24, ~5 minutes): concurrent requests against alone on a
