@@ -422,12 +422,15 @@ if [ "$PART" = 26 ]; then
 fi
 # Part 27: the two checks a change to call shapes or drafting needs, in one call after part
 # 25 (carried and chained like part 24, ~5 minutes): concurrent requests against alone on a
-# 2-stage split of one GPU (every answer must equal its answer alone), then part 26's
-# held-out run with the default call shapes.
+# 2-stage split of one GPU (every answer must equal its answer alone), certify --schedule
+# at more contexts (the default call shapes: wide after windows), then part 26's held-out
+# run.
 if [ "$PART" = 27 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
   step 200 "concurrent requests against alone, 2 stages on one GPU" \
     "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
+  step 120 "schedule SmolLM2, wide calls after windows, more contexts" "$PY" -m meshnode models certify "$SMOL" \
+    --schedule --gpu-layers all --contexts 60,130,300,700,1000 --windows 2,3,4
   step 200 "bench spec SmolLM2 held-out, 2 stages on GPU 0, pad 2, call shapes by timing, 1 round" \
     env -u MESHNODE_GPU_STICKY_CALLS CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
     --set heldout --tokens 96 --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
