@@ -430,7 +430,7 @@ if [ "$PART" = 27 ]; then
   step 200 "concurrent requests against alone, 2 stages on one GPU" \
     "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
   step 120 "schedule SmolLM2, wide calls after windows, more contexts" "$PY" -m meshnode models certify "$SMOL" \
-    --schedule --gpu-layers all --contexts 60,130,300,700,1000 --windows 2,3,4
+    --schedule --gpu-layers all --contexts 60,130,300,600,700,1000,1500 --windows 2,3,4
   step 200 "bench spec SmolLM2 held-out, 2 stages on GPU 0, pad 2, call shapes by timing, 1 round" \
     env -u MESHNODE_GPU_STICKY_CALLS CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
     --set heldout --tokens 96 --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
