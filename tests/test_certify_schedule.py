@@ -235,8 +235,8 @@ def test_a_padding_engine_widens_only_rows_that_all_reach_the_head(smollm2, monk
 
 def test_call_shape_timing_patterns_and_verdict():
     """time_call_shapes runs each pattern (warm calls first, then timed ones) and calls
-    wide calls the winner only when a wide step in a run costs less than alternating
-    steps."""
+    wide calls the winner only when a wide step in a run costs less than the mean of a
+    narrow step in a run and a step after a change."""
     widths: list[int] = []
     now = [0.0]
     cost = {2: 1e-3, 4: 2e-3}
@@ -254,6 +254,10 @@ def test_call_shape_timing_patterns_and_verdict():
     assert t.changing == pytest.approx(6.5)   # median of 6 and 7 ms
     assert t.wide_wins and "alternating 6.50 ms" in t.summary()
     assert not CallShapeTimes(2, 4, 1.0, 2.0, 1.5).wide_wins
+    # measured on an H200: SmolLM2's shape wide, an 8B shape narrow (its wide step beats a
+    # step after a change, not the mean with a step in a run)
+    assert CallShapeTimes(2, 4, 1.56, 1.80, 5.16).wide_wins
+    assert not CallShapeTimes(2, 4, 3.84, 4.89, 5.10).wide_wins
 
 
 def test_an_offloading_engine_chooses_its_sticky_calls_by_timing_itself(smollm2, monkeypatch):
