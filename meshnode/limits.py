@@ -80,10 +80,6 @@ GPU_STICKY_CALLS_ENV = "MESHNODE_GPU_STICKY_CALLS"
 def gpu_sticky_calls() -> int | None:
     """$MESHNODE_GPU_STICKY_CALLS when it is a number (0 = never); None when it is unset or
     not a number (with a warning): then each GPU engine decides by timing itself."""
-    import os
-
-    if not os.environ.get(GPU_STICKY_CALLS_ENV, "").strip():
-        return None
     calls = _env_count(GPU_STICKY_CALLS_ENV, 0, 1 << 30, -1, "each engine's timing")
     return None if calls < 0 else calls
 

@@ -266,8 +266,8 @@ class StageEngine:
             self.close()
             raise EngineInputError(f"pad_rows must be an integer in [1, {MAX_VERIFY_WINDOW}], got {pad!r}")
         self.pad_rows = pad
-        self._sticky_calls = 0   # after a wide window, small calls stay wide this many calls
-        self._wide_left = 0      # ... and this many are left (_width)
+        self._wide_rows = gpu_exact_window_rows(pad)   # how wide small calls go (_width)
+        self._wide_left = 0      # calls left that stay wide after a window (_width)
         self.call_shapes: CallShapeTimes | None = None   # what _choose_sticky_calls measured
         if self._tap is not None:
             cparams.cb_eval = self._tap.c_callback
@@ -284,6 +284,7 @@ class StageEngine:
         self._free_seqs = list(range(config.n_seq_max - 1, -1, -1))
         self._copies_queued = False   # a cross-stream KV copy waits for the next decode
         self._next_pos: dict[int, int] = {}   # session -> next position expected
+        # after a window wider than the pad, small calls stay wide this many calls
         self._sticky_calls = self._choose_sticky_calls(path.name)
 
     # ---- batch buffers (owned by numpy, referenced by one llama_batch struct) ----------
@@ -542,7 +543,7 @@ class StageEngine:
         of the segment's padded one-row step (so every row attends what it would in a
         one-row step: limits.gpu_bucket_drafts)."""
         n, width = s.n_rows, max(s.n_rows, self.pad_rows)
-        top = gpu_exact_window_rows(self.pad_rows)
+        top = self._wide_rows
         if self._sticky_calls and n <= top:
             # A window asks every row's logits (prefill chunks ask the last or none). Only
             # rows that all reach the head, or none does, go wide: llama.cpp runs the head on
@@ -565,7 +566,7 @@ class StageEngine:
         calls = gpu_sticky_calls()
         if calls is not None or not self.gpu_layers:
             return calls or 0
-        wide = gpu_exact_window_rows(self.pad_rows)
+        wide = self._wide_rows
         if wide <= self.pad_rows or wide > min(self.n_batch, self.n_ctx):
             return 0
         try:

@@ -311,7 +311,7 @@ class SpeculativeDecoder:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is
         the proposer's next token (see :mod:`meshnode.spec.lookahead` for when)."""
         # (a constrained request's masks follow its committed tokens: no guessing ahead)
-        if (not step.drafts or self.scheduler.pipeline.n_stages < 2 or not req.sampling.greedy
+        if (not step.drafts or not self._split or not req.sampling.greedy
                 or req.constraint is not None
                 or self.draft is not None or not self.policy.should_draft
                 or self.scheduler.decoding != 1 or not self.gate.allow()):
