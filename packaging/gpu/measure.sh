@@ -30,6 +30,7 @@ step() {   # step SECONDS TITLE CMD...: run with a limit, log output and wall ti
   timeout "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
   echo "=== $title: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+  return $rc
 }
 
 schedule() {   # schedule MODEL LABEL [ENV=V ...] -- [certify flags]: one batch-schedule check
@@ -427,10 +428,15 @@ fi
 # run.
 if [ "$PART" = 27 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  # a difference is then attributed: the same check with small calls keeping their width
   step 200 "concurrent requests against alone, 2 stages on one GPU" \
-    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
+    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2 ||
+    step 200 "concurrent requests against alone, 2 stages on one GPU, no wide calls" \
+      env MESHNODE_GPU_STICKY_CALLS=0 "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
   step 120 "schedule SmolLM2, wide calls after windows, more contexts" "$PY" -m meshnode models certify "$SMOL" \
-    --schedule --gpu-layers all --contexts 60,130,300,600,700,1000,1500 --windows 2,3,4
+    --schedule --gpu-layers all --contexts 60,130,300,600,700,1000,1500 --windows 2,3,4 ||
+    step 120 "schedule SmolLM2, no wide calls, more contexts" env MESHNODE_GPU_STICKY_CALLS=0 "$PY" -m meshnode \
+      models certify "$SMOL" --schedule --gpu-layers all --contexts 60,130,300,600,700,1000,1500 --windows 2,3,4
   step 200 "bench spec SmolLM2 held-out, 2 stages on GPU 0, pad 2, call shapes by timing, 1 round" \
     env -u MESHNODE_GPU_STICKY_CALLS CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
     --set heldout --tokens 96 --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
