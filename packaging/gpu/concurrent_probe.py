@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -83,7 +84,9 @@ def main() -> int:
         base, model = coord.base_url, coord.get("/v1/models")["data"][0]["id"]
         print(f"{len(prompts)} prompts, {args.stages} stage(s), gpu layers {gl[1]} (other nodes {peer[1]}), "
               f"--parallel {args.parallel}", flush=True)
+        t0 = time.monotonic()
         alone = [ask(base, model, q.chat(), args.tokens) for q in prompts]
+        print(f"alone: {len(prompts)} answers in {time.monotonic() - t0:.1f} s", flush=True)
         report: dict = {"prompts": len(prompts), "rounds": {}}
         for name, order in (("together", list(range(len(prompts)))),
                             ("together, reversed", list(range(len(prompts)))[::-1])):

@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-27}
+PART=${1:?part 1-28}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -440,5 +440,23 @@ if [ "$PART" = 27 ]; then
   step 200 "bench spec SmolLM2 held-out, 2 stages on GPU 0, pad 2, call shapes by timing, 1 round" \
     env -u MESHNODE_GPU_STICKY_CALLS CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
     --set heldout --tokens 96 --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
+fi
+# Part 28: where part 27's concurrent differences come from (2 of 29 answers on the split,
+# first differences at tokens ~15-32 of two chats, one order only). At the engine, in one
+# process (split_batch_probe.py): a split's two engines, eight sessions grouped at random
+# against each alone, with the default call shapes, with windows, and with wide calls off;
+# then the concurrent probe with wide calls off (in part 27 it ran out of time). One call
+# with the build: carry [.gpukit, .gpuwt/smol/part1, .gpuwt/smol/part2]:
+#   . .gpukit/device-setup.sh && mkdir -p /tmp/smol && cp .gpuwt/smol/part* /tmp/smol/ &&
+#     bash packaging/gpu/measure.sh 28 "$OUT"
+if [ "$PART" = 28 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  probe=("$PY" "$(dirname "$0")/split_batch_probe.py" "$SMOL")
+  step 80 "split engines, sessions grouped at random, default call shapes" "${probe[@]}" --schedules ${MEASURE_SCHEDULES:-6}
+  step 80 "split engines, sessions grouped at random, default call shapes, windows" "${probe[@]}" --windows --schedules ${MEASURE_SCHEDULES:-6}
+  step 80 "split engines, sessions grouped at random, no wide calls, windows" \
+    env MESHNODE_GPU_STICKY_CALLS=0 "${probe[@]}" --windows --schedules ${MEASURE_SCHEDULES:-6}
+  step ${MEASURE_LEFT:-200} "concurrent requests against alone, 2 stages on one GPU, no wide calls" \
+    env MESHNODE_GPU_STICKY_CALLS=0 "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
