@@ -93,11 +93,21 @@ def main() -> int:
             with ThreadPoolExecutor(len(prompts)) as ex:
                 got = dict(zip(order, ex.map(lambda i: ask(base, model, prompts[i].chat(), args.tokens),
                                              order)))
-            diffs = {prompts[i].id: first_difference(alone[i], got[i]) for i in order}
-            bad = {k: v for k, v in diffs.items() if v is not None}
-            report["rounds"][name] = {"differ": len(bad), "first_difference_at": bad}
+            # the text decides; pieces (~tokens) say where, and pieces that differ in a
+            # text that does not would be the stream cutting the same text otherwise
+            bad = {prompts[i].id: first_difference(alone[i], got[i]) for i in order
+                   if "".join(alone[i]) != "".join(got[i])}
+            recut = [prompts[i].id for i in order
+                     if "".join(alone[i]) == "".join(got[i]) and alone[i] != got[i]]
+            report["rounds"][name] = {"differ": len(bad), "first_difference_at": bad, "recut": recut}
             print(f"{name}: {len(bad)} of {len(prompts)} answers differ from their answer alone"
-                  + (f" (first differing piece: {bad})" if bad else ""), flush=True)
+                  + (f" (first differing piece: {bad})" if bad else "")
+                  + (f"; the same text cut into other pieces: {recut}" if recut else ""), flush=True)
+            for i in order:
+                if prompts[i].id in bad:
+                    k = bad[prompts[i].id]
+                    print(f"  {prompts[i].id}: alone {alone[i][max(0, k - 3):k + 4]!r}\n"
+                          f"  {' ' * len(prompts[i].id)}  together {got[i][max(0, k - 3):k + 4]!r}", flush=True)
     print(json.dumps(report))
     return 1 if any(r["differ"] for r in report["rounds"].values()) else 0
 

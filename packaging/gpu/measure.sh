@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-28}
+PART=${1:?part 1-29}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -458,5 +458,17 @@ if [ "$PART" = 28 ]; then
     env MESHNODE_GPU_STICKY_CALLS=0 "${probe[@]}" --windows --schedules ${MEASURE_SCHEDULES:-6}
   step ${MEASURE_LEFT:-200} "concurrent requests against alone, 2 stages on one GPU, no wide calls" \
     env MESHNODE_GPU_STICKY_CALLS=0 "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
+fi
+# Part 29: part 28's concurrent difference again (one answer, its first token, in both
+# orders, wide calls off), now with the texts printed; then the same with --parallel 1
+# (requests queued and served one at a time: a difference there would come from what ran
+# before, not from sessions computed together). Carried and chained like part 24.
+if [ "$PART" = 29 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  for par in 8 1; do
+    step 120 "concurrent requests against alone, 2 stages on one GPU, no wide calls, --parallel $par" \
+      env MESHNODE_GPU_STICKY_CALLS=0 "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all \
+      --stages 2 --parallel $par
+  done
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
