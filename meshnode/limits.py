@@ -62,6 +62,18 @@ def gpu_pad_rows() -> int:
     return _env_count(GPU_PAD_ROWS_ENV, 2, MAX_GPU_PAD_ROWS, GPU_PAD_ROWS)
 
 
+# For tests: CPU engines pad like GPU engines (the GPU's call paths: padded steps, sessions
+# in alone-alike calls, wide calls with MESHNODE_GPU_STICKY_CALLS) where CI has no GPU. A
+# CPU computes every row alike in any of these calls, so answers must not change.
+CPU_PAD_ROWS_ENV = "MESHNODE_CPU_PAD_ROWS"
+
+
+def cpu_pad_rows() -> int:
+    """The pad width of this node's CPU engines: 1 (none) unless $MESHNODE_CPU_PAD_ROWS
+    is a number in 1..8."""
+    return _env_count(CPU_PAD_ROWS_ENV, 1, MAX_GPU_PAD_ROWS, 1)
+
+
 # How many calls a GPU stage keeps padding its small calls to the widest exact width
 # (gpu_exact_window_rows: 4 rows at pad 2) after a verify window wider than its pad width
 # (StageEngine._width), where that wins. llama.cpp replays a captured CUDA graph while

@@ -35,6 +35,17 @@ def test_a_node_advertises_the_width_it_pads_to(monkeypatch):
     assert local_capabilities().gpu_pad_rows == 2
 
 
+@pytest.mark.parametrize(("raw", "width"), [(None, 1), ("2", 2), ("8", 8), ("0", 1), ("9", 1), ("two", 1)])
+def test_cpu_engines_pad_only_when_told_and_within_range(monkeypatch, raw, width):
+    from meshnode.limits import cpu_pad_rows
+
+    if raw is None:
+        monkeypatch.delenv("MESHNODE_CPU_PAD_ROWS", raising=False)
+    else:
+        monkeypatch.setenv("MESHNODE_CPU_PAD_ROWS", raw)
+    assert cpu_pad_rows() == width
+
+
 def _fabric(tmp_path, name: str, secret: bytes, **kw) -> MeshFabric:
     return MeshFabric(NodePaths.resolve(tmp_path / name).ensure(), secret=secret, name=name, discovery=False,
                       bind_host="127.0.0.1", **kw)

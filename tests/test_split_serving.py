@@ -118,6 +118,36 @@ def test_split_output_equals_single_node(smollm2, single_node_outputs, tmp_path,
             n.stop()
 
 
+def test_the_gpu_call_paths_keep_every_answer_on_cpu(smollm2, single_node_outputs, tmp_path, monkeypatch):
+    """A GPU engine's call paths (lone steps padded to 2 rows, sessions of a call in
+    alone-alike calls, small calls 4 rows wide after a window) through a 2-stage split,
+    on CPU where no row may change for them: answers one by one and all at once equal
+    one node's (CI has no GPU; docs/engine.md "GPU")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    monkeypatch.setenv("MESHNODE_CPU_PAD_ROWS", "2")
+    monkeypatch.setenv("MESHNODE_GPU_STICKY_CALLS", "32")
+    outputs, coord, helpers = _run_split(smollm2, tmp_path, 2)
+    try:
+        for n in [coord, *helpers]:   # the engines took the GPU's paths
+            assert "CPU engine padding calls to 2 rows" in n.log(), n.log()[-3000:]
+        assert outputs == single_node_outputs
+        client = OpenAI(base_url=f"http://127.0.0.1:{coord.info['http_port']}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def ask(p: str) -> str:
+            return client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                                  max_tokens=MAX_TOKENS, temperature=0).choices[0].message.content
+
+        with ThreadPoolExecutor(len(PROMPTS)) as ex:
+            assert list(ex.map(ask, PROMPTS)) == single_node_outputs
+    finally:
+        for n in [coord, *helpers]:
+            n.stop()
+
+
 def test_f16_wire_agreement(smollm2, single_node_outputs, tmp_path):
     """f16 activations are not exact by design: measure and report token agreement."""
     outputs, coord, helpers = _run_split(smollm2, tmp_path, 2, wire="f16")

@@ -51,6 +51,8 @@ from meshnode.limits import (
     MAX_VERIFY_WINDOW,
     gpu_exact_window_rows,
     GPU_STICKY_CALLS,
+    CPU_PAD_ROWS_ENV,
+    cpu_pad_rows,
     gpu_pad_rows,
     gpu_sticky_calls,
     kv_bucket,
@@ -261,7 +263,7 @@ class StageEngine:
         cparams.no_perf = True
         cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        pad = config.pad_rows if config.pad_rows is not None else (gpu_pad_rows() if self.gpu_layers else 1)
+        pad = config.pad_rows if config.pad_rows is not None else (gpu_pad_rows() if self.gpu_layers else cpu_pad_rows())
         if isinstance(pad, bool) or not isinstance(pad, int) or not 1 <= pad <= MAX_VERIFY_WINDOW:
             self.close()
             raise EngineInputError(f"pad_rows must be an integer in [1, {MAX_VERIFY_WINDOW}], got {pad!r}")
@@ -286,6 +288,9 @@ class StageEngine:
         self._next_pos: dict[int, int] = {}   # session -> next position expected
         # after a window wider than the pad, small calls stay wide this many calls
         self._sticky_calls = self._choose_sticky_calls(path.name)
+        if pad > 1 and not self.gpu_layers and config.pad_rows is None:
+            log.info("%s: CPU engine padding calls to %d rows ($%s), wide after windows for %d calls",
+                     path.name, pad, CPU_PAD_ROWS_ENV, self._sticky_calls)
 
     # ---- batch buffers (owned by numpy, referenced by one llama_batch struct) ----------
 

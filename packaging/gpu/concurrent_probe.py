@@ -32,7 +32,8 @@ from meshnode.bench.cluster import LocalCluster  # noqa: E402
 
 
 def ask(base: str, model: str, messages: list[dict], tokens: int) -> list[str]:
-    """A greedy completion's text pieces, one per streamed chunk (~one per token)."""
+    """A greedy completion's text pieces, one per streamed chunk (~one per token); an
+    in-band error ends them as a last piece ``<error: ...>``."""
     import httpx
 
     from meshnode.bench.cluster import sse_chunks
@@ -46,6 +47,8 @@ def ask(base: str, model: str, messages: list[dict], tokens: int) -> list[str]:
         for chunk in sse_chunks(r):
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                 pieces.append(chunk["choices"][0]["delta"]["content"])
+            elif "error" in chunk:
+                pieces.append(f"<error: {chunk['error'].get('message', chunk['error'])}>")
     return pieces
 
 
@@ -68,16 +71,21 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens per answer (default 64)")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
     p.add_argument("--parallel", type=int, default=8, help="the node's --parallel (default 8)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="every node's --threads (default: theirs; 1 computes steps on the event loop, "
+                        "as a GPU node does)")
     args = p.parse_args()
 
     prompts = [q for w in prompt_sets.WORKLOADS
                for q in prompt_sets.select(prompt_sets.load(w), "heldout") if q.step == 0]
     prompts = prompts[:args.limit] if args.limit else prompts
-    gl = ("--gpu-layers", gpu_layers_flag(args.gpu_layers))
+    gl = ("--gpu-layers", gpu_layers_flag(args.gpu_layers),
+          *(("--threads", str(args.threads)) if args.threads else ()))
     flags = (*gl, "--parallel", str(args.parallel), "--max-queue", str(len(prompts)), "--ctx", "4096",
              "--spec-mode", "off", "--prefix-cache", "0", "--model", args.model)
     with LocalCluster(Path(args.model), args.stages) as cluster:
-        peer = gl if args.peer_gpu_layers is None else ("--gpu-layers", gpu_layers_flag(args.peer_gpu_layers))
+        peer = gl if args.peer_gpu_layers is None else ("--gpu-layers", gpu_layers_flag(args.peer_gpu_layers),
+                                                        *gl[2:])
         for i in range(1, args.stages):
             cluster.start(i, "--no-model", *peer, "--parallel", str(args.parallel))
         coord = cluster.start(0, *flags, "--split", str(args.stages)).wait_model()
@@ -108,6 +116,11 @@ def main() -> int:
                     k = bad[prompts[i].id]
                     print(f"  {prompts[i].id}: alone {alone[i][max(0, k - 3):k + 4]!r}\n"
                           f"  {' ' * len(prompts[i].id)}  together {got[i][max(0, k - 3):k + 4]!r}", flush=True)
+        if any(r["differ"] for r in report["rounds"].values()):
+            for node in cluster.nodes:   # what the nodes said about it
+                said = [ln for ln in node.log_tail(200_000).splitlines() if " WARNING " in ln or " ERROR " in ln]
+                print(f"{node.name}: {len(said)} warning/error lines" + "".join(f"\n  {ln[:300]}" for ln in said[-15:]),
+                      flush=True)
     print(json.dumps(report))
     return 1 if any(r["differ"] for r in report["rounds"].values()) else 0
 
