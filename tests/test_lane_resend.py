@@ -1,4 +1,11 @@
-"""When stage 0 resends a fast-lane step over the stream (meshnode.mesh.pipeline): after
+"""Which path stage 0 sends a step on (meshnode.mesh.pipeline).
+
+A step never takes the lane past stream frames of its session that no reply has followed:
+a prompt whose last chunk is one row would otherwise overtake its earlier chunks, still
+crossing the stream, and fail at the next stage (seen on a GPU split, where stages
+compute a lane step the moment it lands).
+
+When stage 0 resends a fast-lane step over the stream: after
 max(LANE_RETRY_MIN_S, 8 round trips of decode steps). A model whose steps take longer
 than the minimum (a big model on CPUs) must not have its lane steps resent for being slow:
 each resend computes the step again on every stage, and two of them switch the lane off.
@@ -77,3 +84,23 @@ def test_a_slow_model_lane_steps_are_not_resent(monkeypatch):
     fabric, pipe = asyncio.run(main())
     assert pipe.lane_steps == 3 and fabric.on_lane == 3
     assert pipe.lane_resends == 0 and fabric.missed == 0 and fabric.on_stream == 3
+
+
+def test_a_prompts_one_row_last_chunk_stays_behind_its_earlier_chunks():
+    async def main():
+        fabric = _Fabric()
+        fabric.lane = True
+        pipe = fabric.pipe = MeshPipeline(_Worker(), fabric, ["final"])
+        # a 65-token prompt: a chunk of 64 wanting nothing back, then its last row
+        assert await pipe.run([Step(1, 0, np.zeros(64, dtype=np.int32), n_logits=0)]) == [None]
+        (first,) = await pipe.run([Step(1, 64, np.asarray([5], dtype=np.int32))])
+        assert first.tokens == (7,)
+        assert (fabric.on_stream, fabric.on_lane) == (2, 0)   # the last row took the stream too
+        await pipe.run([Step(1, 65, np.asarray([7], dtype=np.int32))])
+        assert (fabric.on_stream, fabric.on_lane) == (2, 1)   # a reply came: the lane again
+        # another session's decode steps are not held back by this one's chunks
+        await pipe.run([Step(2, 0, np.zeros(8, dtype=np.int32), n_logits=0)])
+        await pipe.run([Step(1, 66, np.asarray([7], dtype=np.int32))])
+        assert fabric.on_lane == 2
+
+    asyncio.run(main())

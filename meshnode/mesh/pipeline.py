@@ -206,7 +206,11 @@ class MeshPipeline:
         self.lane_steps = 0                   # telemetry: steps sent with SEG_LANE
         self.lane_resends = 0                 # ... of which resent over the stream
         self.refused = 0                      # replies ignored: not from the right stage
-        self._fresh: set[int] = set()         # copied sessions without a reply yet (copy_session)
+        # Sessions with frames on the stream that no reply has followed yet (prompt chunks
+        # that want nothing back, copies): their next step takes the stream too, behind
+        # them. On the lane it could overtake them (a prompt whose last chunk is one row,
+        # its earlier chunks still crossing the stream) and reach a stage before its rows.
+        self._fresh: set[int] = set()
         self.closed: str | None = None   # why, once closed: later runs fail with it
 
     # Called by the node's message dispatcher for TokenReturn / DataError frames.
@@ -271,6 +275,7 @@ class MeshPipeline:
         if msg is None:
             msg = self._forward(steps, batch_id, act, lane)
         if not want:
+            self._fresh.update(s.session for s in steps)
             await self._send(msg, lane)
             return [None] * len(steps)
         loop = asyncio.get_running_loop()
