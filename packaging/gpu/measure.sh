@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-29}
+PART=${1:?part 1-30}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -469,6 +469,17 @@ if [ "$PART" = 29 ]; then
     step 120 "concurrent requests against alone, 2 stages on one GPU, no wide calls, --parallel $par" \
       env MESHNODE_GPU_STICKY_CALLS=0 "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all \
       --stages 2 --parallel $par
+  done
+fi
+# Part 30: the concurrent probe after the fast-lane fix (a prompt's one-row last chunk
+# overtook its earlier chunks), with the default call shapes, twice: every answer must
+# equal its answer alone; a difference is printed with any in-band error and the nodes'
+# warnings (what part 27's two chats were is not known). Carried and chained like part 24.
+if [ "$PART" = 30 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  for run in 1 2; do
+    step 150 "concurrent requests against alone, 2 stages on one GPU, run $run" \
+      "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
   done
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
