@@ -445,17 +445,18 @@ fi
 # first differences at tokens ~15-32 of two chats, one order only). At the engine, in one
 # process (split_batch_probe.py): a split's two engines, eight sessions grouped at random
 # against each alone, with the default call shapes, with windows, and with wide calls off;
-# then the concurrent probe with wide calls off (in part 27 it ran out of time). One call
+# then the concurrent probe with wide calls off (in part 27 it ran out of time). On the
+# H200 a schedule took ~20 s (3 per configuration fit the 80 s steps). One call
 # with the build: carry [.gpukit, .gpuwt/smol/part1, .gpuwt/smol/part2]:
 #   . .gpukit/device-setup.sh && mkdir -p /tmp/smol && cp .gpuwt/smol/part* /tmp/smol/ &&
 #     bash packaging/gpu/measure.sh 28 "$OUT"
 if [ "$PART" = 28 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
   probe=("$PY" "$(dirname "$0")/split_batch_probe.py" "$SMOL")
-  step 80 "split engines, sessions grouped at random, default call shapes" "${probe[@]}" --schedules ${MEASURE_SCHEDULES:-6}
-  step 80 "split engines, sessions grouped at random, default call shapes, windows" "${probe[@]}" --windows --schedules ${MEASURE_SCHEDULES:-6}
+  step 80 "split engines, sessions grouped at random, default call shapes" "${probe[@]}" --schedules ${MEASURE_SCHEDULES:-3}
+  step 80 "split engines, sessions grouped at random, default call shapes, windows" "${probe[@]}" --windows --schedules ${MEASURE_SCHEDULES:-3}
   step 80 "split engines, sessions grouped at random, no wide calls, windows" \
-    env MESHNODE_GPU_STICKY_CALLS=0 "${probe[@]}" --windows --schedules ${MEASURE_SCHEDULES:-6}
+    env MESHNODE_GPU_STICKY_CALLS=0 "${probe[@]}" --windows --schedules ${MEASURE_SCHEDULES:-3}
   step ${MEASURE_LEFT:-200} "concurrent requests against alone, 2 stages on one GPU, no wide calls" \
     env MESHNODE_GPU_STICKY_CALLS=0 "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
 fi
