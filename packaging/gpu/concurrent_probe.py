@@ -71,6 +71,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens per answer (default 64)")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
     p.add_argument("--parallel", type=int, default=8, help="the node's --parallel (default 8)")
+    p.add_argument("--spec-mode", choices=["off", "auto", "on"], default="off",
+                   help="the coordinator's --spec-mode (default off; greedy answers must not change "
+                        "with speculation either, so on tests windows and wide calls beside other sessions)")
     p.add_argument("--threads", type=int, default=None,
                    help="every node's --threads (default: theirs; 1 computes steps on the event loop, "
                         "as a GPU node does)")
@@ -82,7 +85,7 @@ def main() -> int:
     gl = ("--gpu-layers", gpu_layers_flag(args.gpu_layers),
           *(("--threads", str(args.threads)) if args.threads else ()))
     flags = (*gl, "--parallel", str(args.parallel), "--max-queue", str(len(prompts)), "--ctx", "4096",
-             "--spec-mode", "off", "--prefix-cache", "0", "--model", args.model)
+             "--spec-mode", args.spec_mode, "--prefix-cache", "0", "--model", args.model)
     with LocalCluster(Path(args.model), args.stages) as cluster:
         peer = gl if args.peer_gpu_layers is None else ("--gpu-layers", gpu_layers_flag(args.peer_gpu_layers),
                                                         *gl[2:])
@@ -91,7 +94,7 @@ def main() -> int:
         coord = cluster.start(0, *flags, "--split", str(args.stages)).wait_model()
         base, model = coord.base_url, coord.get("/v1/models")["data"][0]["id"]
         print(f"{len(prompts)} prompts, {args.stages} stage(s), gpu layers {gl[1]} (other nodes {peer[1]}), "
-              f"--parallel {args.parallel}", flush=True)
+              f"--parallel {args.parallel}, --spec-mode {args.spec_mode}", flush=True)
         t0 = time.monotonic()
         alone = [ask(base, model, q.chat(), args.tokens) for q in prompts]
         print(f"alone: {len(prompts)} answers in {time.monotonic() - t0:.1f} s", flush=True)

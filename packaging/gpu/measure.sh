@@ -473,14 +473,15 @@ if [ "$PART" = 29 ]; then
   done
 fi
 # Part 30: the concurrent probe after the fast-lane fix (a prompt's one-row last chunk
-# overtook its earlier chunks), with the default call shapes, twice: every answer must
+# overtook its earlier chunks), with the default call shapes, without speculation and with
+# it (windows and wide calls beside other sessions): every answer must
 # equal its answer alone; a difference is printed with any in-band error and the nodes'
 # warnings (what part 27's two chats were is not known). Carried and chained like part 24.
 if [ "$PART" = 30 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
-  for run in 1 2; do
-    step 150 "concurrent requests against alone, 2 stages on one GPU, run $run" \
-      "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2
+  for spec in off on; do
+    step 150 "concurrent requests against alone, 2 stages on one GPU, --spec-mode $spec" \
+      "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2 --spec-mode $spec
   done
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
