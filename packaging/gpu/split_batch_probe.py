@@ -76,54 +76,54 @@ def main() -> int:
     b = StageEngine(EngineConfig(cache.get(ref, half, ref.n_layers), takes_tokens=False, has_head=True, **common))
     rng = np.random.default_rng(args.seed)
     scripts = [script(rng, c, args.steps, args.windows) for c in CTXS]
-    tokens = [rng.integers(0, min(a.n_vocab, 32000), size=max(pos + n for pos, n, _ in s), dtype=np.int32) for s in scripts]
+    tokens = [rng.integers(0, min(a.n_vocab, 32000), size=max(pos + n for pos, n, _ in s), dtype=np.int32)
+              for s in scripts]
 
-    def segment(eng: StageEngine, s: int, k: int, hidden: np.ndarray | None) -> Segment:
-        pos, n, n_logits = scripts[s][k]
-        if hidden is None:
-            return Segment(s, pos, tokens=tokens[s][pos:pos + n], n_logits=n_logits)
-        return Segment(s, pos, hidden=hidden, n_logits=n_logits)
-
-    def run(groups_a, groups_b) -> list[list[tuple[np.ndarray, np.ndarray]]]:
-        """Every session's outputs per step; ``groups_x(ready)`` cuts a round's
-        (session, step) pairs into the calls of stage x."""
-        for s in range(len(CTXS)):
+    def run(sessions: list[int], cut) -> dict[int, list]:
+        """Each of ``sessions`` through its script, a round at a time; ``cut(ready,
+        some)`` groups a round's sessions into calls (``some``: may leave some out, for
+        stage 0; stage 1 takes the sessions stage 0 ran). Per session and step: stage 0's
+        hidden rows, stage 1's logits, and the calls that computed them ((pos, rows) of
+        each segment and the calls left wide after it, on stage 0 then stage 1)."""
+        for s in sessions:
             a.drop(s)
             b.drop(s)
-        got: list[list] = [[] for _ in CTXS]
-        nxt[:] = [0] * len(CTXS)
-        while True:
-            ready = [s for s in range(len(CTXS)) if nxt[s] < len(scripts[s])]
-            if not ready:
-                return got
+        got: dict[int, list] = {s: [] for s in sessions}
+        nxt = dict.fromkeys(sessions, 0)
+
+        def seg(s: int, hidden: np.ndarray | None = None) -> Segment:
+            pos, n, n_logits = scripts[s][nxt[s]]
+            if hidden is None:
+                return Segment(s, pos, tokens=tokens[s][pos:pos + n], n_logits=n_logits)
+            return Segment(s, pos, hidden=hidden, n_logits=n_logits)
+
+        def rows(s: int) -> int:
+            return scripts[s][nxt[s]][1]
+
+        while ready := [s for s in sessions if nxt[s] < len(scripts[s])]:
             hid: dict[int, np.ndarray] = {}
-            calls: dict[int, list] = {}   # each session's call on stage 0, then on stage 1
-            for g in groups_a(ready):   # (stage 1 then takes the same sessions)
-                for s, out in zip(g, a.forward([segment(a, s, nxt[s], None) for s in g], rewind=True)):
+            calls: dict[int, list] = {}
+            for g in cut(ready, True, rows):
+                for s, out in zip(g, a.forward([seg(s) for s in g], rewind=True)):
                     hid[s] = out
                     calls[s] = [[scripts[t][nxt[t]][:2] for t in g], a._wide_left]
-            for g in groups_b(ready):
-                for s, out in zip(g, b.forward([segment(b, s, nxt[s], hid[s]) for s in g], rewind=True)):
-                    calls[s] += [[scripts[t][nxt[t]][:2] for t in g], b._wide_left]
-                    got[s].append((hid[s].copy(), out.copy(), calls[s]))
+            for g in cut(list(hid), False, rows):
+                for s, out in zip(g, b.forward([seg(s, hid[s]) for s in g], rewind=True)):
+                    got[s].append((hid[s].copy(), out.copy(), calls[s] + [[scripts[t][nxt[t]][:2] for t in g],
+                                                                          b._wide_left]))
             for s in hid:
                 nxt[s] += 1
+        return got
 
     # the reference: each session alone, from a fresh call-shape state
-    nxt = [0] * len(CTXS)   # each session's next step in run()
-    reference: list[list] = []
+    reference: dict[int, list] = {}
     for s in range(len(CTXS)):
         a._wide_left = b._wide_left = 0
-        a.drop(s)
-        b.drop(s)
-        reference.append([])
-        for k in range(len(scripts[s])):
-            h = a.forward([segment(a, s, k, None)], rewind=True)[0]
-            reference[s].append((h.copy(), b.forward([segment(b, s, k, h)], rewind=True)[0].copy()))
+        reference |= run([s], lambda ready, some, rows: [ready])
 
-    def cutter(r: np.random.Generator, rows):
+    def cutter(r: np.random.Generator):
         """Random calls of 1-4 segments and at most CHUNK rows (the scheduler's cap)."""
-        def cut(ready: list[int], some: bool) -> list[list[int]]:
+        def cut(ready: list[int], some: bool, rows) -> list[list[int]]:
             live = ([s for s in ready if r.random() < 0.7] or ready[:1]) if some else list(ready)
             r.shuffle(live)
             out: list[list[int]] = []
@@ -137,41 +137,20 @@ def main() -> int:
             return out
         return cut
 
-    report: dict = {"model": Path(args.model).name, "backend": a.backend, "pad_rows": a.pad_rows,
-                    "sticky_calls": [a._sticky_calls, b._sticky_calls], "windows": args.windows,
-                    "schedules": []}
+    total = 0
     for sched in range(args.schedules):
-        r = np.random.default_rng(1000 + sched)
-        chosen: dict[int, list[int]] = {}
-        cut = cutter(r, lambda s: scripts[s][nxt[s]][1])
-
-        def groups_a(ready: list[int]) -> list[list[int]]:
-            live = cut(ready, True)
-            chosen.clear()
-            for g in live:
-                for s in g:
-                    chosen[s] = g
-            return live
-
-        def groups_b(ready: list[int]) -> list[list[int]]:
-            return cut(list(chosen), False)
-
-        got = run(groups_a, groups_b)
+        got = run(list(range(len(CTXS))), cutter(np.random.default_rng(1000 + sched)))
         first: list[dict] = []
         for s in range(len(CTXS)):
-            for k, ((h, lo, calls), (rh, rlo)) in enumerate(zip(got[s], reference[s])):
+            for k, ((h, lo, calls), (rh, rlo, _)) in enumerate(zip(got[s], reference[s])):
                 dh, dl = _diff(h, rh), _diff(lo, rlo)
                 if dh or dl:
                     pos, n, n_logits = scripts[s][k]
                     first.append({"session": s, "step": k, "pos": pos, "rows": n, "n_logits": n_logits,
-                                  "hidden_diff": dh, "logits_diff": dl,
-                                  # (pos, rows) of each segment of its call and the calls
-                                  # left wide after it, on stage 0 then stage 1
-                                  "calls": calls})
+                                  "hidden_diff": dh, "logits_diff": dl, "calls": calls})
                     break
-        report["schedules"].append({"seed": 1000 + sched, "sessions_differ": len(first), "first": first})
-        print(json.dumps(report["schedules"][-1]), flush=True)
-    total = sum(x["sessions_differ"] for x in report["schedules"])
+        total += len(first)
+        print(json.dumps({"seed": 1000 + sched, "sessions_differ": len(first), "first": first}), flush=True)
     print(f"{Path(args.model).name} on {a.backend} (pad {a.pad_rows}, wide calls after windows "
           f"{a._sticky_calls}/{b._sticky_calls}, windows {'on' if args.windows else 'off'}): "
           f"{total} of {len(CTXS) * args.schedules} session runs differ from alone", flush=True)
