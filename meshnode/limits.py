@@ -83,7 +83,7 @@ def cpu_pad_rows() -> int:
 # (packaging/gpu/step_probe.py); on the 8B shape padding to 4 cost 1.3 ms a step and a call
 # without its graph ~1.1 ms. So each GPU engine times the three at load
 # (engine/callshape.py) and stays wide for GPU_STICKY_CALLS calls only where that wins
-# (SmolLM2's shape: yes; the 8B shape: no);
+# (SmolLM2's shape: yes; the 8B shape sits at the edge and went either way on two H200s);
 # $MESHNODE_GPU_STICKY_CALLS (a number of calls, 0 = never) sets it for a node's engines.
 GPU_STICKY_CALLS = 32
 GPU_STICKY_CALLS_ENV = "MESHNODE_GPU_STICKY_CALLS"

@@ -13,8 +13,9 @@ widths alternating. Wide calls win when a wide step in a run costs less than the
 of a narrow step in a run and a step after a change: what a step costs without them when
 about half the calls come after a shape change (a speculating route: each window is a
 change in and a change out, and a draft strategy's windows vary in size). On an H200
-that keeps SmolLM2's shape wide (1.80 ms against (1.56 + 5.16) / 2) and an 8B shape
-narrow (4.89 against (3.84 + 5.10) / 2).
+that keeps SmolLM2's shape wide (1.80 ms against (1.56 + 5.16) / 2); an 8B shape sits at
+the edge (narrow at 4.89 against (3.84 + 5.10) / 2 on one machine, wide at 5.02 against
+(3.81 + 6.44) / 2 on another).
 
 The result picks call shapes only: every shape it may pick is exact (certify --schedule).
 """

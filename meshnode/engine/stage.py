@@ -46,13 +46,13 @@ from .errors import (
 )
 from meshnode import timeline
 from meshnode.limits import (
+    CPU_PAD_ROWS_ENV,
     DEFAULT_KV_TYPE,
+    GPU_STICKY_CALLS,
     KV_CACHE_TYPES,
     MAX_VERIFY_WINDOW,
-    gpu_exact_window_rows,
-    GPU_STICKY_CALLS,
-    CPU_PAD_ROWS_ENV,
     cpu_pad_rows,
+    gpu_exact_window_rows,
     gpu_pad_rows,
     gpu_sticky_calls,
     kv_bucket,

@@ -210,7 +210,7 @@ class MeshPipeline:
         # that want nothing back, copies): their next step takes the stream too, behind
         # them. On the lane it could overtake them (a prompt whose last chunk is one row,
         # its earlier chunks still crossing the stream) and reach a stage before its rows.
-        self._fresh: set[int] = set()
+        self._on_stream: set[int] = set()
         self.closed: str | None = None   # why, once closed: later runs fail with it
 
     # Called by the node's message dispatcher for TokenReturn / DataError frames.
@@ -275,7 +275,7 @@ class MeshPipeline:
         if msg is None:
             msg = self._forward(steps, batch_id, act, lane)
         if not want:
-            self._fresh.update(s.session for s in steps)
+            self._on_stream.update(s.session for s in steps)
             await self._send(msg, lane)
             return [None] * len(steps)
         loop = asyncio.get_running_loop()
@@ -312,7 +312,7 @@ class MeshPipeline:
         if self.lane_resends == resends and all(s.plain_decode for s in steps):
             rtt = loop.time() - t0
             self._decode_rtt = rtt if self._decode_rtt is None else self._decode_rtt + 0.2 * (rtt - self._decode_rtt)
-        self._fresh.difference_update(s.session for s in steps)
+        self._on_stream.difference_update(s.session for s in steps)
         by_session = {r.session: r for r in reply.results}
         out: list[StepResult] = []
         for s in steps:
@@ -336,7 +336,7 @@ class MeshPipeline:
 
     def _lane_eligible(self, steps: Sequence[Step]) -> bool:
         return (self.fabric.lane_ready(self.route[0])
-                and all(s.plain_decode and s.session not in self._busy and s.session not in self._fresh
+                and all(s.plain_decode and s.session not in self._busy and s.session not in self._on_stream
                         for s in steps))
 
     def _forward(self, steps: Sequence[Step], batch_id: int, act: np.ndarray, lane: bool) -> wire.Forward:
@@ -405,11 +405,11 @@ class MeshPipeline:
         # every stage copies after it computed the prefill. The next steps of ``src`` and
         # ``dst`` (one row each: lane material) must not overtake the prefill and the copy
         # on the fast lane: they wait until their session saw a reply.
-        self._fresh.update((src, dst))
+        self._on_stream.update((src, dst))
         await self._send(wire.SessionCopy(ref=0, src=src, dst=dst, n_pos=n_pos), False)
 
     async def end_session(self, session: int) -> None:
-        self._fresh.discard(session)
+        self._on_stream.discard(session)
         self._templates.pop(session, None)
         if self.closed is not None:
             return   # the engines were freed with their KV

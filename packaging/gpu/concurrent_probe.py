@@ -82,15 +82,14 @@ def main() -> int:
     prompts = [q for w in prompt_sets.WORKLOADS
                for q in prompt_sets.select(prompt_sets.load(w), "heldout") if q.step == 0]
     prompts = prompts[:args.limit] if args.limit else prompts
-    gl = ("--gpu-layers", gpu_layers_flag(args.gpu_layers),
-          *(("--threads", str(args.threads)) if args.threads else ()))
-    flags = (*gl, "--parallel", str(args.parallel), "--max-queue", str(len(prompts)), "--ctx", "4096",
+    gl = ("--gpu-layers", gpu_layers_flag(args.gpu_layers))
+    threads = ("--threads", str(args.threads)) if args.threads else ()
+    flags = (*gl, *threads, "--parallel", str(args.parallel), "--max-queue", str(len(prompts)), "--ctx", "4096",
              "--spec-mode", args.spec_mode, "--prefix-cache", "0", "--model", args.model)
     with LocalCluster(Path(args.model), args.stages) as cluster:
-        peer = gl if args.peer_gpu_layers is None else ("--gpu-layers", gpu_layers_flag(args.peer_gpu_layers),
-                                                        *gl[2:])
+        peer = gl if args.peer_gpu_layers is None else ("--gpu-layers", gpu_layers_flag(args.peer_gpu_layers))
         for i in range(1, args.stages):
-            cluster.start(i, "--no-model", *peer, "--parallel", str(args.parallel))
+            cluster.start(i, "--no-model", *peer, *threads, "--parallel", str(args.parallel))
         coord = cluster.start(0, *flags, "--split", str(args.stages)).wait_model()
         base, model = coord.base_url, coord.get("/v1/models")["data"][0]["id"]
         print(f"{len(prompts)} prompts, {args.stages} stage(s), gpu layers {gl[1]} (other nodes {peer[1]}), "
@@ -106,10 +105,9 @@ def main() -> int:
                                              order)))
             # the text decides; pieces (~tokens) say where, and pieces that differ in a
             # text that does not would be the stream cutting the same text otherwise
-            bad = {prompts[i].id: first_difference(alone[i], got[i]) for i in order
-                   if "".join(alone[i]) != "".join(got[i])}
-            recut = [prompts[i].id for i in order
-                     if "".join(alone[i]) == "".join(got[i]) and alone[i] != got[i]]
+            same_text = {i: "".join(alone[i]) == "".join(got[i]) for i in order}
+            bad = {prompts[i].id: first_difference(alone[i], got[i]) for i in order if not same_text[i]}
+            recut = [prompts[i].id for i in order if same_text[i] and alone[i] != got[i]]
             report["rounds"][name] = {"differ": len(bad), "first_difference_at": bad, "recut": recut}
             print(f"{name}: {len(bad)} of {len(prompts)} answers differ from their answer alone"
                   + (f" (first differing piece: {bad})" if bad else "")
