@@ -46,17 +46,31 @@ def _wait_ready(node, timeout: float = 120.0) -> None:
     wait_for(ready, timeout, interval=0.25)
 
 
-def _complete_all(port: int) -> list[str]:
+def _asker(port: int):
+    """A function that asks the node on ``port`` one prompt (greedy) and returns the text."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
-    out = []
-    for p in PROMPTS:
+
+    def ask(p: str) -> str:
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
                                            max_tokens=MAX_TOKENS, temperature=0)
-        out.append(r.choices[0].message.content)
-    return out
+        return r.choices[0].message.content
+    return ask
+
+
+def _complete_all(port: int) -> list[str]:
+    ask = _asker(port)
+    return [ask(p) for p in PROMPTS]
+
+
+def _complete_all_at_once(port: int) -> list[str]:
+    """The prompts' answers, all requests at once (decoded together)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        return list(ex.map(_asker(port), PROMPTS))
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +137,6 @@ def test_the_gpu_call_paths_keep_every_answer_on_cpu(smollm2, single_node_output
     alone-alike calls, small calls 4 rows wide after a window) through a 2-stage split,
     on CPU where no row may change for them: answers one by one and all at once equal
     one node's (CI has no GPU; docs/engine.md "GPU")."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from openai import OpenAI
-
     monkeypatch.setenv("MESHNODE_CPU_PAD_ROWS", "2")
     monkeypatch.setenv("MESHNODE_GPU_STICKY_CALLS", "32")
     outputs, coord, helpers = _run_split(smollm2, tmp_path, 2)
@@ -134,15 +144,7 @@ def test_the_gpu_call_paths_keep_every_answer_on_cpu(smollm2, single_node_output
         for n in [coord, *helpers]:   # the engines took the GPU's paths
             assert "CPU engine padding calls to 2 rows" in n.log(), n.log()[-3000:]
         assert outputs == single_node_outputs
-        client = OpenAI(base_url=f"http://127.0.0.1:{coord.info['http_port']}/v1", api_key="none", max_retries=0)
-        model = client.models.list().data[0].id
-
-        def ask(p: str) -> str:
-            return client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
-                                                  max_tokens=MAX_TOKENS, temperature=0).choices[0].message.content
-
-        with ThreadPoolExecutor(len(PROMPTS)) as ex:
-            assert list(ex.map(ask, PROMPTS)) == single_node_outputs
+        assert _complete_all_at_once(coord.info["http_port"]) == single_node_outputs
     finally:
         for n in [coord, *helpers]:
             n.stop()
@@ -168,28 +170,16 @@ def test_concurrent_requests_and_disconnect_free_every_stage(smollm2, single_nod
     its own answer; a client that goes away cancels its request and frees its KV on
     every stage. Three stages: the end of a session reaches the last one through the
     middle one, which relays it."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import httpx
 
     _, coord, helpers = _run_split(smollm2, tmp_path, 3)
     port = coord.info["http_port"]
     try:
-        from openai import OpenAI
-
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        model = client.models.list().data[0].id
-
-        def ask(p: str) -> str:
-            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
-                                               max_tokens=MAX_TOKENS, temperature=0)
-            return r.choices[0].message.content
-
-        with ThreadPoolExecutor(len(PROMPTS)) as ex:
-            answers = list(ex.map(ask, PROMPTS))
+        answers = _complete_all_at_once(port)
         # one KV stream per session: an answer does not depend on what runs beside it
         assert answers == single_node_outputs
 
+        model = coord.get("/v1/models")["data"][0]["id"]
         body = {"model": model, "messages": [{"role": "user", "content": "Tell a very long story."}],
                 "max_tokens": 400, "temperature": 0, "stream": True}
         with httpx.Client(timeout=60) as http:
