@@ -39,6 +39,7 @@ from meshnode import wire
 from meshnode.engine.shelf import EngineShelf
 from meshnode.errors import MeshnodeError
 from meshnode.limits import gpu_pad_rows
+from meshnode.mesh.control_timer import ControlTimer
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.planner import Candidate, Plan, PlanError, plan as make_plan
@@ -80,7 +81,6 @@ class ServingModel:
         self._loop = asyncio.get_running_loop()
         self._outbox = Outbox(runtime.fabric, "coordinator-send")
         self._ready: asyncio.Future = self._loop.create_future()
-        self._timer: asyncio.TimerHandle | None = None
         self._worker: Any = None                    # stage 0's engine worker
         self._pinned: Any = None                    # stage 0's slice, pinned in the slice cache
         self._tasks: set[asyncio.Task] = set()
@@ -93,6 +93,7 @@ class ServingModel:
             load=LoadParams(options.n_ctx, options.n_batch, options.n_seq_max, options.wire_dtype),
             now=self._loop.time(), timeouts=options.timeouts,
         )
+        self._timer = ControlTimer(self.control, self._loop.time, self._pump)
         self._pump()
 
     # ---- reading -----------------------------------------------------------------
@@ -152,8 +153,7 @@ class ServingModel:
                                            self.options.stop_timeout if timeout is None else timeout)
         for t in list(self._tasks):
             t.cancel()
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.cancel()
         await self._outbox.flush()
         await self._outbox.close()
         self.runtime._forget(self)  # noqa: SLF001 - our owner
@@ -192,20 +192,7 @@ class ServingModel:
                     self._on_ready()
                 case PlanFailed(reason=reason, stage_index=index):
                     self._on_failed(reason, index)
-        self._arm_timer()
-
-    def _arm_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        when = self.control.get_timer()
-        if when is not None:
-            self._timer = self._loop.call_at(when, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self.control.handle_timer(self._loop.time())
-        self._pump()
+        self._timer.arm()
 
     def _on_ready(self) -> None:
         from meshnode.mesh.pipeline import LocalPipeline, MeshPipeline

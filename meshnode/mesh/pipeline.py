@@ -122,6 +122,18 @@ class Pipeline(Protocol):
     async def close(self) -> None: ...
 
 
+async def _copy_on_engine(worker: EngineWorker, closed: str | None, src: int, dst: int, n_pos: int,
+                          where: str) -> None:
+    """Session ``src``'s first ``n_pos`` cells copied to ``dst`` on this node's engine
+    (a pipeline's copy_session; ``closed``: why the pipeline closed, or None)."""
+    if closed is not None:
+        raise PipelineUnavailableError(closed)
+    try:
+        await worker.copy(src, dst, n_pos)
+    except EngineError as exc:
+        raise PipelineFailedError(f"{where}copying session {src:x}: {exc}") from exc
+
+
 def _segments(steps: Sequence[Step]) -> list[Segment]:
     # n_logits on every stage (a stage without the head tells windows from prompt chunks
     # by it: StageEngine._width)
@@ -152,12 +164,7 @@ class LocalPipeline:
         return await self.worker.step(sum(int(s.tokens.shape[0]) for s in steps), self._run_sync, steps)
 
     async def copy_session(self, src: int, dst: int, n_pos: int) -> None:
-        if self.closed is not None:
-            raise PipelineUnavailableError(self.closed)
-        try:
-            await self.worker.copy(src, dst, n_pos)
-        except EngineError as exc:
-            raise PipelineFailedError(f"copying session {src:x}: {exc}") from exc
+        await _copy_on_engine(self.worker, self.closed, src, dst, n_pos, "")
 
     async def end_session(self, session: int) -> None:
         self.sampler.forget(session)
@@ -395,12 +402,7 @@ class MeshPipeline:
         return t.encode(batch_id, 0, s.pos, act[0], flags=flags)
 
     async def copy_session(self, src: int, dst: int, n_pos: int) -> None:
-        if self.closed is not None:
-            raise PipelineUnavailableError(self.closed)
-        try:
-            await self.worker.copy(src, dst, n_pos)
-        except EngineError as exc:
-            raise PipelineFailedError(f"stage 0: copying session {src:x}: {exc}") from exc
+        await _copy_on_engine(self.worker, self.closed, src, dst, n_pos, "stage 0: ")
         # Behind the prefill on the same stream, relayed stage to stage (StageHost), so
         # every stage copies after it computed the prefill. The next steps of ``src`` and
         # ``dst`` (one row each: lane material) must not overtake the prefill and the copy

@@ -46,6 +46,7 @@ from typing import Any
 from meshnode import wire
 from meshnode.engine.shelf import EngineShelf
 from meshnode.errors import MeshnodeError
+from meshnode.mesh.control_timer import ControlTimer
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.mesh.runtime import Outbox, Publish, drain, find_held_model, load_limits
@@ -116,7 +117,7 @@ class StageServerRuntime:
         # an engine freed by a re-plan is taken back by a Load of the same stage
         self.shelf = shelf if shelf is not None else EngineShelf()
         self.control = StageServerControl(fabric.node_id, time.monotonic(), name=fabric.name, lease=lease)
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = ControlTimer(self.control, time.monotonic, self._pump)
         self._outbox = Outbox(fabric, "stage-server-send")
         self._host: Any = None                 # StageHost while READY
         self._host_claim: _Claim | None = None
@@ -177,8 +178,7 @@ class StageServerRuntime:
 
     async def close(self) -> None:
         """Free the engine and stop every task (node shutdown)."""
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.cancel()
         for t in list(self._tasks):
             t.cancel()
         await self._free("node stopping")
@@ -214,20 +214,7 @@ class StageServerRuntime:
                     self._spawn_free(reason)
                 case _:
                     log.debug("stage server: %r", ev)
-        self._arm_timer()
-
-    def _arm_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        when = self.control.get_timer()
-        if when is not None:
-            self._timer = asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()), self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self.control.handle_timer(time.monotonic())
-        self._pump()
+        self._timer.arm()
 
     def _claim(self) -> _Claim:
         c = self.control
