@@ -99,6 +99,26 @@ def test_replay_uses_the_cold_prefill_chunks_then_small_chunks():
     assert [s.n_logits for s in checked] == [0] * (len(checked) - 1) + [1]
 
 
+def test_replay_takes_the_chunks_the_new_route_computes_exactly():
+    """On a route with a GPU stage the generated tokens go in chunks no wider than
+    ``rows_at`` says at their start (its exact window, cut at KV buckets), so the replayed
+    KV equals what one-row steps and exact windows computed there."""
+    from meshnode.limits import gpu_bucket_drafts
+
+    def rows_at(pos: int) -> int:   # a GPU stage at pad 2: 4 rows, within a bucket
+        return min(4, 1 + gpu_bucket_drafts(pos, 2))
+
+    prompt, generated = list(range(1000)), list(range(5000, 5040))
+    steps = replay_steps(3, prompt + generated, len(prompt), 256, rows_at=rows_at)
+    rest = [s for s in steps if s.pos >= len(prompt)]
+    assert [(s.pos, len(s.tokens)) for s in rest[:8]] == [
+        (1000, 4), (1004, 4), (1008, 4), (1012, 4), (1016, 4), (1020, 3), (1023, 4), (1027, 4)]
+    assert all(len(s.tokens) <= rows_at(s.pos) for s in rest)
+    assert np.concatenate([s.tokens for s in steps]).tolist() == prompt + generated
+    # a bound that says 0 or less still makes progress, one row at a time
+    assert all(len(s.tokens) == 1 for s in replay_steps(3, [1, 2, 3, 4], 1, 64, rows_at=lambda p: 0)[1:])
+
+
 def test_replay_of_a_prompt_only_and_bad_histories():
     steps = replay_steps(1, [5, 6, 7], 3, 2, check_last=True)
     assert [(s.pos, s.tokens.tolist(), s.n_logits) for s in steps] == [(0, [5, 6], 0), (2, [7], 1)]

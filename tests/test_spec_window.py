@@ -226,3 +226,21 @@ def test_the_route_windows_apply_the_bucket_rule_of_the_current_route():
     assert route.drafts_at(1022) >= 16
     route.follow(_route("cpu", "cuda"))
     assert route.drafts_at(1022) == 0 and route.drafts_at(1023) == 255
+
+
+def test_a_replay_chunk_is_as_wide_as_the_route_computes_like_one_row_steps():
+    """A failover's replay of generated tokens (serve/failover.py) takes chunks of the
+    route's exact width whatever speculation is set to: on a GPU stage 4 rows (pad 2), cut
+    at the KV bucket its one-row steps fill; on CPU stages the batch-invariance bound."""
+    from meshnode.limits import MAX_VERIFY_WINDOW
+    from meshnode.spec.strategy import CliSpecOptions, RouteWindows, resolve_strategy
+
+    for spec in (resolve_strategy("m", cli=CliSpecOptions(mode="off")), None,
+                 resolve_strategy("m", cli=CliSpecOptions(strategy="ngram"))):
+        route = RouteWindows(spec)
+        route.follow(_route("cpu", "cpu"))
+        assert route.exact_rows_at(1022) == MAX_VERIFY_WINDOW
+        route.follow(_route("cpu", "cuda"))
+        assert [route.exact_rows_at(p) for p in (1000, 1019, 1020, 1021, 1022, 1023)] == [4, 4, 3, 2, 1, 4]
+        route.follow(_route("cuda", pad=8))
+        assert route.exact_rows_at(100) == 8 and route.exact_rows_at(1016) == 1

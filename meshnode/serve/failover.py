@@ -13,15 +13,18 @@ On the new route every stage's KV of the session is empty. :func:`replay_steps` 
 the steps that rebuild it from the token history (prompt plus the tokens generated so
 far, except the last one, which the next decode step feeds as usual), with the batch
 schedule of a cold run: the prompt in the same prefill chunks, the generated tokens in
-chunks no larger than the batch-invariance bound (``limits.MAX_VERIFY_WINDOW``; the
-decode and verify steps that first computed them were within it too), so every row's
-KV is bit-identical to the lost one and greedy output continues exactly.
+chunks that the new route computes exactly as one-row steps (the decode and verify steps
+that first computed them were such steps or windows within the same bound): up to
+``limits.MAX_VERIFY_WINDOW`` rows on CPU stages, on a GPU stage no wider than its exact
+verify window and never across a KV bucket its one-row steps would cross
+(``spec/window.py``, ``RouteWindows.exact_rows_at``). So every row's KV is bit-identical
+to the lost one and greedy output continues exactly.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -107,20 +110,28 @@ class RouteGate:
 
 
 def replay_steps(session: int, history: Sequence[int], n_prompt: int, n_batch: int, *,
+                 rows_at: Callable[[int], int] | None = None,
                  sampling: Sampling = GREEDY, check_last: bool = False) -> list[Step]:
     """The steps that rebuild ``session``'s KV at positions ``[0, len(history))``.
 
     ``history``: the prompt (``n_prompt`` tokens) and then generated tokens. The prompt
     goes in ``n_batch`` chunks from position 0, as its cold prefill did; the rest in
-    chunks of at most ``MAX_VERIFY_WINDOW`` rows. No step wants logits, except the last
-    one when ``check_last``: its token is the one the history continues with (a greedy
-    request checks that the replayed KV predicts what the lost route did)."""
+    chunks of at most ``rows_at(pos)`` rows for a chunk starting at ``pos`` (what the new
+    route computes exactly as one-row steps; default ``MAX_VERIFY_WINDOW``, a CPU route's
+    bound). No step wants logits, except the last one when ``check_last``: its token is
+    the one the history continues with (a greedy request checks that the replayed KV
+    predicts what the lost route did)."""
     if not 0 < n_prompt <= len(history):
         raise ValueError(f"history of {len(history)} tokens does not start with a prompt of {n_prompt}")
     if n_batch < 1:
         raise ValueError("n_batch must be >= 1")
     arr = np.asarray(history, dtype=np.int32)
-    bounds = list(range(0, n_prompt, n_batch)) + list(range(n_prompt, len(arr), min(n_batch, MAX_VERIFY_WINDOW)))
+    bounds = list(range(0, n_prompt, n_batch))
+    pos = n_prompt
+    while pos < len(arr):
+        bounds.append(pos)
+        widest = rows_at(pos) if rows_at is not None else MAX_VERIFY_WINDOW
+        pos += max(1, min(n_batch, MAX_VERIFY_WINDOW, widest))
     bounds.append(len(arr))
     steps = [Step(session, a, arr[a:b], 0, (), sampling) for a, b in zip(bounds, bounds[1:])]
     if check_last and steps:

@@ -667,7 +667,8 @@ class ModelServer:
         greedy = ar.sampling.greedy and ar.constraint is None
         result = None
         for step in replay_steps(ar.session, history, len(ar.prompt), self.settings.n_batch,
-                                 sampling=ar.sampling, check_last=greedy):
+                                 rows_at=self._decoder.exact_rows_at, sampling=ar.sampling,
+                                 check_last=greedy):
             result = await self.scheduler.submit(step, ar.epoch)
         if greedy and (result is None or result.tokens[-1] != last):
             # The replayed KV predicts another token than the lost route did: the new

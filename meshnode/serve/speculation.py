@@ -108,6 +108,11 @@ class SpeculativeDecoder:
             log.info("speculation: windows of at most %d drafts (a GPU stage: wider windows are not exact there)",
                      self.config.window.max)
 
+    def exact_rows_at(self, pos: int) -> int:
+        """The widest step at ``pos`` the current route computes as one-row steps
+        (RouteWindows.exact_rows_at: a failover's replay chunks)."""
+        return self._route.exact_rows_at(pos)
+
     async def start(self, req: ActiveRequest, first: int) -> None:
         """The request's prefill gave ``first``: the proposers take its context."""
         # Only greedy requests draft from other requests' texts: a sampled request's random

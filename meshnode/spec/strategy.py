@@ -42,7 +42,7 @@ from typing import Any, Literal, Protocol
 from meshnode.config import MODES, MeshnodeConfig, SpeculativeSettings, WindowSettings
 from meshnode.errors import MeshnodeError
 from meshnode.limits import MAX_VERIFY_WINDOW
-from meshnode.spec.window import StageCompute, WindowPolicy, cap_for_route, drafts_at
+from meshnode.spec.window import StageCompute, WindowPolicy, cap_for_route, drafts_at, exact_window_rows
 
 __all__ = [
     "BUILTIN_STRATEGIES",
@@ -356,3 +356,11 @@ class RouteWindows:
         """The most drafts a window at position ``pos`` may carry on this route and stay
         exact (spec/window.py, ``drafts_at``: a GPU stage's KV buckets)."""
         return drafts_at(pos, self._stages)
+
+    def exact_rows_at(self, pos: int) -> int:
+        """The widest step starting at position ``pos`` whose every row this route
+        computes as its one-row step would, whatever speculation is configured (a
+        failover's replay of generated tokens, serve/failover.py): every stage's exact
+        window width, within the KV bucket a GPU stage's one-row steps fill."""
+        rows = min((exact_window_rows(s) for s in self._stages), default=MAX_VERIFY_WINDOW)
+        return max(1, min(rows, 1 + self.drafts_at(pos)))
