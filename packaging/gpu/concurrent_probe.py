@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="every node's --threads (default: theirs; 1 computes steps on the event loop, "
                         "as a GPU node does)")
+    p.add_argument("--logs", type=Path, default=None, metavar="DIR",
+                   help="copy every node's whole log into DIR at the end (node0.log, ...)")
     args = p.parse_args()
 
     prompts = [q for w in prompt_sets.WORKLOADS
@@ -122,6 +125,10 @@ def main() -> int:
                 said = [ln for ln in node.log_tail(200_000).splitlines() if " WARNING " in ln or " ERROR " in ln]
                 print(f"{node.name}: {len(said)} warning/error lines" + "".join(f"\n  {ln[:300]}" for ln in said[-15:]),
                       flush=True)
+        if args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for node in cluster.nodes:
+                shutil.copyfile(node.log_path, args.logs / f"{node.name}.log")
     print(json.dumps(report))
     return 1 if any(r["differ"] for r in report["rounds"].values()) else 0
 

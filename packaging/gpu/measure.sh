@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-30}
+PART=${1:?part 1-31}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -483,5 +483,19 @@ if [ "$PART" = 30 ]; then
     step 150 "concurrent requests against alone, 2 stages on one GPU, --spec-mode $spec" \
       "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2 --spec-mode $spec
   done
+fi
+# Part 31: part 30 with --spec-mode on lost stage 1 twice mid-run ("peer vanished (no
+# heartbeat)": no byte from it for 1.5 s, docs/mesh.md "Failure detection") and re-planned.
+# The same run with asyncio's debug mode in every node (PYTHONASYNCIODEBUG=1: each callback
+# that holds the event loop over 100 ms is logged with what it ran) and the nodes' whole
+# logs kept in $OUT/logs31, to find what kept a stage silent. Carried and chained like part 24.
+if [ "$PART" = 31 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  step 200 "concurrent requests against alone, 2 stages on one GPU, --spec-mode on, asyncio debug" \
+    env PYTHONASYNCIODEBUG=1 "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all \
+    --stages 2 --spec-mode on --logs "$OUT/logs31"
+  step 150 "concurrent requests against alone, 2 stages on one GPU, --spec-mode on" \
+    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all \
+    --stages 2 --spec-mode on --logs "$OUT/logs31b"
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
