@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from meshnode import __version__
+from meshnode import __version__, stallwatch
 from meshnode.errors import MeshnodeError
 from meshnode.fsutil import atomic_write
 from meshnode.mesh.local_caps import local_capabilities, set_offload
@@ -166,6 +166,7 @@ class Node:
         from meshnode.serve.app import create_app
 
         self._install_log_handler()
+        stallwatch.start(asyncio.get_running_loop())   # debug telemetry, off by default
         # Capabilities (held models, memory budget) go out in the Hello of every link, so
         # they must be known before the first link: peers reached by --peer see no mDNS.
         await self._advertise()

@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-31}
+PART=${1:?part 1-32}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -497,5 +497,16 @@ if [ "$PART" = 31 ]; then
   step 150 "concurrent requests against alone, 2 stages on one GPU, --spec-mode on" \
     "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all \
     --stages 2 --spec-mode on --logs "$OUT/logs31b"
+fi
+# Part 32: where part 31's long steps went (asyncio's debug mode named the callbacks: stage
+# 0's scheduler step and stage 1's lane step, 0.1-1.5 s each, the two nodes at once): the
+# same run with the stall watch in every node (MESHNODE_STALL_MS=60, meshnode/stallwatch.py:
+# the loop thread's Python stack while the loop is held over 60 ms), logs in $OUT/logs32.
+# Carried and chained like part 24.
+if [ "$PART" = 32 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  step 150 "concurrent requests against alone, 2 stages on one GPU, --spec-mode on, stall watch" \
+    env MESHNODE_STALL_MS=60 "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all \
+    --stages 2 --spec-mode on --logs "$OUT/logs32"
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"

@@ -1,0 +1,49 @@
+"""The stall watch (meshnode/stallwatch.py): debug telemetry that logs where a stalled
+event loop's thread is. Off unless $MESHNODE_STALL_MS is set."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from meshnode import stallwatch
+
+
+def _hold_the_loop_in_a_named_place(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _run(seconds: float) -> bool:
+    async def main() -> bool:
+        started = stallwatch.start(asyncio.get_running_loop())
+        await asyncio.sleep(0.05)
+        _hold_the_loop_in_a_named_place(seconds)
+        await asyncio.sleep(0.15)   # the watch sees the loop tick again
+        return started
+    return asyncio.run(main())
+
+
+def test_a_stall_is_logged_with_where_the_loop_thread_was_and_how_long_it_lasted(monkeypatch, caplog):
+    monkeypatch.setenv(stallwatch.ENV, "40")
+    with caplog.at_level(logging.INFO, logger="meshnode.stallwatch"):
+        assert _run(0.3)
+    said = [r.getMessage() for r in caplog.records if r.name == "meshnode.stallwatch"]
+    stalls = [m for m in said if m.startswith("event loop stalled")]
+    assert stalls and all("_hold_the_loop_in_a_named_place" in m for m in stalls)
+    assert len(stalls) == 1   # one stack, said once however long the stall
+    over = [m for m in said if m.startswith("event loop stall over")]
+    assert len(over) == 1 and 250 <= int(over[0].split(": ")[1].split(" ")[0]) <= 2000
+
+
+def test_off_by_default_and_a_bad_value_says_so(monkeypatch, caplog):
+    monkeypatch.delenv(stallwatch.ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="meshnode.stallwatch"):
+        assert not _run(0.1)
+    assert not caplog.records
+    for bad in ("fast", "5", "1e9"):
+        monkeypatch.setenv(stallwatch.ENV, bad)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="meshnode.stallwatch"):
+            assert not _run(0.0)
+        assert any("no stall watch" in r.getMessage() for r in caplog.records)
