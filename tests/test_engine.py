@@ -543,6 +543,33 @@ def test_scattered_sessions_are_packed_into_one_call_and_stay_exact(smol_chains,
 
 
 @pytest.mark.slow
+def test_an_engine_that_does_not_pack_leaves_scattered_sessions_in_place_and_stays_exact(smol_chains, prompts):
+    """What a GPU engine does (EngineConfig.pack_sessions, None: off with layers on a GPU,
+    where moving a stream costs a graph reserve or a host round trip): the batch's
+    sessions keep their ids, llama.cpp runs one micro-batch per run of consecutive ids,
+    and every session answers as if alone."""
+    paths = smol_chains["3-stages"]
+    refs = [_alone(paths, prompts[i], CONT[i]) for i in range(3)]
+    chain = Chain(paths, n_seq_max=6, pack_sessions=False)
+    a, b, c, idle, fill0, fill4 = 1, 2, 3, 4, 50, 54
+    try:
+        for s, p in ((fill0, 0), (a, 0), (idle, 1), (b, 1), (fill4, 2), (c, 2)):
+            chain.forward([Segment(s, 0, tokens=prompts[p], n_logits=1)])
+        got: list[list[np.ndarray]] = [[], [], []]
+        for k, t in enumerate(zip(*CONT)):
+            segs = [Segment(s, len(prompts[i]) + k, tokens=_toks(t[i]), n_logits=1)
+                    for i, s in enumerate((a, b, c))]
+            for i, logits in enumerate(chain.forward(segs)):
+                got[i].append(logits)
+            for eng in chain.stages:
+                seqs = [eng._seq_of[s.session] for s in segs]
+                assert seqs == [1, 3, 5] and len(eng._calls(segs, seqs)) == 3
+    finally:
+        chain.close()
+    _assert_same(got, [r[1:] for r in refs])
+
+
+@pytest.mark.slow
 def test_packing_waits_for_a_queued_session_copy(smol_chains, prompts):
     """A session copy's data moves only at the next llama_decode: a batch right after it
     that would need a swap through host memory is run unpacked, and every session, the

@@ -136,6 +136,14 @@ class EngineConfig:
     # result depends neither on its neighbours, nor on the batch size, nor on threads.
     kv_unified: bool = False
     kv_type: str = DEFAULT_KV_TYPE
+    # Move the sessions of one call onto consecutive sequence ids first (_pack), so that
+    # llama.cpp computes them in one micro-batch. None: on a CPU engine that does not pad
+    # (not on a GPU engine, nor on a CPU engine taking the GPU's call paths). With the KV
+    # on a GPU a move costs far more than the calls it saves: llama.cpp reserves a new
+    # worst-case graph at the next decode after a stream copy, and a swap through host
+    # memory copies whole streams out and back; on an H200 such steps held the event loop
+    # 0.1-1.5 s (docs/engine.md, "Sessions together").
+    pack_sessions: bool | None = None
 
 
 def _peek_shape(path: Path, n_cells: int) -> tuple[int, int]:
@@ -285,6 +293,8 @@ class StageEngine:
         self._seq_of: dict[int, int] = {}     # session -> llama seq id
         self._free_seqs = list(range(config.n_seq_max - 1, -1, -1))
         self._copies_queued = False   # a cross-stream KV copy waits for the next decode
+        self._packs = (config.pack_sessions if config.pack_sessions is not None
+                       else not self.gpu_layers and pad == 1)
         self._next_pos: dict[int, int] = {}   # session -> next position expected
         # after a window wider than the pad, small calls stay wide this many calls
         self._sticky_calls = self._choose_sticky_calls(path.name)
@@ -341,8 +351,10 @@ class StageEngine:
         window of ids that already holds most of them: a session of the batch outside it
         takes a free id in the window, or trades places with an idle session there
         (:meth:`_swap`). A move copies a whole stream (llama.cpp copies streams whole)
-        and drops the old one; cells and their order are unchanged, so is every result."""
-        if self.config.kv_unified or len(sessions) < 2:
+        and drops the old one; cells and their order are unchanged, so is every result.
+        An engine that does not pack (EngineConfig.pack_sessions: a GPU engine) leaves the
+        ids as they are and pays one micro-batch per run of consecutive ids."""
+        if not self._packs or self.config.kv_unified or len(sessions) < 2:
             return
         seqs = sorted(self._seq_of[x] for x in sessions)
         if seqs[-1] - seqs[0] == len(seqs) - 1:
