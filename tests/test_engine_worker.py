@@ -82,3 +82,29 @@ def test_every_engine_of_the_process_computes_on_one_thread():
 
     threads = asyncio.run(go())
     assert len(threads) == 1 and threads != {threading.main_thread().name}
+
+
+def test_a_short_step_that_turns_long_on_the_loop_is_said_and_goes_to_the_thread(monkeypatch, caplog):
+    """A step size known to be short runs inline; when one of them holds the loop past
+    INLINE_WARN_S (peers judge a node dead after 1.5 s of silence) the worker warns and
+    the next step of that size runs on the compute thread."""
+    import logging
+
+    from meshnode.engine import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "INLINE_WARN_S", 0.05)
+
+    async def go():
+        eng = _Engine()
+        w = EngineWorker(eng, "stage", inline_max_s=0.02)
+        for what, seconds in (("measure", 0.0), ("short", 0.0), ("long", 0.08), ("after", 0.0)):
+            await w.step(1, eng.work, what, seconds)
+        await w.close()
+        return dict(eng.calls), threading.current_thread().name
+
+    with caplog.at_level(logging.WARNING, logger="meshnode.engine.worker"):
+        where, loop_thread = asyncio.run(go())
+    assert where["short"] == loop_thread and where["long"] == loop_thread
+    assert where["after"] != loop_thread
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("stage: a 1-row step held the event loop")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,8 +43,13 @@ from .errors import EngineError
 from .stage import EngineConfig, Segment, StageEngine
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 INLINE_MAX_S = 0.020     # longest engine call worth running on the event loop
+# An inline step this long is worth a warning: peers judge a node dead after 1.5 s
+# without a byte from it (docs/mesh.md, "Failure detection"), and a step that was short
+# before can turn long (a GPU engine moving KV between streams did: docs/engine.md).
+INLINE_WARN_S = 0.25
 _EWMA = 0.3
 
 _compute: ThreadPoolExecutor | None = None
@@ -134,7 +140,12 @@ class EngineWorker:
             return fn(*args)
         finally:
             self.inline_steps += 1
-            self._measured(rows, time.perf_counter() - t0)
+            seconds, before = time.perf_counter() - t0, self._step_s.get(rows, 0.0)
+            self._measured(rows, seconds)
+            if seconds > INLINE_WARN_S:
+                log.warning("%s: a %d-row step held the event loop %.0f ms (such steps took %.1f ms); "
+                            "steps of that size run on the compute thread until they are short again",
+                            self.name, rows, 1e3 * seconds, 1e3 * before)
 
     def _measured(self, rows: int, seconds: float) -> None:
         old = self._step_s.get(rows)
