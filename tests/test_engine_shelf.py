@@ -21,6 +21,7 @@ class _Engine:
     sessions: list[int] = field(default_factory=lambda: [1, 2])
     closed: bool = False
     fail_reset: bool = False
+    copies_queued: bool = False
 
     def threads_for(self, rows: int) -> int:
         return 1

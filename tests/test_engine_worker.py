@@ -13,6 +13,7 @@ class _Engine:
     def __init__(self, threads: int = 1) -> None:
         self.calls: list[tuple[str, str]] = []   # (what, thread name)
         self.threads = threads
+        self.copies_queued = False
 
     def threads_for(self, rows: int) -> int:
         return self.threads
@@ -108,3 +109,23 @@ def test_a_short_step_that_turns_long_on_the_loop_is_said_and_goes_to_the_thread
     assert where["after"] != loop_thread
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and said[0].startswith("stage: a 1-row step held the event loop")
+
+
+def test_the_step_after_a_session_copy_runs_on_the_thread():
+    """llama.cpp copies KV across streams, and then reserves a new worst-case graph, in
+    the decode after the copy: a short step size still goes to the thread then."""
+    async def go():
+        eng = _Engine()
+        w = EngineWorker(eng, "t", inline_max_s=0.05)
+        await w.step(1, eng.work, "measure")
+        await w.step(1, eng.work, "inline")
+        eng.copies_queued = True
+        await w.step(1, eng.work, "after the copy")
+        eng.copies_queued = False
+        await w.step(1, eng.work, "inline again")
+        await w.close()
+        return dict(eng.calls), threading.current_thread().name
+
+    where, loop_thread = asyncio.run(go())
+    assert where["inline"] == loop_thread and where["inline again"] == loop_thread
+    assert where["after the copy"] != loop_thread

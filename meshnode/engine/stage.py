@@ -415,6 +415,13 @@ class StageEngine:
     def sessions(self) -> list[int]:
         return list(self._seq_of)
 
+    @property
+    def copies_queued(self) -> bool:
+        """A KV copy across streams waits for the next decode, which then also makes
+        llama.cpp reserve a new worst-case graph: a slow call (EngineWorker keeps it off
+        the event loop)."""
+        return self._copies_queued
+
     def next_pos(self, session: int) -> int:
         return self._next_pos.get(session, 0)
 

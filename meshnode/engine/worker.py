@@ -21,8 +21,10 @@ each wake-up of an idle (virtual) CPU is slow. A split decode step pays it on ev
 stage. So :meth:`EngineWorker.step` (decode steps and verify windows: a hot path) runs
 the call *on the calling thread* when llama.cpp computes it on one CPU thread (no OpenMP
 team is formed, so nothing above applies), the same row count last took at most
-``inline_max_s`` (default 20 ms: a loop pause nobody notices) and no thread job of the
-engine is queued or running (its calls stay in order). Anything else goes to the compute
+``inline_max_s`` (default 20 ms: a loop pause nobody notices), no thread job of the
+engine is queued or running (its calls stay in order) and no KV copy across streams
+waits for this call (a session copy or move: llama.cpp then copies the streams and
+reserves a new worst-case graph first, 0.1 s and more with the KV on a GPU). Anything else goes to the compute
 thread and is measured there, so a big model's steps never block the loop.
 """
 
@@ -130,7 +132,7 @@ class EngineWorker:
         """Whether :meth:`step` would run a step of ``rows`` rows on the calling thread."""
         est = self._step_s.get(rows)
         return (est is not None and est <= self.inline_max_s and self._queued == 0 and not self.released
-                and self.engine.threads_for(rows) == 1)
+                and self.engine.threads_for(rows) == 1 and not self.engine.copies_queued)
 
     def run_inline(self, rows: int, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the calling thread, measured (check :meth:`runs_inline` first)."""
