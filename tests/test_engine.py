@@ -504,6 +504,30 @@ def test_sixteen_sessions_together_equal_each_alone(smol_chains, layout):
     assert together == alone
 
 
+# Sessions a, b, c (decoded together, on prompts 0, 1, 2), an idle one and two fillers,
+# created in an order that scatters them: ids fill0 0, a 1, idle 2, b 3, fill4 4, c 5.
+_A, _B, _C, _IDLE, _FILL0, _FILL4 = 1, 2, 3, 4, 50, 54
+
+
+def _scatter(chain: Chain, prompts) -> None:
+    for s, p in ((_FILL0, 0), (_A, 0), (_IDLE, 1), (_B, 1), (_FILL4, 2), (_C, 2)):
+        chain.forward([Segment(s, 0, tokens=prompts[p], n_logits=1)])
+
+
+def _decode_together(chain: Chain, prompts, check) -> list[list[np.ndarray]]:
+    """CONT fed to a, b and c in one forward per token, ``check(engine, segs, seq ids)``
+    after each; the logits of each session."""
+    got: list[list[np.ndarray]] = [[], [], []]
+    for k, t in enumerate(zip(*CONT)):
+        segs = [Segment(s, len(prompts[i]) + k, tokens=_toks(t[i]), n_logits=1)
+                for i, s in enumerate((_A, _B, _C))]
+        for i, logits in enumerate(chain.forward(segs)):
+            got[i].append(logits)
+        for eng in chain.stages:
+            check(eng, segs, [eng._seq_of[s.session] for s in segs])
+    return got
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["whole", "3-stages"])
 @pytest.mark.parametrize("free_id", [True, False], ids=["swap-through-free-id", "swap-through-host"])
@@ -516,25 +540,18 @@ def test_scattered_sessions_are_packed_into_one_call_and_stay_exact(smol_chains,
     paths = smol_chains[layout]
     refs = [_alone(paths, prompts[i], CONT[i]) for i in range(3)]
     chain = Chain(paths, n_seq_max=6)
-    a, b, c, idle, fill0, fill4 = 1, 2, 3, 4, 50, 54
+
+    def one_call(eng, segs, seqs):   # the three now sit on consecutive ids: one llama_decode
+        assert max(seqs) - min(seqs) == 2 and len(eng._calls(segs, seqs)) == 1
+
     try:
-        # ids in creation order: fill0 0, a 1, idle 2, b 3, fill4 4, c 5
-        for s, p in ((fill0, 0), (a, 0), (idle, 1), (b, 1), (fill4, 2), (c, 2)):
-            chain.forward([Segment(s, 0, tokens=prompts[p], n_logits=1)])
+        _scatter(chain, prompts)
         if free_id:
-            chain.drop(fill4)                              # one free id, outside the batch's window
+            chain.drop(_FILL4)                              # one free id, outside the batch's window
         for eng in chain.stages:
-            assert sorted(eng._seq_of[s] for s in (a, b, c)) == [1, 3, 5]
-        got: list[list[np.ndarray]] = [[], [], []]
-        for k, t in enumerate(zip(*CONT)):
-            segs = [Segment(s, len(prompts[i]) + k, tokens=_toks(t[i]), n_logits=1)
-                    for i, s in enumerate((a, b, c))]
-            for i, logits in enumerate(chain.forward(segs)):
-                got[i].append(logits)
-            for eng in chain.stages:     # the three now sit on consecutive ids: one llama_decode
-                seqs = [eng._seq_of[s.session] for s in segs]
-                assert max(seqs) - min(seqs) == 2 and len(eng._calls(segs, seqs)) == 1
-        idle_got = [chain.forward([Segment(idle, len(prompts[1]) + k, tokens=_toks(t), n_logits=1)])[0]
+            assert sorted(eng._seq_of[s] for s in (_A, _B, _C)) == [1, 3, 5]
+        got = _decode_together(chain, prompts, one_call)
+        idle_got = [chain.forward([Segment(_IDLE, len(prompts[1]) + k, tokens=_toks(t), n_logits=1)])[0]
                     for k, t in enumerate(CONT[1])]
     finally:
         chain.close()
@@ -551,19 +568,13 @@ def test_an_engine_that_does_not_pack_leaves_scattered_sessions_in_place_and_sta
     paths = smol_chains["3-stages"]
     refs = [_alone(paths, prompts[i], CONT[i]) for i in range(3)]
     chain = Chain(paths, n_seq_max=6, pack_sessions=False)
-    a, b, c, idle, fill0, fill4 = 1, 2, 3, 4, 50, 54
+
+    def left_in_place(eng, segs, seqs):
+        assert seqs == [1, 3, 5] and len(eng._calls(segs, seqs)) == 3
+
     try:
-        for s, p in ((fill0, 0), (a, 0), (idle, 1), (b, 1), (fill4, 2), (c, 2)):
-            chain.forward([Segment(s, 0, tokens=prompts[p], n_logits=1)])
-        got: list[list[np.ndarray]] = [[], [], []]
-        for k, t in enumerate(zip(*CONT)):
-            segs = [Segment(s, len(prompts[i]) + k, tokens=_toks(t[i]), n_logits=1)
-                    for i, s in enumerate((a, b, c))]
-            for i, logits in enumerate(chain.forward(segs)):
-                got[i].append(logits)
-            for eng in chain.stages:
-                seqs = [eng._seq_of[s.session] for s in segs]
-                assert seqs == [1, 3, 5] and len(eng._calls(segs, seqs)) == 3
+        _scatter(chain, prompts)
+        got = _decode_together(chain, prompts, left_in_place)
     finally:
         chain.close()
     _assert_same(got, [r[1:] for r in refs])
