@@ -61,6 +61,26 @@ def first_difference(a: list[str], b: list[str]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def loop_health(log: str) -> str:
+    """One line on a node's log: peers it dropped, steps that held its event loop (the
+    worker's warning) and, with MESHNODE_STALL_MS, the stall watch's stalls with the
+    innermost frame of the longest."""
+    dropped = log.count(" silent for ")   # "peer ... silent for" and "unreachable and silent for"
+    long_steps = log.count("step held the event loop")
+    stalls: list[tuple[int, str]] = []
+    frame = ""
+    for line in log.splitlines():
+        if line.startswith("  File "):
+            frame = line.strip()
+        elif "event loop stall over:" in line:
+            stalls.append((int(line.split("over: ")[1].split(" ")[0]), frame))
+    out = f"{dropped} peer(s) dropped as silent, {long_steps} long inline step(s)"
+    if stalls:
+        ms, where = max(stalls)
+        out += f", {len(stalls)} loop stall(s), longest {ms} ms ({where or 'no stack'})"
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="GGUF path")
@@ -125,6 +145,8 @@ def main() -> int:
                 said = [ln for ln in node.log_tail(200_000).splitlines() if " WARNING " in ln or " ERROR " in ln]
                 print(f"{node.name}: {len(said)} warning/error lines" + "".join(f"\n  {ln[:300]}" for ln in said[-15:]),
                       flush=True)
+        for node in cluster.nodes:   # always: a drop or a long loop stall matters even when no text changed
+            print(f"{node.name}: {loop_health(node.log_path.read_text(errors='replace'))}", flush=True)
         if args.logs is not None:
             args.logs.mkdir(parents=True, exist_ok=True)
             for node in cluster.nodes:
