@@ -504,9 +504,10 @@ fi
 # the loop thread's Python stack while the loop is held over 60 ms), logs in $OUT/logs32.
 # With GPU engines no longer moving sessions between KV streams, it checks that fix: no
 # stall in StageEngine._pack, no "peer vanished". It also logs the CPUs and the cgroup's
-# CPU quota: in the first run the watch thread itself could not sample for up to 0.8 s
-# while the loop thread was inside llama.cpp calls, as if the whole process were held.
-# Carried and chained like part 24.
+# CPU quota (in the first run the watch thread itself could not sample for up to 0.8 s
+# while the loop thread was inside llama.cpp calls, as if the whole process were held),
+# then times a step after a session copy and a swap through host (copy_probe.py: on the
+# 2-core VM 24.6 and 13.8 ms against a 19.0 ms step). Carried and chained like part 24.
 if [ "$PART" = 32 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
   { echo "nproc $(nproc)"; cat /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null; } \
@@ -514,5 +515,7 @@ if [ "$PART" = 32 ]; then
   step 150 "concurrent requests against alone, 2 stages on one GPU, --spec-mode on, stall watch" \
     env MESHNODE_STALL_MS=60 "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all \
     --stages 2 --spec-mode on --logs "$OUT/logs32"
+  step 60 "what a session copy and a swap through host cost on the GPU" \
+    "$PY" "$(dirname "$0")/copy_probe.py" "$SMOL" 1000
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
