@@ -24,8 +24,9 @@ team is formed, so nothing above applies), the same row count last took at most
 ``inline_max_s`` (default 20 ms: a loop pause nobody notices), no thread job of the
 engine is queued or running (its calls stay in order) and no KV copy across streams
 waits for this call (a session copy or move: llama.cpp then copies the streams and
-reserves a new worst-case graph first, 0.1 s and more with the KV on a GPU). Anything else goes to the compute
-thread and is measured there, so a big model's steps never block the loop.
+reserves a new worst-case graph first, 0.1 s and more with the KV on a GPU). Anything
+else goes to the compute thread and is measured there, so a big model's steps never
+block the loop.
 """
 
 from __future__ import annotations
