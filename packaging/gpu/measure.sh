@@ -397,6 +397,10 @@ fi
 #     cp .gpuwt/smol/part1 /tmp/smol/ && bash packaging/gpu/measure.sh 25 "$OUT"
 #   carry [.gpuwt/smol/part2], at once: (the exports of part 20); cp .gpuwt/smol/part2 /tmp/smol/ &&
 #     bash packaging/gpu/measure.sh 24 "$OUT"
+# The working tree travels with the carry (64 MiB in all); once it grew past ~3.5 MB the
+# kit (16 MB) and part1 (47 MB) no longer fit one call, so the first call is split, each
+# started at once after the one before: carry [.gpukit]: `. .gpukit/device-setup.sh`;
+# carry [.gpuwt/smol/part1]: `test -d /tmp/site && mkdir -p /tmp/smol && cp .gpuwt/smol/part1 /tmp/smol/`.
 if [ "$PART" = 24 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
   step 120 "schedule SmolLM2 with sticky 4-row calls" env MESHNODE_GPU_STICKY_CALLS=32 "$PY" -m meshnode models \
