@@ -130,8 +130,7 @@ def replay_steps(session: int, history: Sequence[int], n_prompt: int, n_batch: i
     pos = n_prompt
     while pos < len(arr):
         bounds.append(pos)
-        widest = rows_at(pos) if rows_at is not None else MAX_VERIFY_WINDOW
-        pos += max(1, min(n_batch, MAX_VERIFY_WINDOW, widest))
+        pos += max(1, min(n_batch, MAX_VERIFY_WINDOW, rows_at(pos) if rows_at else MAX_VERIFY_WINDOW))
     bounds.append(len(arr))
     steps = [Step(session, a, arr[a:b], 0, (), sampling) for a, b in zip(bounds, bounds[1:])]
     if check_last and steps:

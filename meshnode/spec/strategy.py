@@ -42,7 +42,7 @@ from typing import Any, Literal, Protocol
 from meshnode.config import MODES, MeshnodeConfig, SpeculativeSettings, WindowSettings
 from meshnode.errors import MeshnodeError
 from meshnode.limits import MAX_VERIFY_WINDOW
-from meshnode.spec.window import StageCompute, WindowPolicy, cap_for_route, drafts_at, exact_window_rows
+from meshnode.spec.window import StageCompute, WindowPolicy, cap_for_route, drafts_at, route_window_rows
 
 __all__ = [
     "BUILTIN_STRATEGIES",
@@ -342,10 +342,12 @@ class RouteWindows:
         self.asked = asked
         self.config = asked
         self._stages: tuple[StageCompute, ...] = ()
+        self._rows = MAX_VERIFY_WINDOW   # the route's widest exact window (route_window_rows)
 
     def follow(self, stages: Sequence[StageCompute]) -> bool:
         """The route's stages are now ``stages``; True when the window bounds changed."""
         self._stages = tuple(stages)
+        self._rows = route_window_rows(self._stages)
         capped = exact_for_route(self.asked, stages)
         if capped is None or not capped.enabled or self.config is None or capped.window == self.config.window:
             return False
@@ -362,5 +364,4 @@ class RouteWindows:
         computes as its one-row step would, whatever speculation is configured (a
         failover's replay of generated tokens, serve/failover.py): every stage's exact
         window width, within the KV bucket a GPU stage's one-row steps fill."""
-        rows = min((exact_window_rows(s) for s in self._stages), default=MAX_VERIFY_WINDOW)
-        return max(1, min(rows, 1 + self.drafts_at(pos)))
+        return max(1, min(self._rows, 1 + self.drafts_at(pos)))

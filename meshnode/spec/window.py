@@ -31,6 +31,7 @@ __all__ = [
     "WindowPolicy",
     "drafts_at",
     "make_window",
+    "route_window_rows",
 ]
 
 
@@ -95,6 +96,11 @@ def exact_window_rows(stage: StageCompute) -> int:
     return gpu_exact_window_rows(stage.gpu_pad_rows or GPU_PAD_ROWS)
 
 
+def route_window_rows(stages: Iterable[StageCompute]) -> int:
+    """The widest exact verify window on every stage of a route (its narrowest stage's)."""
+    return min((exact_window_rows(s) for s in stages), default=MAX_VERIFY_WINDOW)
+
+
 def drafts_at(pos: int, stages: Iterable[StageCompute]) -> int:
     """The most drafts a window at position ``pos`` may carry on a route of ``stages`` and
     stay exact: unbounded (MAX_VERIFY_WINDOW) on CPU stages; on a GPU stage, no further
@@ -107,8 +113,7 @@ def cap_for_route(policy: WindowPolicy, stages: Iterable[StageCompute]) -> Windo
     """``policy`` with at most as many drafts as every stage of the route computes exactly
     (a window of ``rows`` rows carries ``rows - 1`` drafts): one GPU stage caps the route,
     at its own node's pad width."""
-    rows = min((exact_window_rows(s) for s in stages), default=MAX_VERIFY_WINDOW)
-    return policy.at_most(rows - 1)
+    return policy.at_most(route_window_rows(stages) - 1)
 
 
 # ---- window controllers -------------------------------------------------------
