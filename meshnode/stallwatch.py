@@ -9,23 +9,29 @@ Off unless ``$MESHNODE_STALL_MS`` names a threshold in milliseconds (10..60000) 
 node starts. Then a loop callback refreshes a timestamp every quarter of it, and a daemon
 thread logs (WARNING, logger ``meshnode.stallwatch``) the loop thread's Python stack
 when that timestamp is older than the threshold: once per distinct stack in one stall,
-and the stall's length when the loop runs again. Costless when off: nothing starts.
+and the stall's length when the loop runs again, with how much of it Python's garbage
+collector held the interpreter (a ``gc.callbacks`` hook times every collection while the
+watch is on: a full collection stops every thread, and its stack shows only the
+allocation that set it off). Costless when off: nothing starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
 import threading
 import time
 import traceback
+from collections import deque
 
 __all__ = ["ENV", "start"]
 
 ENV = "MESHNODE_STALL_MS"
 STACK_FRAMES = 12
+GC_KEPT = 256   # recent collections remembered to account a stall's time to
 log = logging.getLogger(__name__)
 
 
@@ -53,10 +59,31 @@ class _StallWatch:
         self.limit_s = limit_s
         self.beat = time.monotonic()          # the loop's last tick (written by the loop only)
         self.loop_thread = threading.get_ident()
+        self.collections: deque[tuple[float, float, int]] = deque(maxlen=GC_KEPT)   # (start, end, gen)
+        self._gc_start = 0.0
 
     def start(self) -> None:
         self.loop.call_soon(self._tick)
+        gc.callbacks.append(self._on_gc)
         threading.Thread(target=self._watch, name="stall-watch", daemon=True).start()
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        # called by the collecting thread with the interpreter held: no other thread runs
+        if phase == "start":
+            self._gc_start = time.monotonic()
+        else:
+            self.collections.append((self._gc_start, time.monotonic(), info.get("generation", -1)))
+
+    def gc_within(self, begin: float, end: float) -> tuple[float, int]:
+        """Seconds of garbage collection between ``begin`` and ``end``, and the oldest
+        generation collected then (-1: none)."""
+        spent, oldest = 0.0, -1
+        for start, stop, gen in list(self.collections):
+            overlap = min(stop, end) - max(start, begin)
+            if overlap > 0:
+                spent += overlap
+                oldest = max(oldest, gen)
+        return spent, oldest
 
     def _tick(self) -> None:
         self.beat = time.monotonic()
@@ -69,7 +96,10 @@ class _StallWatch:
             time.sleep(self.limit_s / 4)
             beat = self.beat
             if stalled_at is not None and beat != stalled_at:
-                log.warning("event loop stall over: %.0f ms without a tick", 1e3 * (beat - stalled_at))
+                spent, gen = self.gc_within(stalled_at, beat)
+                log.warning("event loop stall over: %.0f ms without a tick%s", 1e3 * (beat - stalled_at),
+                            f", {1e3 * spent:.0f} ms of it in garbage collection (generation {gen})"
+                            if gen >= 0 else ", no garbage collection in it")
                 stalled_at, seen = None, set()
             lag = time.monotonic() - beat
             if lag <= self.limit_s:

@@ -47,3 +47,32 @@ def test_off_by_default_and_a_bad_value_says_so(monkeypatch, caplog):
         with caplog.at_level(logging.INFO, logger="meshnode.stallwatch"):
             assert not _run(0.0)
         assert any("no stall watch" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stall_inside_a_garbage_collection_says_how_much_of_it_the_collector_took(monkeypatch, caplog):
+    # A full collection stops every thread, and the loop thread's stack shows only the
+    # allocation that set it off: the watch times collections to say so. A slow
+    # collection is made by a gc callback that sleeps (the watch's own runs first).
+    import gc
+
+    def slow_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            time.sleep(0.3)
+
+    async def main() -> None:
+        assert stallwatch.start(asyncio.get_running_loop())
+        gc.callbacks.append(slow_collection)
+        try:
+            await asyncio.sleep(0.05)
+            gc.collect()
+            await asyncio.sleep(0.15)
+        finally:
+            gc.callbacks.remove(slow_collection)
+
+    monkeypatch.setenv(stallwatch.ENV, "40")
+    with caplog.at_level(logging.INFO, logger="meshnode.stallwatch"):
+        asyncio.run(main())
+    over = [r.getMessage() for r in caplog.records if r.getMessage().startswith("event loop stall over")]
+    assert len(over) == 1
+    spent = int(over[0].split(", ")[1].split(" ms")[0])
+    assert 250 <= spent <= 2000 and "garbage collection (generation 2)" in over[0]

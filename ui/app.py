@@ -111,8 +111,10 @@ class MeshnodeApp(App[int]):
         tz: _dt.tzinfo | None = None,
         cursor_blink: bool = True,
         chat_temperature: float | None = None,
+        on_started: Callable[[], None] | None = None,
     ) -> None:
-        """``manage_node``: start the node on mount and stop it on quit (``run_tui``).
+        """``manage_node``: start the node on mount and stop it on quit (``run_tui``);
+        ``on_started`` is called once the node it manages is up.
 
         ``chat_temperature``: the sampling temperature the Chat screen asks for (None:
         the endpoint's default; 0 makes answers greedy and repeatable, as tests need).
@@ -130,6 +132,7 @@ class MeshnodeApp(App[int]):
         self.tz = tz
         self.cursor_blink = cursor_blink
         self.chat_temperature = chat_temperature
+        self.on_started = on_started
         self.feed = EventFeed()
         self.latest_snapshot: NodeSnapshot | None = None
         self.node_state = "starting" if manage_node else "running"
@@ -161,6 +164,8 @@ class MeshnodeApp(App[int]):
             self.notify(f"The node failed to start: {exc}", severity="error", timeout=30)
             return
         self.set_node_state("running")
+        if self.on_started is not None:
+            self.on_started()
         if not self._subscribed:
             self.consume_events()
         self.poll()
@@ -299,19 +304,21 @@ def _restore_terminal(saved: list | None) -> None:
 
 
 def run_tui(make_node: Callable[[], ManagedNode], *, refresh_hz: float = 4.0,
-            loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> int:
+            loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+            on_started: Callable[[], None] | None = None) -> int:
     """Run the node and the TUI in one asyncio loop until the user quits.
 
     ``make_node`` is called inside the loop (so the node may bind loop resources in its
     constructor); the node is started once the UI is up and stopped when it closes,
     however it closes (q, SIGINT or SIGTERM; a second signal exits at once with 128 + its
     number). Returns the process exit code (1 when the node failed to start).
-    ``loop_factory``: the node's event loop (e.g. busy polling), as for :class:`asyncio.Runner`.
+    ``loop_factory``: the node's event loop (e.g. busy polling), as for :class:`asyncio.Runner`;
+    ``on_started``: called once the node is up.
     """
 
     async def main() -> int:
         node = make_node()
-        app = MeshnodeApp(node, refresh_hz=refresh_hz, manage_node=True)
+        app = MeshnodeApp(node, refresh_hz=refresh_hz, manage_node=True, on_started=on_started)
         signalled: list[int] = []
         quitting: list[asyncio.Future] = []
         terminal = _terminal_state()

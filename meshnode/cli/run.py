@@ -253,7 +253,7 @@ def cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return cmd_serve(args)
     from meshnode.config import load_config
-    from meshnode.node import Node
+    from meshnode.node import Node, freeze_startup_heap
     from meshnode.paths import NodePaths
 
     pin_cpus(args.cpus)
@@ -261,7 +261,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     _log_to_file(args.log_level, paths.state / "meshnode.log")
     config = load_config(paths.config_file)
     kwargs = _node_kwargs(args, paths, config)
-    return int(run_tui(lambda: Node(paths, **kwargs), loop_factory=loop_factory(args, config)) or 0)
+    return int(run_tui(lambda: Node(paths, **kwargs), loop_factory=loop_factory(args, config),
+                       on_started=freeze_startup_heap) or 0)
 
 
 def _log_to_file(level_name: str | None, path) -> None:
@@ -351,7 +352,7 @@ async def serve_headless(args: argparse.Namespace, config=None) -> int:
     """Run the node until SIGINT / SIGTERM, then stop it gracefully (status 0); a second
     signal exits at once with 128 + its number (130, 143), as a shell reports a process
     killed by it."""
-    from meshnode.node import Node
+    from meshnode.node import Node, freeze_startup_heap
     from meshnode.paths import NodePaths
 
     paths = NodePaths.resolve(args.home)
@@ -369,6 +370,7 @@ async def serve_headless(args: argparse.Namespace, config=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     await node.start()
+    freeze_startup_heap()
     print(f"meshnode: node {node.fabric.node_id} ({node.name}) serving {node.http_url}", file=sys.stderr, flush=True)
     try:
         await stop.wait()

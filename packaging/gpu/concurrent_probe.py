@@ -64,20 +64,24 @@ def first_difference(a: list[str], b: list[str]) -> int | None:
 def loop_health(log: str) -> str:
     """One line on a node's log: peers it dropped, steps that held its event loop (the
     worker's warning) and, with MESHNODE_STALL_MS, the stall watch's stalls with the
-    innermost frame of the longest."""
+    innermost frame of the longest, and how much of the stalls' time was garbage collection."""
     dropped = log.count(" silent for ")   # "peer ... silent for" and "unreachable and silent for"
     long_steps = log.count("step held the event loop")
     stalls: list[tuple[int, str]] = []
+    gc_ms = 0
     frame = ""
     for line in log.splitlines():
         if line.startswith("  File "):
             frame = line.strip()
         elif "event loop stall over:" in line:
             stalls.append((int(line.split("over: ")[1].split(" ")[0]), frame))
+            if " in garbage collection" in line:
+                gc_ms += int(line.split(", ")[-1].split(" ms")[0])
     out = f"{dropped} peer(s) dropped as silent, {long_steps} long inline step(s)"
     if stalls:
         ms, where = max(stalls)
-        out += f", {len(stalls)} loop stall(s), longest {ms} ms ({where or 'no stack'})"
+        out += (f", {len(stalls)} loop stall(s), longest {ms} ms ({where or 'no stack'}); "
+                f"{gc_ms} of their {sum(s for s, _ in stalls)} ms in garbage collection")
     return out
 
 

@@ -511,7 +511,10 @@ fi
 # CPU quota (in the first run the watch thread itself could not sample for up to 0.8 s
 # while the loop thread was inside llama.cpp calls, as if the whole process were held),
 # then times a step after a session copy and a swap through host (copy_probe.py: on the
-# 2-core VM 24.6 and 13.8 ms against a 19.0 ms step). Carried and chained like part 24.
+# 2-core VM 24.6 and 13.8 ms against a 19.0 ms step). The watch also says how much of each
+# stall was garbage collection (the 83-100 ms stalls of the first run with the fix sat at
+# frames that only allocate or send, as a full collection's do; nodes now freeze their
+# start-up heap out of the collector). Carried and chained like part 24.
 if [ "$PART" = 32 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
   { echo "nproc $(nproc)"; cat /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null; } \
