@@ -50,6 +50,36 @@ def test_windows_and_matches_can_be_bounded_as_a_route_bounds_them():
     assert replay([prompt], [answer], 12, _cost(), 1)["windows"] > 0
 
 
+def test_a_node_drafts_from_two_token_matches_only_where_its_windows_cost_next_to_a_plain_step():
+    """``min_match=None`` replays the serving loop's rule (spec/ngram.min_match_for):
+    3-token matches until the learned costs say a 1-draft window costs at most
+    CHEAP_WINDOW_STEPS plain steps (a GPU split, mostly hops), then 2."""
+    from meshnode.spec.ngram import CHEAP_WINDOW_STEPS, MIN_NGRAM_MATCH, min_match_for
+
+    assert min_match_for(None) == MIN_NGRAM_MATCH == 3
+    assert min_match_for(CHEAP_WINDOW_STEPS) == 2 and min_match_for(1.52) == 3   # this VM's split
+    # the text copies a long span first (3-token matches: windows get measured), then
+    # repeats only 2-token spans (12, 13 are followed by 99 once more)
+    prompt = CODE + [12, 13, 99, 50, 51, 98]
+    answer = CODE[:12] + [60, 12, 13, 99, 61, 50, 51, 98]
+    cheap = replay([prompt], [answer], 12, _cost(40.0, 1.0), None)
+    dear = replay([prompt], [answer], 12, _cost(40.0, 40.0), None)
+    assert dear["accepted"] == replay([prompt], [answer], 12, _cost(40.0, 40.0), 3)["accepted"]
+    # cheap windows: the 2-token spans drafted too, once the costs are learned
+    assert dear["accepted"] < cheap["accepted"] <= replay([prompt], [answer], 12, _cost(40.0, 1.0), 2)["accepted"]
+
+
+def test_the_min_match_option_takes_numbers_and_auto():
+    import argparse
+
+    from meshnode.bench.replay_bench import _min_matches
+
+    assert _min_matches("2,auto,3") == [2, None, 3]
+    for bad in ("0", "x", "", "2,-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _min_matches(bad)
+
+
 class _OracleDraft:
     """A draft model stand-in for the replay's logic: proposes the known answer's next
     tokens, one "call" per draft (as a draft does after catching up)."""

@@ -68,9 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history-min", type=_max_ns, default=None, metavar="N,N,...",
                    help="suffix proposer: shortest match drafted from recent requests "
                         "(default: the built-in one)")
-    p.add_argument("--min-match", type=_max_ns, default=None, metavar="N,N,...",
-                   help="shortest suffix match an n-gram draft continues, values to compare "
-                        "(default: the built-in one)")
+    p.add_argument("--min-match", type=_min_matches, default=None, metavar="N|auto,...",
+                   help="shortest suffix match an n-gram draft continues, values to compare; "
+                        "auto: as a node picks it from the learned step costs (default auto)")
     p.add_argument("--max-window", type=positive_int, default=None, metavar="N",
                    help="most drafts per window (default: the window policy's; 3 is a GPU "
                         "route's cap at the default pad)")
@@ -92,6 +92,19 @@ def _max_ns(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"want positive integers separated by commas, got {text!r}")
     return values
+
+
+def _min_matches(text: str) -> list[int | None]:
+    """``--min-match``: positive integers or ``auto`` (None), comma separated."""
+    out: list[int | None] = []
+    for item in (x.strip() for x in text.split(",")):
+        if item == "auto":
+            out.append(None)
+        elif item:
+            out.append(int(item) if item.isdigit() and int(item) >= 1 else 0)
+    if not out or 0 in out:
+        raise argparse.ArgumentTypeError(f"want positive integers or auto, separated by commas, got {text!r}")
+    return out
 
 
 def _step_ms(text: str) -> dict[int, float]:
@@ -129,7 +142,6 @@ def run(args: argparse.Namespace) -> int:
     from meshnode.engine.tokenizer import Tokenizer
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
-    from meshnode.spec.ngram import MIN_NGRAM_MATCH
     from meshnode.spec.cost_model import CostModel
     from meshnode.spec.suffix import HISTORY_MIN_MATCH
 
@@ -185,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     cost = CostModel(step_s=step_ms[0] / 1000)
     for k, ms in step_ms.items():
         cost.observe(k, (hop_ms + ms) / 1000)
-    min_matches = args.min_match or [MIN_NGRAM_MATCH]
+    min_matches = args.min_match or [None]
     print(f"replay: {ref.name}, set {args.split}{' (quick)' if args.quick else ''}, {args.threads} "
           f"thread(s), " + (f"hop {hop_ms:g} ms" if args.step_ms is None else "step costs as given")
           + "; step ms by drafts " + " ".join(f"{k}:{1000 * cost.seconds(k):.1f}" for k in (0, 1, 2, 4, 8, 16))
@@ -199,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
             for hmin in ((args.history_min or [HISTORY_MIN_MATCH]) if name != "ngram" else [None]):
                 for mm in min_matches:
                     label = (f"{name}/{max_n}" + (f"/h{hmin}" if hmin is not None else "")
-                             + (f"/m{mm}" if args.min_match else ""))
+                             + (f"/m{mm or 'auto'}" if args.min_match else ""))
                     configs.append((label, name, max_n, hmin, mm))
     print(f"{'workload':11s} {'proposer':16s} {'steps':>6s} {'plain':>6s} {'windows':>7s} {'drafts':>7s} "
           f"{'accepted':>8s} {'accept':>7s} {'acc/win':>7s} {'predicted':>10s}")
@@ -291,7 +303,7 @@ def _step_costs(engine, prompt: list[int], drafts: tuple[int, ...]) -> dict[int,
     return {k: 1000 * float(np.median(t)) for k, t in times.items()}
 
 
-def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost, min_match: int, *,
+def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost, min_match: int | None, *,
            clients: list[str] | None = None, kinds: list[str] | None = None,
            history_min: int | None = None, max_window: int | None = None,
            draft=None, draft_ms: float = 0.0, n_gram: bool = True, split_windows: bool = False) -> dict:
@@ -308,7 +320,7 @@ def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost,
     draft made for it; with ``split_windows`` its windows have a controller and a learned
     cost model of their own (else they share the n-gram window's)."""
     from meshnode.spec.cost_model import CostModel
-    from meshnode.spec.ngram import NGramProposer
+    from meshnode.spec.ngram import NGramProposer, min_match_for
     from meshnode.spec.suffix import HISTORY_MIN_MATCH, RecentTexts, SuffixProposer
     from meshnode.spec.window import WindowPolicy, make_window
 
@@ -333,7 +345,8 @@ def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost,
         i = 0
         while i < len(answer):
             k = window.next_window()
-            proposal = ngram.propose(k, min_match=min_match) if n_gram else []
+            mm = min_match or min_match_for(learned.relative(1) if learned.measured else None)
+            proposal = ngram.propose(k, min_match=mm) if n_gram else []
             used, model, seconds = window, learned, 0.0
             if not proposal and draft is not None:
                 used, model = draft_window, draft_learned

@@ -97,7 +97,6 @@ from meshnode.serve.scheduler import BatchScheduler
 from meshnode.serve.speculation import SpeculativeDecoder
 from meshnode.serve.structured import compile_constraint
 from meshnode.serve.tools import render_messages
-from meshnode.spec.ngram import MIN_NGRAM_MATCH
 from meshnode.spec.strategy import DraftProposer, SpecConfig
 from meshnode.spec.window import StageCompute
 from meshnode.state import RequestInfo, RequestStatus, RequestUpdated
@@ -190,8 +189,7 @@ class ModelServer:
         self.last_tpot_ms: float | None = None
         self.created = int(time.time())
         self._decoder = SpeculativeDecoder(settings.spec, draft, scheduler=self.scheduler,
-                                           tokenizer=tokenizer, n_ctx=settings.n_ctx,
-                                           min_match=MIN_NGRAM_MATCH, publish=self._publish)
+                                           tokenizer=tokenizer, n_ctx=settings.n_ctx, publish=self._publish)
 
     # ---- EngineClient -------------------------------------------------------------------
 

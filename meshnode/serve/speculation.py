@@ -48,6 +48,7 @@ from meshnode.serve.scheduler import BatchScheduler
 from meshnode.spec.cost_model import CostModel
 from meshnode.spec.draft import UNIFORM_CATCHUP_ROWS
 from meshnode.spec.lookahead import LookaheadGate
+from meshnode.spec.ngram import min_match_for
 from meshnode.spec.suffix import RecentTexts, SuffixProposer
 from meshnode.spec.policy import AutoPolicy
 from meshnode.spec.stats import SpecTelemetry
@@ -65,12 +66,11 @@ class SpeculativeDecoder:
     that drive it. See the module docstring."""
 
     def __init__(self, config: SpecConfig | None, draft: DraftProposer | None, *,
-                 scheduler: BatchScheduler, tokenizer: Tokenizer, n_ctx: int, min_match: int,
+                 scheduler: BatchScheduler, tokenizer: Tokenizer, n_ctx: int,
                  publish: Callable[[object], None]) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
-        self.min_match = min_match   # shortest suffix match an n-gram draft continues
         self._publish = publish
         strategy = "none" if config is None or not config.enabled else (
             "draft" if config.type == "draft-model" else "ngram")
@@ -95,6 +95,12 @@ class SpeculativeDecoder:
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
         self.recent = RecentTexts() if strategy == "ngram" else None
         self._remembering: set[asyncio.Future] = set()
+
+    @property
+    def min_match(self) -> int:
+        """The shortest suffix match an n-gram draft continues now: shorter where this
+        route's verify windows cost next to a plain step (spec/ngram.py, min_match_for)."""
+        return min_match_for(self.cost.relative(1) if self.cost.measured else None)
 
     def follow_route(self, stages: Sequence[StageCompute]) -> None:
         """The model now runs on ``stages``: verify windows at most as wide as all of

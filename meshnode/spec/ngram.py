@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["MIN_NGRAM_MATCH", "NGramProposer", "NGramDrafter"]
+__all__ = ["MIN_NGRAM_MATCH", "NGramProposer", "NGramDrafter", "min_match_for"]
 
 BASE_N = 4            # n-grams up to this length are indexed; longer matches extend them
 MAX_CANDIDATES = 64   # occurrences of a BASE_N-gram compared per lookup (the latest ones)
@@ -46,8 +46,23 @@ DEFAULT_MAX_N = 12
 # n-gram drafts only continue a suffix of at least this many tokens seen before: a 1- or
 # 2-token match in prose is mostly a coincidence, and its verify rows are paid for
 # nothing (measured with `meshnode bench spec`, docs/speculative.md "Proposers").
-# The serving loop passes it as ``min_match``; the offline replay benchmark does too.
 MIN_NGRAM_MATCH = 3
+# ... unless verify rows cost next to nothing: where a 1-draft window costs at most this
+# many plain steps (a GPU split, whose steps are mostly hops), 2-token matches pay too.
+# `meshnode bench replay --min-match 2,3 --max-window 3` (SmolLM2, 96 tokens): with the
+# H200 split's step costs (a window 1.06-1.19 plain steps) 2 predicts 1.46x and 1.45x
+# on the tune and held-out code edits against 1.42x and 1.41x for 3 (chat 1.15x
+# against 1.13x); with this 2-core VM's own (1.52 plain steps) 3 predicts 1.17x against 1.15x.
+CHEAP_WINDOW_STEPS = 1.25
+
+
+def min_match_for(window_steps: float | None) -> int:
+    """The shortest suffix match an n-gram draft continues where a 1-draft window costs
+    ``window_steps`` plain steps (None: not measured yet). The serving loop asks it at
+    every step, from its learned step costs; the offline replay benchmark does too."""
+    if window_steps is not None and window_steps <= CHEAP_WINDOW_STEPS:
+        return MIN_NGRAM_MATCH - 1
+    return MIN_NGRAM_MATCH
 
 
 class NGramProposer:
