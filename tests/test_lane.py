@@ -155,6 +155,35 @@ async def test_frames_travel_the_lane_both_ways_and_forgeries_do_not_hurt(tmp_pa
 
 
 @pytest.mark.net
+async def test_the_quic_sockets_ask_for_buffers_that_hold_a_burst(tmp_path):
+    """asyncio reads one datagram per loop iteration: while a step computes on the loop a
+    burst waits in the socket, and the default ~208 KB receive buffer drops lane frames
+    (each then costs its request a second). Both the listener's socket and a dialling
+    link's own get SOCKET_BUFFER, or as much as the OS allows."""
+    from meshnode.net.link import SOCKET_BUFFER
+
+    try:
+        cap = int(open("/proc/sys/net/core/rmem_max").read())
+    except OSError:
+        pytest.skip("needs Linux's /proc/sys/net/core/rmem_max")
+    s = new_secret()
+    a = _fabric(tmp_path, "a", s)
+    await a.start()
+    b = _fabric(tmp_path, "b", s, static=[f"127.0.0.1:{a.port}"])
+    await b.start()
+    try:
+        await until(lambda: b.node_id in a._links and a.node_id in b._links, 5.0)
+        socks = [a._links[b.node_id]._transport.get_extra_info("socket"),
+                 b._links[a.node_id]._transport.get_extra_info("socket")]
+        assert socks[0].getsockname() != socks[1].getsockname()   # the listener's, b's own
+        for sock in socks:   # (Linux reports twice what it grants)
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= 2 * min(SOCKET_BUFFER, cap)
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+@pytest.mark.net
 async def test_a_node_with_the_lane_off_gets_everything_over_quic(tmp_path):
     s = new_secret()
     a = _fabric(tmp_path, "a", s, settings=LinkSettings(lane=False))

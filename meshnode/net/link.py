@@ -55,6 +55,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -85,9 +86,30 @@ DEFERRED_TRANSMIT_S = 0.001   # after a received datagram (see PeerLink.datagram
 # 1500-byte LAN such a datagram travels as IP fragments, so probes are this big: a path that
 # drops fragments never gets a lane.
 LANE_MAX_FRAME = 65_507 - LANE_HEADER_SIZE - LANE_TAG_SIZE
+# The kernel buffers asked for each QUIC socket (the lane's too). asyncio reads one
+# datagram per event-loop iteration, so while a step computes on the loop a burst (a
+# 64-row prompt chunk in f32: 147 KB for SmolLM2, 1 MiB for an 8B) waits in the socket, and
+# Linux's default receive buffer (~208 KB, charged at more than each datagram's size) drops the rest: a
+# dropped lane frame stalls its request a second before the step is resent over QUIC
+# (mesh/pipeline.py). The OS caps what is granted (Linux: net.core.rmem_max / wmem_max).
+SOCKET_BUFFER = 4 * 1024 * 1024
 # A Profile (name and capabilities, after the peer's proof): meshnode.net.auth caps its JSON
 # at 64 KiB; the rest of the frame is a name and a few lengths.
 PROFILE_MAX_FRAME = 64 * 1024 + 512
+
+
+def enlarge_socket_buffers(transport: asyncio.BaseTransport) -> None:
+    """Ask the kernel for SOCKET_BUFFER bytes of receive and send buffer on ``transport``'s
+    socket (granted up to the OS's cap; a refusal is logged at debug level and changes
+    nothing else)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError as exc:
+            log.debug("socket buffer %s not enlarged: %s", opt, exc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +382,7 @@ class PeerLink(compat.ReadsConnectFailure):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         if self.is_client:   # its own socket (a server-side link shares the listener's: net/quic.py)
+            enlarge_socket_buffers(transport)
             self._errors = icmp.ErrorQueue(transport)
 
     def error_received(self, exc: Exception) -> None:

@@ -41,7 +41,7 @@ from meshnode.net import icmp
 from meshnode.net.aioquic_compat import PrefilteredQuicServer
 from meshnode.net.identity import Identity
 from meshnode.net.lane import is_lane_packet
-from meshnode.net.link import ALPN, LinkOwner, LinkSettings, PeerLink
+from meshnode.net.link import ALPN, LinkOwner, LinkSettings, PeerLink, enlarge_socket_buffers
 
 __all__ = ["Admission", "QuicListener", "dial", "listen", "quic_configuration"]
 
@@ -143,6 +143,7 @@ class _Server(PrefilteredQuicServer):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        enlarge_socket_buffers(transport)
         self._errors = icmp.ErrorQueue(transport)
 
     def error_received(self, exc: Exception) -> None:
