@@ -79,7 +79,7 @@ def freeze_startup_heap() -> None:
     node itself) out of the cyclic garbage collector's sight, for the process's life.
 
     Why: a full collection stops every thread, the event loop included, for as long as
-    it walks every tracked object; right after start-up that is ~95k objects and ~55 ms
+    it walks every tracked object; right after start-up that is ~110k objects and ~55 ms
     on a 2-core VM (a ~100 ms loop stall on a GPU host, `MESHNODE_STALL_MS` shows them),
     and nearly none of them ever becomes garbage. Frozen, they are skipped, and a full
     collection walks only what serving allocated since. Called by the programs that run

@@ -112,3 +112,4 @@ class _StallWatch:
             if stack not in seen:
                 seen.add(stack)
                 log.warning("event loop stalled for %.0f ms so far; its thread is at:\n%s", 1e3 * lag, stack.rstrip())
+        gc.callbacks.remove(self._on_gc)   # the loop is gone: nothing left to account for

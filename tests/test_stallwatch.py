@@ -76,3 +76,8 @@ def test_a_stall_inside_a_garbage_collection_says_how_much_of_it_the_collector_t
     assert len(over) == 1
     spent = int(over[0].split(", ")[1].split(" ms")[0])
     assert 250 <= spent <= 2000 and "garbage collection (generation 2)" in over[0]
+    # the loop is closed: the watch's collector hook goes with it
+    deadline = time.monotonic() + 2
+    while any(getattr(cb, "__name__", "") == "_on_gc" for cb in gc.callbacks) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(getattr(cb, "__name__", "") == "_on_gc" for cb in gc.callbacks)
