@@ -23,6 +23,15 @@ MAX_CHOICES = 8
 KV_CACHE_TYPES = ("q8_0", "f16", "bf16", "f32")
 DEFAULT_KV_TYPE = "q8_0"
 
+# Kernel buffer asked for each socket that carries bursts: the QUIC sockets (and their
+# fast lane) and the bulk channel's model transfers. asyncio reads one datagram per
+# event-loop iteration, so while a step computes on the loop a burst (a 64-row prompt chunk
+# in f32: 147 KB for SmolLM2, 1 MiB for an 8B) waits in the socket, and Linux's default
+# receive buffer (~208 KB) drops the rest: a dropped lane frame stalls its request a second
+# before the step is resent over QUIC (mesh/pipeline.py). The OS caps what is granted
+# (Linux: net.core.rmem_max / wmem_max).
+SOCKET_BUFFER = 4 * 1024 * 1024
+
 # Rows a GPU stage runs every small call as (docs/engine.md, "GPU"): a one-row step or a
 # verify window of fewer rows is padded with throwaway rows (rolled back at once), so every
 # decode step takes the same CUDA kernels and windows reproduce one-row steps bit for bit.

@@ -160,7 +160,7 @@ async def test_the_quic_sockets_ask_for_buffers_that_hold_a_burst(tmp_path):
     burst waits in the socket, and the default ~208 KB receive buffer drops lane frames
     (each then costs its request a second). Both the listener's socket and a dialling
     link's own get SOCKET_BUFFER, or as much as the OS allows."""
-    from meshnode.net.link import SOCKET_BUFFER
+    from meshnode.limits import SOCKET_BUFFER
 
     try:
         cap = int(open("/proc/sys/net/core/rmem_max").read())

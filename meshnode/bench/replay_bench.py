@@ -345,7 +345,7 @@ def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost,
         i = 0
         while i < len(answer):
             k = window.next_window()
-            mm = min_match or min_match_for(learned.relative(1) if learned.measured else None)
+            mm = min_match or min_match_for(learned.window_steps)
             proposal = ngram.propose(k, min_match=mm) if n_gram else []
             used, model, seconds = window, learned, 0.0
             if not proposal and draft is not None:

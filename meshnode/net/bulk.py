@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshnode.errors import MeshnodeError
+from meshnode.limits import SOCKET_BUFFER
 from meshnode.net.identity import CERT_FILE, KEY_FILE, node_id_of_cert
 
 __all__ = ["BulkClient", "BulkError", "BulkServer", "Grant", "TicketBook", "TICKET_LEN"]
@@ -60,7 +61,6 @@ IDLE_TIMEOUT_S = 30.0
 HANDSHAKE_TIMEOUT_S = 5.0     # TLS and the ticket, before a connection is a transfer
 MAX_MESSAGE = 512
 BYE = 0xFFFFFFFF
-SOCKET_BUFFER = 4 * 1024 * 1024
 
 
 class BulkError(MeshnodeError):

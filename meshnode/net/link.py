@@ -65,6 +65,7 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
 from meshnode import timeline
+from meshnode.limits import SOCKET_BUFFER
 from meshnode.net import aioquic_compat as compat, icmp
 from meshnode.net.auth import AuthHandshake, AuthState, NONCE_LEN
 from meshnode.net.identity import Identity, cert_fingerprint, node_id_of_cert
@@ -86,13 +87,6 @@ DEFERRED_TRANSMIT_S = 0.001   # after a received datagram (see PeerLink.datagram
 # 1500-byte LAN such a datagram travels as IP fragments, so probes are this big: a path that
 # drops fragments never gets a lane.
 LANE_MAX_FRAME = 65_507 - LANE_HEADER_SIZE - LANE_TAG_SIZE
-# The kernel buffers asked for each QUIC socket (the lane's too). asyncio reads one
-# datagram per event-loop iteration, so while a step computes on the loop a burst (a
-# 64-row prompt chunk in f32: 147 KB for SmolLM2, 1 MiB for an 8B) waits in the socket, and
-# Linux's default receive buffer (~208 KB, charged at more than each datagram's size) drops the rest: a
-# dropped lane frame stalls its request a second before the step is resent over QUIC
-# (mesh/pipeline.py). The OS caps what is granted (Linux: net.core.rmem_max / wmem_max).
-SOCKET_BUFFER = 4 * 1024 * 1024
 # A Profile (name and capabilities, after the peer's proof): meshnode.net.auth caps its JSON
 # at 64 KiB; the rest of the frame is a name and a few lengths.
 PROFILE_MAX_FRAME = 64 * 1024 + 512
@@ -100,8 +94,8 @@ PROFILE_MAX_FRAME = 64 * 1024 + 512
 
 def enlarge_socket_buffers(transport: asyncio.BaseTransport) -> None:
     """Ask the kernel for SOCKET_BUFFER bytes of receive and send buffer on ``transport``'s
-    socket (granted up to the OS's cap; a refusal is logged at debug level and changes
-    nothing else)."""
+    socket (limits.py says why; granted up to the OS's cap, a refusal is logged at debug
+    level and changes nothing else)."""
     sock = transport.get_extra_info("socket")
     if sock is None:
         return

@@ -100,7 +100,7 @@ class SpeculativeDecoder:
     def min_match(self) -> int:
         """The shortest suffix match an n-gram draft continues now: shorter where this
         route's verify windows cost next to a plain step (spec/ngram.py, min_match_for)."""
-        return min_match_for(self.cost.relative(1) if self.cost.measured else None)
+        return min_match_for(self.cost.window_steps)
 
     def follow_route(self, stages: Sequence[StageCompute]) -> None:
         """The model now runs on ``stages``: verify windows at most as wide as all of

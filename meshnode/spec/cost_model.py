@@ -127,6 +127,11 @@ class CostModel:
             est = obs[near] + self.prior(k) - self.prior(near)
         return max(est, 1e-9)
 
+    @property
+    def window_steps(self) -> float | None:
+        """What a 1-draft window costs in plain steps here, once measured (None before)."""
+        return self.relative(1) if self.measured else None
+
     def relative(self, window: int) -> float:
         """Step cost in units of a plain decode step."""
         return self.seconds(window) / self.seconds(0)

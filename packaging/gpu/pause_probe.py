@@ -11,7 +11,7 @@ and "Fast lane"), each against its baseline in the same run:
 * **A burst at a busy socket**: 64 datagrams of 16 KB (a 64-row prompt chunk of an 8B in
   f32) sent by another process at an asyncio UDP socket whose loop is held 200 ms (a step
   computing on it); how many arrive with the kernel's default receive buffer and with
-  ``link.SOCKET_BUFFER`` (what a node's QUIC sockets ask for), and the buffer granted.
+  ``limits.SOCKET_BUFFER`` (what a node's QUIC sockets ask for), and the buffer granted.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from meshnode.net.link import SOCKET_BUFFER  # noqa: E402
+from meshnode.limits import SOCKET_BUFFER  # noqa: E402
 from meshnode.node import Node, freeze_startup_heap  # noqa: E402
 from meshnode.paths import NodePaths  # noqa: E402
 
