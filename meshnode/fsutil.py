@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import tempfile
@@ -50,6 +51,15 @@ def atomic_write(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def remove_temps_of(path: Path) -> None:
+    """Delete the temp files a killed writer of ``path`` left (``atomic_write`` cleans up
+    after an exception, not after SIGKILL). Only for a path with one writer at a time,
+    which the caller is: another's temp file would be taken from under it."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.part"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def fsync_dir(directory: Path) -> None:

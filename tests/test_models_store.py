@@ -160,3 +160,25 @@ def test_drop_in_models_are_listed(tmp_path: Path, synthetic_gguf):
     (ref,) = list_models(paths)
     assert (ref.name, ref.n_layers) == ("dropped", 2)
     assert resolve_model("dropped", paths) == ref
+
+
+def test_a_verified_file_is_recorded_without_hashing_and_a_bad_one_is_removed(
+        tmp_path: Path, synthetic_gguf, monkeypatch):
+    paths = NodePaths.resolve(tmp_path / "home")
+    paths.models.mkdir(parents=True)
+    pulled = paths.models / "pulled.gguf"
+    shutil.copy(synthetic_gguf("a.gguf", n_layer=3), pulled)
+
+    def no_hash(*a, **k):
+        raise AssertionError("rehashed")
+
+    monkeypatch.setattr(index_mod, "sha256_file", no_hash)
+    ref = index_mod.vouch_for(pulled, "ab" * 32, "pulled")     # the pull checked this sha256
+    assert (ref.sha256, ref.n_layers) == ("ab" * 32, 3)
+    assert list_models(paths) == [ref]                         # trusted: listing hashes nothing
+
+    junk = paths.models / "junk.gguf"
+    junk.write_bytes(b"GGUF" + os.urandom(64))
+    with pytest.raises(ModelFileError):
+        index_mod.vouch_for(junk, "cd" * 32, "junk")
+    assert not junk.exists() and not index_mod.record_path(junk).exists()

@@ -79,6 +79,10 @@ def test_killed_puller_resumes_and_other_mesh_sees_nothing(netns_ok, smollm2, tm
                 r = meshnode_cmd("models", "pull", name, "--home", str(puller), timeout=120)
             assert r.returncode == 0, r.stderr
             assert f"chunks already here" in p.log() and f"{have} of" in p.log()
+            # the node recorded the sha256 it verified before it answered: listing the store
+            # hashes nothing (a CLI and the node used to hash the new file at once)
+            meta = json.loads((puller / "data" / "models" / f"{name}.gguf.meta.json").read_text())
+            assert meta["sha256"] == smollm2.sha256
             listed = json.loads(meshnode_cmd("models", "list", "--json", "--home", str(puller)).stdout)
             assert [m["sha256"] for m in listed] == [smollm2.sha256]   # verified: the holder's bytes
             assert not list((puller / "data" / "models").glob("*.part*"))

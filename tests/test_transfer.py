@@ -82,8 +82,12 @@ def test_part_file_resumes_and_renames_only_when_whole(blob, tmp_path):
         part.write(i, data[i * CS:(i + 1) * CS])
     part.close()                             # killed here: the record names what is written
     assert not dest.exists() and part.part.exists()
+    # ...or killed while rewriting the record: atomic_write's temp file is left beside it
+    stale = part.record.with_name(f".{part.record.name}.k1ll3d.part")
+    stale.write_text('{"sha256": ')
     again = PartFile(dest, m)
     assert again.done == {0, 3} and again.bytes_held == 2 * CS
+    assert not stale.exists()
     for i in (1, 2, 4, 5):
         again.write(i, data[i * CS:(i + 1) * CS])
     assert again.finish() == dest and dest.read_bytes() == data

@@ -36,9 +36,8 @@ from typing import Any, BinaryIO
 
 from meshnode.fsutil import CHUNK, atomic_write
 from meshnode.models.catalog import DEFAULT_MODEL, KNOWN_MODELS, PipPartsSource, WheelSource
-from meshnode.models.errors import ChecksumError, ModelFetchError, ModelFileError, ModelNotFoundError
-from meshnode.models.gguf_info import read_model_info
-from meshnode.models.index import ModelRef, file_record, hash_with_progress, record_path, write_record
+from meshnode.models.errors import ChecksumError, ModelFetchError, ModelNotFoundError
+from meshnode.models.index import ModelRef, file_record, hash_with_progress, record_path, vouch_for
 from meshnode.models.progress import ProgressFn, TqdmProgress
 from meshnode.paths import NodePaths
 
@@ -99,13 +98,7 @@ def fetch_model(
     finally:
         if isinstance(bar, TqdmProgress):
             bar.close()
-    try:
-        info = read_model_info(target)
-    except ModelFileError:
-        target.unlink(missing_ok=True)
-        raise
-    write_record(record, target, sha, info.n_layers, info.architecture, extra)
-    return ModelRef(source.name, target, sha, info.n_layers, info.architecture)
+    return vouch_for(target, sha, source.name, extra)
 
 
 def fetch_default_model(

@@ -38,6 +38,7 @@ __all__ = [
     "model_ref_for_path",
     "record_path",
     "store_entries",
+    "vouch_for",
     "write_record",
 ]
 
@@ -89,6 +90,21 @@ def write_record(
     }
     with atomic_write(record, "w") as f:
         json.dump(body, f, indent=2)  # type: ignore[arg-type]
+
+
+def vouch_for(gguf: Path, sha: str, name: str, extra: dict[str, Any] | None = None) -> ModelRef:
+    """Record ``gguf``, whose sha256 the caller has just verified (a fetch or a pull), without
+    hashing it again: read as a GGUF first, so a bad file raises ModelFileError and is removed
+    rather than vouched for. Writing the record before anyone lists the store matters: a
+    listing that found no record would hash the whole file itself, and two processes (the
+    node advertising, a CLI listing) would each do it at once."""
+    try:
+        info = read_model_info(gguf)
+    except ModelFileError:
+        gguf.unlink(missing_ok=True)
+        raise
+    write_record(record_path(gguf), gguf, sha, info.n_layers, info.architecture, extra or {})
+    return ModelRef(name, gguf, sha, info.n_layers, info.architecture)
 
 
 def hash_with_progress(path: Path, total: int, progress: ProgressFn | None) -> str:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.errors import MeshnodeError
-from meshnode.fsutil import atomic_write
+from meshnode.fsutil import atomic_write, remove_temps_of
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +307,7 @@ class PartFile:
         self._hasher: threading.Thread | None = None
         self._hash_error: OSError | None = None
         self._closing = False
+        remove_temps_of(self.record)   # a killed pull's half-written record
         self.done = self._resume()
         self._fd = os.open(self.part, os.O_RDWR | os.O_CREAT, 0o644)
         os.ftruncate(self._fd, manifest.size)

@@ -141,6 +141,8 @@ async def mesh_pull_route(request: Request) -> Any:
     from fastapi.responses import StreamingResponse
 
     from meshnode.mesh.share import resolve_mesh_model
+    from meshnode.models.errors import ModelFileError
+    from meshnode.models.index import vouch_for
     from meshnode.models.transfer import TransferError
 
     node = _sharing_node(request)
@@ -177,6 +179,8 @@ async def mesh_pull_route(request: Request) -> Any:
                                             name=entry["name"], progress=lambda p: queue.put_nowait(
                                                 {"done": p.done, "total": p.total, "rate": p.rate, "eta_s": p.eta_s}))
             if layers is None:
+                # the pull checked the sha256: record it now, before the store is listed
+                await asyncio.to_thread(vouch_for, path, entry["sha256"], entry["name"])
                 node.advertise_models()
             else:
                 await asyncio.to_thread(cache.adopt, path, entry["sha256"], entry["name"], start, end,
@@ -184,6 +188,8 @@ async def mesh_pull_route(request: Request) -> Any:
             queue.put_nowait({"path": str(path), "name": entry["name"], "sha256": entry["sha256"]})
         except TransferError as exc:
             queue.put_nowait({"error": str(exc)})
+        except ModelFileError as exc:
+            queue.put_nowait({"error": f"the pulled file is not a model this node can load: {exc}"})
 
     async def lines() -> Any:
         task = asyncio.get_running_loop().create_task(run())
