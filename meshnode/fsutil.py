@@ -6,7 +6,9 @@ import contextlib
 import glob
 import hashlib
 import os
+import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -60,6 +62,24 @@ def remove_temps_of(path: Path) -> None:
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.part"):
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def remove_stale_temps(root: Path, older_than_s: float) -> tuple[int, int]:
+    """Delete the temp files (``.<name>.<random>.part``, what :func:`atomic_write` and
+    :func:`temp_beside` write) under ``root`` untouched for ``older_than_s``: a writer
+    killed mid-write (SIGKILL, a power cut) leaves its temp file, and a model's can be
+    gigabytes nobody sees. A live writer keeps touching its file, so the age spares it.
+    Returns (files removed, bytes freed)."""
+    removed = freed = 0
+    cutoff = time.time() - older_than_s
+    for tmp in root.rglob(".*.part"):
+        with contextlib.suppress(OSError):
+            st = tmp.lstat()
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                tmp.unlink()
+                removed += 1
+                freed += st.st_size
+    return removed, freed
 
 
 def fsync_dir(directory: Path) -> None:

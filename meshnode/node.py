@@ -189,6 +189,9 @@ class Node:
         # starlette loads anyio's asyncio backend inside the first request otherwise, with
         # the event loop held for the import (~10 ms here, ~100 ms measured on a GPU host)
         await anyio.sleep(0)
+        from meshnode.models.store import sweep_stale_temps
+
+        await asyncio.to_thread(sweep_stale_temps, self.paths)   # before the store is listed
         # Capabilities (held models, memory budget) go out in the Hello of every link, so
         # they must be known before the first link: peers reached by --peer see no mDNS.
         await self._advertise()

@@ -6,6 +6,9 @@ The checks run :func:`meshnode.cli.main` in this process; the ``slow`` test runs
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 import meshnode.serve.service  # noqa: F401 - _node_kwargs loads it; ifaddr's import starts a process
@@ -48,6 +51,30 @@ def test_a_served_node_takes_its_start_up_heap_out_of_the_garbage_collectors_wal
         wait_for(lambda: "start-up heap frozen" in node.log(), 20)
         frozen = [line for line in node.log().splitlines() if "start-up heap frozen" in line]
         assert len(frozen) == 1 and int(frozen[0].split("frozen: ")[1].split(" ")[0]) > 10_000
+    finally:
+        node.stop()
+
+
+@pytest.mark.slow
+def test_a_node_removes_what_killed_writes_left_in_its_store(tmp_path):
+    # a fetch or slice killed mid-write leaves its hidden temp file (gigabytes for a big
+    # model): a starting node removes those nobody has touched for an hour, and nothing else
+    paths = NodePaths.resolve(tmp_path / "a").ensure()
+    model_dir = paths.models / "big"
+    model_dir.mkdir()
+    stale = [model_dir / ".big.gguf.k1ll3d00.part", paths.slices / ".pkg.gguf.abcdefgh.part"]
+    fresh = model_dir / ".big.gguf.wr1t1ng0.part"              # another process is writing it
+    resumable = paths.models / "pulled.gguf.part"               # a pull's, kept to resume
+    for f in (*stale, fresh, resumable):
+        f.write_bytes(b"x" * 1000)
+    long_ago = time.time() - 2 * 3600
+    for f in (*stale, resumable):
+        os.utime(f, (long_ago, long_ago))
+    node = start_node(tmp_path / "a", "a", "--no-model", "--no-discovery").wait_up(60)
+    try:
+        assert not any(f.exists() for f in stale)
+        assert fresh.exists() and resumable.exists()
+        assert "removed 2 temp file(s) of interrupted writes" in node.log()
     finally:
         node.stop()
 

@@ -22,3 +22,19 @@ def test_unshare_share_rm(tmp_path, synthetic_gguf, capsys):
     assert held_models(paths) == [] and not list(paths.models.rglob("*.gguf*"))
     assert main(["models", "rm", "tiny", "--home", str(home)]) != 0
     assert "no model 'tiny'" in capsys.readouterr().err
+
+
+def test_a_stopped_pull_is_listed_apart_and_rm_gives_its_space_back(tmp_path, capsys):
+    home = tmp_path / "home"
+    paths = NodePaths.resolve(home).ensure()
+    part = paths.models / "big.gguf.part"           # what a killed `models pull big` leaves
+    part.write_bytes(b"\1" * 300_000)
+    (paths.models / "big.gguf.part.json").write_text('{"sha256": "ab", "chunks": [0]}')
+    assert main(["models", "list", "--home", str(home)]) == 0
+    out = capsys.readouterr().out
+    assert "big" in out and "a pull stopped with" in out and "models rm big" in out
+    assert main(["models", "list", "--json", "--home", str(home)]) == 0
+    assert capsys.readouterr().out.strip() == "[]"                      # never a model
+    assert main(["models", "rm", "big", "--home", str(home)]) == 0
+    assert "removed the partial pull of big" in capsys.readouterr().out
+    assert list(paths.models.iterdir()) == []

@@ -244,13 +244,19 @@ def cmd_share_state(args: argparse.Namespace) -> int:
     """``models share|unshare|rm``: change the store, then tell a running node."""
     import shutil
 
-    from meshnode.models.index import record_path
+    from meshnode.models.index import partial_pulls, record_path
     from meshnode.models.sharing import set_shared
     from meshnode.models.store import list_models
 
     paths = _paths(args)
     refs = [r for r in list_models(paths) if args.model in (r.name, r.sha256)
             or (len(args.model) >= 8 and r.sha256.startswith(args.model))]
+    partial = [part for name, part, _ in partial_pulls(paths) if name == args.model]
+    if args.action == "rm" and not refs and partial:
+        partial[0].unlink()
+        partial[0].with_name(partial[0].name + ".json").unlink(missing_ok=True)   # its chunk record
+        print(f"removed the partial pull of {args.model} ({partial[0]})")
+        return 0
     if len(refs) != 1:
         raise MeshnodeError(f"no model {args.model!r} in the store (`meshnode models list`)" if not refs
                             else f"{args.model!r} names {len(refs)} models; give the sha256")
@@ -273,6 +279,7 @@ def cmd_share_state(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from meshnode.models.index import partial_pulls
     from meshnode.models.progress import TqdmProgress
     from meshnode.models.store import list_models
 
@@ -288,13 +295,17 @@ def cmd_list(args: argparse.Namespace) -> int:
             for r in refs
         ], indent=2))
         return 0
-    if not refs:
+    partial = partial_pulls(_paths(args))
+    if not refs and not partial:
         print("no models in the store (`meshnode models fetch` gets the default one)")
         return 0
     for r in refs:
         size = r.path.stat().st_size
         print(f"{r.name:32} {r.architecture:8} {r.n_layers:3d} layers  {_mib(size):>10}  "
               f"{r.sha256[:12]}  {r.path}")
+    for name, part, held in partial:
+        print(f"{name:32} a pull stopped with {_mib(held)} here: `meshnode models pull {name}` "
+              f"resumes it, `meshnode models rm {name}` removes it ({part})")
     return 0
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "hash_with_progress",
     "list_models",
     "model_ref_for_path",
+    "partial_pulls",
     "record_path",
     "store_entries",
     "vouch_for",
@@ -126,6 +127,25 @@ def record_path(gguf: Path) -> Path:
 def _outside_record_path(gguf: Path, paths: NodePaths) -> Path:
     key = hashlib.sha1(str(gguf.resolve()).encode()).hexdigest()
     return paths.cache / "hashes" / f"{key}.json"
+
+
+PARTIAL_SUFFIX = ".gguf.part"
+
+
+def partial_pulls(paths: NodePaths) -> list[tuple[str, Path, int]]:
+    """(name, part file, bytes it takes on disk) of each pull of a whole model that stopped
+    before the end (``meshnode.models.transfer.PartFile``): kept for the pull to resume,
+    never listed as a model."""
+    out: list[tuple[str, Path, int]] = []
+    if paths.models.is_dir():
+        for part in sorted(paths.models.glob(f"*{PARTIAL_SUFFIX}")):
+            with contextlib.suppress(OSError):
+                st = part.stat()
+                if part.is_file() and not part.name.startswith("."):
+                    # the file has the model's full size from the start; blocks are what it holds
+                    held = st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+                    out.append((part.name[:-len(PARTIAL_SUFFIX)], part, held))
+    return out
 
 
 def store_entries(paths: NodePaths) -> list[tuple[str, Path]]:

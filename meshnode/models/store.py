@@ -18,8 +18,11 @@ from here too.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+from meshnode.fsutil import remove_stale_temps
 
 from meshnode.models.catalog import DEFAULT_MODEL, KNOWN_MODELS
 from meshnode.models.errors import ModelFileError, ModelNotFoundError
@@ -44,7 +47,13 @@ __all__ = [
     "list_models",
     "model_ref_for_path",
     "resolve_model",
+    "sweep_stale_temps",
 ]
+
+log = logging.getLogger(__name__)
+
+# a temp file nobody has written for this long belongs to a writer that is gone
+STALE_TEMP_S = 3600.0
 
 
 def resolve_model(
@@ -84,3 +93,16 @@ def resolve_model(
         f"no model '{spec}': not a file, and not in the store at {paths.models} "
         f"(available: {available})"
     )
+
+
+def sweep_stale_temps(paths: NodePaths) -> None:
+    """Remove what killed writes left in the store and the layer packages
+    (:func:`meshnode.fsutil.remove_stale_temps`); a node does it as it starts. A pull's
+    ``<file>.part`` is not a temp file: it stays for the pull to resume."""
+    removed = freed = 0
+    for root in (paths.models, paths.slices):
+        n, size = remove_stale_temps(root, STALE_TEMP_S)
+        removed, freed = removed + n, freed + size
+    if removed:
+        log.info("removed %d temp file(s) of interrupted writes (%.1f MB) from %s", removed, freed / 1e6,
+                 paths.data)
