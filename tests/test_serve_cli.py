@@ -7,6 +7,7 @@ The checks run :func:`meshnode.cli.main` in this process; the ``slow`` test runs
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from meshnode.cli import build_parser
 from meshnode.cli.run import _node_kwargs
 from meshnode.node import DEFAULT_SHUTDOWN_GRACE
 from meshnode.paths import NodePaths
-from nodeproc import meshnode_cmd, start_node, wait_for
+from nodeproc import NodeProc, env, meshnode_argv, meshnode_cmd, start_node, wait_for
 
 
 @pytest.mark.parametrize("option, value", [
@@ -53,6 +54,25 @@ def test_a_served_node_takes_its_start_up_heap_out_of_the_garbage_collectors_wal
         assert len(frozen) == 1 and int(frozen[0].split("frozen: ")[1].split(" ")[0]) > 10_000
     finally:
         node.stop()
+
+
+@pytest.mark.slow
+def test_meshnode_without_a_terminal_serves_headless_and_says_so(tmp_path):
+    # `meshnode` from a script or a service: no full-screen app writing escape codes into
+    # its log, but the node, served as `serve --headless` would
+    home = tmp_path / "a"
+    home.mkdir()
+    log_path = home / "node.log"
+    with open(log_path, "wb") as f:
+        proc = subprocess.Popen(meshnode_argv("--home", str(home), "--port", "0", "--name", "a", "--no-model",
+                                              "--no-discovery"),
+                                env=env(), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+    node = NodeProc(name="a", home=home, proc=proc, log_path=log_path).wait_up(60)
+    try:
+        assert node.status()["node"]["name"] == "a"
+        assert "not a terminal: running headless" in node.log() and "\x1b[" not in node.log()
+    finally:
+        assert node.stop() == 0
 
 
 @pytest.mark.slow

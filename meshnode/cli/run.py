@@ -243,14 +243,23 @@ def _http_security(args: argparse.Namespace, cfg):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    try:
-        from ui.app import run_tui  # type: ignore[import-not-found]
-    except ImportError as exc:  # a broken install: say what is missing, still serve
+    why_not = None
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        # started by a script, a pipe or a service: a full-screen app would write escape
+        # codes into a log and wait for keys that never come
+        why_not = "not a terminal"
+    else:
+        try:
+            from ui.app import run_tui  # type: ignore[import-not-found]
+        except ImportError as exc:  # a broken install: say what is missing, still serve
+            why_not = f"the TUI is not available ({exc})"
+    if why_not is not None:
         from meshnode.cli import setup_logging
 
         setup_logging(args.log_level)
-        print(f"meshnode: the TUI is not available ({exc}); running headless (Ctrl-C stops)",
+        print(f"meshnode: {why_not}: running headless, as `meshnode serve --headless` (Ctrl-C stops)",
               file=sys.stderr)
+        args.headless = True
         return cmd_serve(args)
     from meshnode.config import load_config
     from meshnode.node import Node, freeze_startup_heap
