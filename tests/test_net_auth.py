@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import stat
 
@@ -128,6 +129,12 @@ def test_token_roundtrip_and_errors():
         with pytest.raises(InvalidTokenError):
             parse_token(bad)
     assert mesh_id(s) != mesh_id(new_secret()) and s.hex() not in mesh_id(s)
+    # each mistake named for what it is: a stray word is not "an unsupported version"
+    with pytest.raises(InvalidTokenError, match="wrong length"):
+        parse_token("garbage")
+    other = base64.urlsafe_b64decode(tok + "=" * (-len(tok) % 4))
+    with pytest.raises(InvalidTokenError, match="version 9, this meshnode reads version"):
+        parse_token(base64.urlsafe_b64encode(bytes([9]) + other[1:]).decode().rstrip("="))
 
 
 def test_identity_persists_with_private_files(tmp_path):

@@ -36,6 +36,16 @@ def test_malformed_serve_options_are_refused_up_front(tmp_path, option, value, m
     assert f"argument {option}" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("argv, expect", [
+    (("confg",), "unknown command 'confg' (commands: bench, "),     # a mistyped command
+    (("--port", "0", "stauts"), "unknown command 'stauts'"),
+    (("--port", "0", "--bogus"), "unrecognized arguments: --bogus"),
+])
+def test_a_mistyped_command_is_named_as_one(tmp_path, argv, expect, meshnode_main):
+    r = meshnode_main("--home", str(tmp_path), *argv)
+    assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.slow
 def test_the_meshnode_command_refuses_a_malformed_serve_option(tmp_path):
     r = meshnode_cmd("--home", str(tmp_path), "serve", "--headless", "--split", "x")

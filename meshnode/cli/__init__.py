@@ -72,8 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Bare `meshnode [node options]` is `meshnode run [node options]`: the node plus its TUI.
     if not ({"-h", "--help", "--version"} & set(argv)) and not (_commands(parser) & set(argv)):
-        argv = ["run", *argv]
-    args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(["run", *argv])
+        if extra:
+            if not extra[0].startswith("-"):   # `meshnode confg`: a mistyped command, not an option
+                parser.error(f"unknown command {extra[0]!r} (commands: "
+                             f"{', '.join(sorted(_commands(parser)))}; `meshnode --help`)")
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    else:
+        args = parser.parse_args(argv)
     for opt in ("home", "log_level"):
         if not hasattr(args, opt):
             setattr(args, opt, None)

@@ -74,12 +74,15 @@ def parse_token(token: str) -> bytes:
         raise InvalidTokenError("invalid join token: not base64url text") from exc
     if len(raw) < 1:
         raise InvalidTokenError("invalid join token: empty")
-    if raw[0] != TOKEN_VERSION:
-        raise InvalidTokenError(f"invalid join token: unsupported version {raw[0]}")
     if len(raw) != 1 + SECRET_LEN + 4:
+        # (checked first: a random word decodes to some "version" byte, which would mislead)
         raise InvalidTokenError(
-            f"invalid join token: wrong length ({len(text)} characters; copy the whole token)"
+            f"invalid join token: wrong length ({len(text)} characters; copy the whole token "
+            "`meshnode invite` printed)"
         )
+    if raw[0] != TOKEN_VERSION:
+        raise InvalidTokenError(f"invalid join token: version {raw[0]}, this meshnode reads version "
+                                f"{TOKEN_VERSION} (is the inviting node much newer or older?)")
     body, check = raw[:-4], raw[-4:]
     if hashlib.sha256(body).digest()[:4] != check:
         raise InvalidTokenError("invalid join token: checksum mismatch (typo?)")
