@@ -54,6 +54,7 @@ class SentStep:
     t0: float                    # perf_counter when its drafting began
     lookahead: bool = False      # sent on a guess (meshnode.spec.lookahead)
     by_model: bool = False       # its drafts came from the draft model
+    company: int = 0             # the scheduler's company count when it was sent (ran_alone)
 
     @property
     def pos(self) -> int:

@@ -87,6 +87,9 @@ class BatchScheduler:
         self._decoding: set[int] = set()    # sessions in their decode loop
         self._in_flight: set[int] = set()   # sessions whose step is being computed
         self.epoch = 0                      # the route: counts set_pipeline calls
+        # batches that shared the route: with steps of several sessions, or sent while
+        # another session's batch was in flight (see :meth:`ran_alone`)
+        self.company = 0
 
     def set_pipeline(self, pipeline: Pipeline) -> None:
         """Run later batches on ``pipeline`` (a new route): the steps still waiting were
@@ -112,6 +115,14 @@ class BatchScheduler:
     def decoding(self) -> int:
         """Sessions in their decode loop now."""
         return len(self._decoding)
+
+    def ran_alone(self, company: int) -> bool:
+        """Whether a step sent when :attr:`company` was ``company``, whose result is here
+        now, had the route to itself: no batch shared the route since. Only such a step's
+        time says what its shape costs; one that shared a call or a stage with another
+        request's steps measured the load (a window learned under a burst looked five
+        times a plain step on one node, and kept that cost once the burst was over)."""
+        return company == self.company
 
     def _all_ready(self) -> bool:
         waiting = {step.session for step, _ in self._pending}
@@ -193,6 +204,9 @@ class BatchScheduler:
         """Run ``batch`` (holding one of ``slots``) on the current pipeline."""
         # in flight from now on, so that the other sessions' gathering counts them
         sessions = [s.session for s, _ in batch]
+        # (a session's own lookahead riding behind its window is not company)
+        if len(set(sessions)) > 1 or not self._in_flight <= set(sessions):
+            self.company += 1
         self._in_flight.update(sessions)
         task = asyncio.get_running_loop().create_task(self._run(batch, sessions, self.pipeline, slots))
         self._running.add(task)

@@ -199,8 +199,11 @@ class SpeculativeDecoder:
         tokens, drafts = list(res.tokens), step.drafts
         if req.constraint is not None:
             req.constraint.commit(tokens)
-        if not step.lookahead:
-            # a lookahead's wait overlapped the step before it: not what a window costs
+        # what a step of this shape costs, from the steps that had the route to themselves:
+        # a lookahead's wait overlapped the step before it, and a step beside other
+        # requests' steps measured the load
+        alone = self.scheduler.ran_alone(step.company)
+        if alone and not step.lookahead:
             self.cost.observe(len(drafts), dt)
         self.gate.window_done(len(drafts), res.n_accepted)   # a plain step ends any run
         if log.isEnabledFor(logging.DEBUG):
@@ -208,7 +211,7 @@ class SpeculativeDecoder:
                       len(drafts), " by the draft model" if step.by_model else "", res.n_accepted, 1e3 * dt,
                       self.policy.state.value, self.window.size, ", lookahead" if step.lookahead else "")
         if drafts:
-            self.policy.record_verify(len(drafts), res.n_accepted, dt)
+            self.policy.record_verify(len(drafts), res.n_accepted, dt if alone else None)
             self.window.update(len(drafts), res.n_accepted)
         else:
             if self.policy.should_observe:
@@ -315,8 +318,9 @@ class SpeculativeDecoder:
         mask = req.constraint.masks(drafts) if req.constraint is not None else None
         step = Step(req.session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
                     tuple(drafts), req.sampling, mask)
+        company = self.scheduler.company
         return SentStep(step, self.scheduler.enqueue(step, req.epoch),
-                        time.perf_counter() if t0 is None else t0, lookahead, by_model)
+                        time.perf_counter() if t0 is None else t0, lookahead, by_model, company)
 
     def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: SuffixProposer) -> SentStep | None:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is
