@@ -11,7 +11,7 @@ asyncio internals of the node, Textual or llama_cpp.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +34,21 @@ def printable(text: object, limit: int = 200) -> str:
 
     s = str(text)[:limit]
     return "".join("?" if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") else c for c in s)
+
+
+def node_labels(nodes: Iterable[tuple[str, str]], width: int = 40) -> dict[str, str]:
+    """What to call each node on screen, by node id, given (node id, name) pairs: its name
+    (:func:`printable`), with the start of its id where several nodes go by that name.
+    Names are hostnames by default, and laptops often keep the same one (``ubuntu``,
+    ``MacBook-Pro``), as do two nodes on one machine; a stage map or a peer list that
+    says ``vm`` twice does not say which. Each label fits in ``width`` characters (a long
+    name is cut, never the id)."""
+    nodes = list(nodes)
+    ids: dict[str, set[str]] = {}
+    for node_id, name in nodes:
+        ids.setdefault(name, set()).add(node_id)
+    return {node_id: (printable(name, width - 7) + "#" + printable(node_id, 6)) if len(ids[name]) > 1
+            else printable(name, width) for node_id, name in nodes}
 
 
 class StageState(enum.Enum):

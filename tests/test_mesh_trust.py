@@ -207,14 +207,40 @@ def test_status_prints_an_evil_peer_name_without_control_characters(monkeypatch,
             "models": [{"name": EVIL, "n_layers": 3}]}
     status = {"node": {"name": "me", "node_id": "n1", "mesh_id": "m", "address": "1.2.3.4:5",
                        "http_url": "http://x", "capabilities": caps},
-              "model": EVIL, "stages": [{"index": 0, "layers": [0, 3], "node": EVIL, "state": "ready",
-                                         "detail": EVIL}],
-              "peers": [{"name": EVIL, "address": "1.2.3.4:6", "rtt_ms": 1.0, "authenticated": True,
-                         "capabilities": caps}]}
+              "model": EVIL, "stages": [{"index": 0, "layers": [0, 3], "node_id": "n2", "node": EVIL,
+                                         "state": "ready", "detail": EVIL}],
+              "peers": [{"node_id": "n2", "name": EVIL, "address": "1.2.3.4:6", "rtt_ms": 1.0,
+                         "authenticated": True, "capabilities": caps}]}
     monkeypatch.setattr(climesh, "fetch_status", lambda paths, timeout=5.0: status)
     assert main(["status"]) == 0
     out = capsys.readouterr().out
     assert "evil" in out and "\x1b" not in out and "\x07" not in out and "\r" not in out
+
+
+def test_nodes_that_share_a_name_are_told_apart_by_their_ids(monkeypatch, capsys):
+    # two laptops that kept the hostname they shipped with, and one named apart
+    from meshnode.state import node_labels
+
+    labels = node_labels([("a1b2c3d4e5", "ubuntu"), ("f6e5d4c3b2", "ubuntu"), ("0099", "mac")])
+    assert labels == {"a1b2c3d4e5": "ubuntu#a1b2c3", "f6e5d4c3b2": "ubuntu#f6e5d4", "0099": "mac"}
+    long = node_labels([("a1b2c3d4e5", "x" * 30), ("f6e5d4c3b2", "x" * 30)], width=16)
+    assert long["a1b2c3d4e5"] == "x" * 9 + "#a1b2c3"           # the name is cut, never the id
+    assert node_labels([("a1", EVIL)])["a1"] == "?]0;pwned?evil?[2J??"
+
+    import meshnode.cli.mesh as climesh
+    from meshnode.cli import main
+
+    status = {"node": {"name": "ubuntu", "node_id": "a1b2c3d4e5", "mesh_id": "m", "address": "1.2.3.4:5",
+                       "http_url": "http://x", "capabilities": None},
+              "model": "m", "stages": [{"index": i, "layers": [3 * i, 3 * i + 3], "node_id": nid, "node": "ubuntu",
+                                        "state": "ready"} for i, nid in enumerate(("a1b2c3d4e5", "f6e5d4c3b2"))],
+              "peers": [{"node_id": "f6e5d4c3b2", "name": "ubuntu", "address": "1.2.3.4:6", "rtt_ms": 1.0,
+                         "authenticated": True, "capabilities": None}]}
+    monkeypatch.setattr(climesh, "fetch_status", lambda paths, timeout=5.0: status)
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0: layers [0,3) on ubuntu#a1b2c3" in out and "stage 1: layers [3,6) on ubuntu#f6e5d4" in out
+    assert "\nubuntu#f6e5d4 " in out                             # the peer's row
 
 
 def test_tui_cells_of_peer_text_are_clean_and_not_markup():

@@ -30,6 +30,7 @@ from ui.screens.chat import ChatMessage, ChatScreen
 from ui.screens.help import HelpScreen
 from ui.screens.logs import LogsScreen
 from ui.widgets import StatusBar
+from ui.widgets.stage_map import StageMap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,6 +154,24 @@ async def test_snapshot_changes_show_up_and_keep_cursor():
         assert str(table.get_row("n-echo")[5]) == "✓ yes · lane"
         assert str(table.get_row("n-bravo")[5]) == "✓ yes"
         assert table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value == "n-charlie"
+
+
+async def test_nodes_that_share_a_name_are_told_apart_in_the_table_and_the_stage_map():
+    # bravo kept the hostname alpha has: each shows with the start of its id
+    node = FakeNode()
+    snap = node.snapshot()
+    peers = tuple(replace(p, name="alpha") if p.node_id == "n-bravo" else p for p in snap.peers)
+    stages = tuple(replace(s, node_name="alpha") if s.node_id == "n-bravo" else s for s in snap.stages)
+    node.set_snapshot(replace(snap, peers=peers, stages=stages))
+    app = new_app(node)
+    async with app.run_test(size=(120, 30)) as pilot:
+        table = app.screen.query_one("#nodes", DataTable)
+        await wait_for(pilot, lambda: table.row_count == 4)
+        await wait_for(pilot, lambda: str(table.get_row("n-bravo")[0]) == "alpha#n-brav")
+        assert str(table.get_row("n-alpha")[0]) == "alpha#n-alph *"
+        assert str(table.get_row("n-charlie")[0]) == "charlie"
+        legend = str(app.screen.query_one(StageMap).render())
+        assert "alpha#n-alph" in legend and "alpha#n-brav" in legend and "charlie" in legend
 
 
 async def test_logs_filter_by_level():

@@ -80,24 +80,27 @@ def fetch_status(paths, timeout: float = 5.0) -> dict:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from meshnode.state import format_step_costs, printable as pr   # names and details come from other machines
+    from meshnode.state import format_step_costs, node_labels, printable as pr   # names and details come from other machines
 
     data = fetch_status(_paths(args), args.timeout)
     if args.json:
         print(json.dumps(data, indent=2))   # JSON escapes control characters itself
         return 0
     n = data["node"]
+    stages = data.get("stages") or []
+    nodes = [(n["node_id"], n["name"]), *((p["node_id"], p["name"]) for p in data["peers"]),
+             *((s["node_id"], s["node"]) for s in stages)]
+    labels, short = node_labels(nodes), node_labels(nodes, width=16)
     print(f"node   {pr(n['name'])} ({pr(n['node_id'])})  mesh {pr(n['mesh_id'])}  {pr(n['address'])}  {pr(n['http_url'])}")
     print(f"       {_caps(n.get('capabilities'))}")
     model = data.get("model")
-    stages = data.get("stages") or []
     if model or stages:
         print(f"model  {pr(model or '-')}")
         for s in stages:
             a, b = s["layers"]
             detail = f"  ({pr(s['detail'])})" if s.get("detail") else ""
             on = f" ({pr(s['backend'])})" if s.get("backend") else ""
-            print(f"       stage {s['index']}: layers [{a},{b}) on {pr(s['node'])}{on}: {pr(s['state'])}{detail}")
+            print(f"       stage {s['index']}: layers [{a},{b}) on {labels[s['node_id']]}{on}: {pr(s['state'])}{detail}")
     for sp in data.get("spec") or []:   # docs/speculative.md, "Telemetry"
         if sp.get("strategy") in (None, "none"):
             continue
@@ -124,7 +127,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for p in peers:
         rtt = f"{p['rtt_ms']:.2f}" if p.get("rtt_ms") is not None else "-"
         auth = ("yes+lane" if p.get("lane") else "yes") if p["authenticated"] else "no"   # lane: docs/mesh.md
-        print(f"{pr(p['name'], 16):<16} {pr(p['address'], 22):<22} {rtt:>7} {auth:<8} "
+        print(f"{short[p['node_id']]:<16} {pr(p['address'], 22):<22} {rtt:>7} {auth:<8} "
               f"{p.get('bytes_per_s_in', 0):>9.0f} {p.get('bytes_per_s_out', 0):>9.0f}  {_caps(p.get('capabilities'))}")
     return 0
 

@@ -7,8 +7,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, Label, Static
 
-from meshnode.state import ModelStatus, NodeSnapshot, PeerInfo
-from ui.format import fmt_ms, fmt_size, peer_text
+from meshnode.state import ModelStatus, NodeSnapshot, PeerInfo, node_labels
+from ui.format import fmt_ms, fmt_size
 from ui.screens._table import fill_table
 from ui.screens.base import NodeScreen
 from ui.widgets import StageMap, TransferList
@@ -55,12 +55,14 @@ class MeshScreen(NodeScreen):
         )
         ram, backend = _mem(me.capabilities)
         address = "-" if me.address.endswith(":0") else me.address  # QUIC not bound yet
-        rows = [(me.node_id, [Text(f"{me.name} *", style="bold"), address, "-", ram, backend,
+        labels = node_labels([(me.node_id, me.name), *((p.node_id, p.name) for p in snap.peers),
+                              *((s.node_id, s.node_name) for s in snap.stages)])
+        rows = [(me.node_id, [Text(f"{labels[me.node_id]} *", style="bold"), address, "-", ram, backend,
                              Text("self", style="dim"), my_role or "idle"])]
         for p in sorted(snap.peers, key=lambda p: p.name):
-            rows.append((p.node_id, self._peer_row(p)))
+            rows.append((p.node_id, self._peer_row(p, labels[p.node_id])))
         fill_table(self.query_one("#nodes", DataTable), rows)
-        self.query_one(StageMap).show(snap.stages, snap.model_layers)
+        self.query_one(StageMap).show(snap.stages, snap.model_layers, labels)
         title = f"Stage map · {snap.model} · {snap.model_layers} layers" if snap.model else "Stage map"
         self.query_one("#stage-title", Label).update(title)
         # The model service's start-up (fetch, wait for peers, plan) or failure, in full:
@@ -77,6 +79,6 @@ class MeshScreen(NodeScreen):
         transfers.show(snap.transfers)
 
     @staticmethod
-    def _peer_row(p: PeerInfo) -> list:
+    def _peer_row(p: PeerInfo, label: str) -> list:
         ram, backend = _mem(p.capabilities)
-        return [peer_text(p.name), p.address, fmt_ms(p.rtt_ms), ram, backend, _auth(p.authenticated, p.lane), p.role or "idle"]
+        return [Text(label), p.address, fmt_ms(p.rtt_ms), ram, backend, _auth(p.authenticated, p.lane), p.role or "idle"]

@@ -25,10 +25,17 @@ class StageMap(Widget):
 
     stages: reactive[tuple[StageInfo, ...]] = reactive((), layout=True)
     n_layers: reactive[int] = reactive(0, layout=True)
+    labels: reactive[dict[str, str]] = reactive(dict, layout=True)
 
-    def show(self, stages: Sequence[StageInfo], n_layers: int) -> None:
+    def show(self, stages: Sequence[StageInfo], n_layers: int, labels: dict[str, str] | None = None) -> None:
+        """``labels``: what to call each node, by node id (:func:`meshnode.state.node_labels`;
+        a stage's own node name where missing)."""
+        self.labels = dict(labels or {})
         self.stages = tuple(sorted(stages, key=lambda s: s.layer_start))
         self.n_layers = max(n_layers, max((s.layer_end for s in stages), default=0))
+
+    def _label(self, s: StageInfo) -> str:
+        return self.labels.get(s.node_id) or printable(s.node_name, 64)
 
     def get_content_height(self, container, viewport, width: int) -> int:
         if not self.n_layers:
@@ -60,7 +67,7 @@ class StageMap(Widget):
                 bar.append("-" * span, style="dim")
             else:
                 glyph = STAGE_GLYPHS[s.state]
-                label = f" S{s.index} {s.node_name} "
+                label = f" S{s.index} {self._label(s)} "
                 if len(label) > span:
                     label = f"S{s.index}" if span >= len(f"S{s.index}") else ""
                 left = (span - len(label)) // 2
@@ -87,7 +94,7 @@ class StageMap(Widget):
             legend.append(f"{STAGE_GLYPHS[s.state]} ", style=style)
             legend.append(f"S{s.index} ", style="bold")
             legend.append(f"[{s.layer_start},{s.layer_end})".ljust(10))
-            legend.append(f"{printable(s.node_name, 64):<12} ")
+            legend.append(f"{self._label(s):<12} ")
             legend.append(s.state.value, style=style)
             if s.backend:
                 legend.append(f" on {printable(s.backend, 16)}")
