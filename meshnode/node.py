@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import json
 import logging
@@ -208,7 +209,12 @@ class Node:
             timeout_graceful_shutdown=HTTP_CLOSE_S,
         )
         self._server = _EmbeddedServer(config)
-        self._server_task = asyncio.get_running_loop().create_task(self._server.serve())
+        try:
+            await _check_bindable(self._http_host, self._http_port)
+        except MeshnodeError:
+            await self.fabric.stop()
+            raise
+        self._server_task = asyncio.get_running_loop().create_task(self._serve_http())
         while not self._server.started:
             if self._server_task.done():
                 await self.fabric.stop()
@@ -350,6 +356,14 @@ class Node:
             local = self.service.engine_client
         return MeshClient(local, self.mesh_share)
 
+    async def _serve_http(self) -> None:
+        try:
+            await self._server.serve()
+        except SystemExit:
+            # uvicorn exits the process when it cannot start (after logging why): a node
+            # turns that into its own error, and start() stops what it had started
+            raise MeshnodeError("the HTTP server could not start (see the line above)") from None
+
     def advertise_models(self) -> None:
         """Refresh the capabilities peers see (free memory under --max-memory, held models)."""
         with contextlib.suppress(RuntimeError):
@@ -474,6 +488,24 @@ def _quiet_cancelled_responses() -> None:
     logger = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, _CancelledResponse) for f in logger.filters):
         logger.addFilter(_CancelledResponse())
+
+
+async def _check_bindable(host: str, port: int) -> None:
+    """Raise :class:`MeshnodeError` saying why ``host:port`` cannot be listened on (taken by
+    another program, an address not of this machine), before uvicorn tries: it logs the
+    error in its own format and exits the process (``sys.exit``), which a node that has
+    already joined its mesh must not do."""
+    if port == 0:
+        return   # any free port
+    try:
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, host, port)
+    except OSError as exc:
+        hint = (" (another program listens there: another meshnode? `meshnode status`, or choose "
+                "--port)") if exc.errno == errno.EADDRINUSE else ""
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise MeshnodeError(f"cannot serve HTTP on {host}:{port}: {why}{hint}") from None
+    server.close()
+    await server.wait_closed()
 
 
 class _EmbeddedServer:

@@ -86,6 +86,35 @@ def test_meshnode_without_a_terminal_serves_headless_and_says_so(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_taken_http_port_is_one_clear_error_and_the_node_stops(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = meshnode_cmd("--home", str(tmp_path), "serve", "--headless", "--no-model", "--no-discovery",
+                         "--port", str(port), timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert f"meshnode: error: cannot serve HTTP on 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "Traceback" not in r.stderr and "ERROR:" not in r.stderr   # not uvicorn's own line
+
+
+@pytest.mark.slow
+def test_a_taken_quic_port_is_one_clear_error(tmp_path):
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("0.0.0.0", 0))
+        port = taken.getsockname()[1]
+        r = meshnode_cmd("--home", str(tmp_path), "serve", "--headless", "--no-model", "--no-discovery",
+                         "--quic-port", str(port), "--port", "0", timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert f"meshnode: error: cannot listen for peers on UDP 0.0.0.0:{port}: Address already in use" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
 def test_a_node_removes_what_killed_writes_left_in_its_store(tmp_path):
     # a fetch or slice killed mid-write leaves its hidden temp file (gigabytes for a big
     # model): a starting node removes those nobody has touched for an hour, and nothing else
