@@ -117,6 +117,25 @@ def test_ngram_on_equals_plain_greedy(split, reference):
             f"in {spec['windows']} windows; step cost by drafts plain {learned[0]:.1f}") in shown, shown
 
 
+def test_a_predicted_output_is_drafted_and_the_text_stays_the_same(split, reference):
+    # the story prompt holds nothing to copy; a client that predicts the answer (OpenAI's
+    # `prediction`, here the answer itself, then a wrong guess) gets it drafted from that
+    from openai import OpenAI
+
+    split.start("--spec", "ngram")            # auto mode: the prediction enables drafting
+    client = OpenAI(base_url=f"http://127.0.0.1:{split.coord.info['http_port']}/v1", api_key="none",
+                    max_retries=0)
+    model = client.models.list().data[0].id
+    for guess, right in ((reference[1], True), ("A cat sat on a mat. " * 8, False)):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": CHAT_PROMPT}],
+                                           max_tokens=MAX_TOKENS, temperature=0,
+                                           prediction={"type": "content", "content": guess})
+        timings = (r.model_extra or {}).get("timings") or {}
+        assert r.choices[0].message.content == reference[1]
+        if right:
+            assert timings["draft_n_accepted"] >= MAX_TOKENS // 2, timings
+
+
 def test_draft_model_equals_plain_greedy(split, reference):
     # The target as its own draft: same vocabulary by construction, drafts mostly accepted.
     # Pinned on: in auto mode a draft as costly as the target is soon only probed here.

@@ -141,6 +141,8 @@ class GenerationRequest:
     # Who asked (the peer address, plus a hash of the API key it sent): speculation drafts
     # from the same client's recent requests (meshnode.spec.suffix). Empty: nobody's.
     client: str = ""
+    # the answer as the client expects it (OpenAI's predicted output): drafts only
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.messages, self.prompt, self.infill)) != 1:

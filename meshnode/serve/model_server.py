@@ -49,6 +49,7 @@ chunk and ``[DONE]`` (streams) or a 503 error JSON, as any in-band failure.
 from __future__ import annotations
 
 import asyncio
+import functools
 import contextlib
 import logging
 import math
@@ -227,6 +228,18 @@ class ModelServer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize_pool, self._prompt_tokens, req)
 
+    async def _prediction_tokens(self, req: GenerationRequest) -> list[int]:
+        """The predicted output's tokens, at most a context's worth (a hint: the rest of a
+        longer one is dropped, not refused)."""
+        if not req.prediction:
+            return []
+        n_ctx = self.settings.n_ctx
+        text = req.prediction[:n_ctx * MAX_CHARS_PER_TOKEN]
+        encode = functools.partial(self.tokenizer.encode, text, add_bos=False, special=False)
+        tokens = encode() if len(text) <= INLINE_TOKENIZE_CHARS else \
+            await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode)
+        return list(tokens[:n_ctx])
+
     def _sampling(self, req: GenerationRequest) -> Sampling:
         return sampling_for(req, getattr(self.tokenizer, "n_vocab", None))
 
@@ -262,6 +275,7 @@ class ModelServer:
         self._admit(n)   # each choice holds a sequence slot on every stage
         try:
             prompt, template_stops = await self._tokenize(req)
+            prediction = await self._prediction_tokens(req)
             constraints: list = [None] * n
             if req.structure is not None:
                 # compiling a schema can take a while (and the first one builds the
@@ -293,7 +307,7 @@ class ModelServer:
             ar = ActiveRequest(rid, new_session_id(self._sessions), prompt,
                                replace(sampling, seed=(sampling.seed + i) % SEED_SPACE), max_tokens,
                                StopMatcher(tuple(req.stop) + tuple(template_stops)), info, index=i,
-                               constraint=constraints[i], client=req.client)
+                               constraint=constraints[i], client=req.client, prediction=prediction)
             self._active[rid] = ar
             self._update(ar)
             ars.append(ar)

@@ -110,6 +110,7 @@ class ActiveRequest:
     last_logprobs: TokenLogprobs | None = None   # the last step's, when asked for
     _lp_pending: list[TokenLogprob] = field(default_factory=list, repr=False)  # text held back
     client: str = ""             # whose recent texts it drafts from (meshnode.spec.suffix)
+    prediction: list[int] = field(default_factory=list)   # the predicted output's tokens (drafts only)
     _utf8: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder, repr=False)
 
     @property

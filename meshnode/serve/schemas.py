@@ -196,6 +196,15 @@ class ResponseFormat(_Lenient):
     json_schema: JsonSchemaFormat | None = None
 
 
+class Prediction(_Lenient):
+    """OpenAI's predicted output: text the answer is expected to largely repeat (a file an
+    edit leaves mostly as it is). It only supplies drafts (meshnode.serve.speculation):
+    the answer is what the model says, with or without it."""
+
+    type: Literal["content"]
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # newer name of max_tokens
@@ -206,6 +215,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    prediction: Prediction | None = None
 
     def tool_names(self) -> list[str] | None:
         """The tools whose calls the answer is read back for (None: plain content)."""
@@ -224,8 +234,12 @@ class ChatCompletionRequest(_SamplingRequest):
         structure, _ = tool_structure(tools, self.tool_choice, self.parallel_tool_calls)
         if structure is None:
             structure = json_structure(self.response_format)
+        prediction = None
+        if self.prediction is not None:
+            prediction = _flatten_message(0, ChatMessageIn(role="assistant", content=self.prediction.content),
+                                          param="prediction.content").content
         return self._generation_request(request_id, max_tokens, messages=messages, tools=tools,
-                                        structure=structure,
+                                        structure=structure, prediction=prediction or None,
                                         logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
@@ -303,7 +317,7 @@ class InfillRequest(_Lenient):
             seed=self.seed, stop=stops, infill=infill)
 
 
-def _flatten_message(index: int, m: ChatMessageIn) -> ChatMessage:
+def _flatten_message(index: int, m: ChatMessageIn, param: str | None = None) -> ChatMessage:
     """String content stays; a list of text parts is joined with newlines (as vLLM does)."""
     role = "system" if m.role == "developer" else m.role
     extra: dict[str, Any] = {}
@@ -319,7 +333,7 @@ def _flatten_message(index: int, m: ChatMessageIn) -> ChatMessage:
     for j, part in enumerate(m.content):
         if part.type != "text" or part.text is None:
             raise UnsupportedValueError(
-                f"messages[{index}].content[{j}].type",
+                f"{param or f'messages[{index}].content'}[{j}].type",
                 f"Content part type {part.type!r} is not supported; only text parts are.",
             )
         texts.append(part.text)

@@ -49,7 +49,7 @@ from meshnode.spec.cost_model import CostModel
 from meshnode.spec.draft import UNIFORM_CATCHUP_ROWS
 from meshnode.spec.lookahead import LookaheadGate
 from meshnode.spec.ngram import min_match_for
-from meshnode.spec.suffix import RecentTexts, SuffixProposer
+from meshnode.spec.suffix import RecentTexts, SuffixAutomaton, SuffixProposer
 from meshnode.spec.policy import AutoPolicy
 from meshnode.spec.stats import SpecTelemetry
 from meshnode.spec.strategy import DraftProposer, RouteWindows, SpecConfig
@@ -126,9 +126,14 @@ class SpeculativeDecoder:
         # time (its own context only) to be reproducible.
         history = None if self.recent is None or not req.sampling.greedy else \
             self.recent.automaton(req.client, time.monotonic())
+        if req.prediction:
+            # the client's own guess at the answer (OpenAI's predicted output) is the text
+            # to draft from, before its recent requests; part of the request, so a seeded
+            # request still sees the same drafts every time
+            history = await asyncio.get_running_loop().run_in_executor(None, SuffixAutomaton, req.prediction)
         req.ngram = SuffixProposer(req.prompt, history)
         req.ngram.observe([first])
-        self.policy.on_prompt(req.prompt)
+        self.policy.on_prompt(req.prompt, predicted=bool(req.prediction))
         if self.draft is not None and self._draft_for is None:
             self._draft_for = req
             # prefill the draft now only if it will draft (not while cooling down), and on

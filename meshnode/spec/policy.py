@@ -194,12 +194,13 @@ class AutoPolicy:
 
     # ---- events -------------------------------------------------------------
 
-    def on_prompt(self, prompt_tokens: Sequence[int]) -> float:
+    def on_prompt(self, prompt_tokens: Sequence[int], *, predicted: bool = False) -> float:
         """A new request starts; returns its prompt affinity score.
 
-        High affinity enables drafting at once (also out of COOLING_DOWN: a new prompt
-        of the right shape is new evidence); otherwise an ENABLED policy goes back to
-        COLD to observe the new request before paying for verifies.
+        High affinity, or a request that brings its predicted output (``predicted``),
+        enables drafting at once (also out of COOLING_DOWN: a new prompt of the right
+        shape is new evidence); otherwise an ENABLED policy goes back to COLD to observe
+        the new request before paying for verifies.
         """
         p = self.params
         score = prompt_affinity(prompt_tokens, p.affinity_n)
@@ -207,9 +208,10 @@ class AutoPolicy:
         if self.mode != "auto" or not self.observes:
             return score
         self._cold.clear()
-        if len(prompt_tokens) >= p.affinity_min_tokens and score >= p.affinity_enable:
+        if predicted or (len(prompt_tokens) >= p.affinity_min_tokens and score >= p.affinity_enable):
             if self._state is not SpecState.ENABLED:
-                self._set_state(SpecState.ENABLED, f"prompt affinity {score:.2f}")
+                self._set_state(SpecState.ENABLED, "the request predicts its output" if predicted
+                                else f"prompt affinity {score:.2f}")
             else:
                 self._verifies.clear()
         elif self._state is SpecState.ENABLED:

@@ -1,0 +1,68 @@
+"""OpenAI's predicted output (``prediction``): drafts from the text the client expects back.
+
+The serving loop with the oracle pipeline of tests/test_lookahead_serving.py (a fake model
+that continues one true text and verifies windows as the final stage does); the prompt
+here does not hold the answer, so only the prediction can draft it. The HTTP shape is
+checked through the real endpoint in tests/test_openai_units.py's way (parse_request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from meshnode.serve.client import ChatMessage, GenerationRequest
+from meshnode.serve.errors import UnsupportedValueError
+from meshnode.serve.model_server import ModelServer, ServeSettings
+from meshnode.serve.schemas import ChatCompletionRequest, parse_request
+from char_tokenizer import CharTokenizer
+from inproc import answer
+from test_lookahead_serving import OraclePipeline, _spec
+
+ASK = "Rename the function in the file I sent earlier."
+ANSWER = "def sum_all(items):\n    s = 0\n    for x in items:\n        s += x.price\n    return s\n"
+
+
+def _run(prediction: str | None, mode: str = "auto", temperature: float = 0.0):
+    tok = CharTokenizer()
+    req = GenerationRequest("r", "m", messages=(ChatMessage("user", ASK),), max_tokens=len(ANSWER),
+                            temperature=temperature, seed=3, prediction=prediction)
+
+    async def main():
+        prompt = tok.apply_chat_template([{"role": "user", "content": ASK}])[0]
+        pipe = OraclePipeline(prompt + tok.encode(ANSWER, add_bos=False))
+        pipe.n_stages = 1
+        server = ModelServer(ServeSettings("m", n_ctx=1024, spec=_spec(mode)), tok, pipe)
+        text, fin = await answer(server, req)
+        await server.scheduler.close()
+        return text, fin, pipe
+
+    return asyncio.run(main())
+
+
+def test_a_predicted_output_drafts_the_answer_and_changes_nothing_in_it():
+    plain, plain_fin, plain_pipe = _run(None)
+    assert plain == ANSWER     # (its own repeats draft a little: the indentation)
+    text, fin, pipe = _run(ANSWER.replace("sum_all", "total"))       # the file as it was
+    assert text == ANSWER
+    accepted, plain_accepted = fin.timings.draft_n_accepted, plain_fin.timings.draft_n_accepted
+    assert accepted >= 3 * max(plain_accepted, 5), (accepted, plain_accepted)
+    assert len(pipe.steps) < 0.7 * len(plain_pipe.steps), (len(pipe.steps), len(plain_pipe.steps))
+    # a wrong prediction costs rejected drafts, never a different answer
+    text, fin, _ = _run("print('something else entirely')\n" * 3)
+    assert text == ANSWER
+
+
+def test_the_prediction_is_read_from_text_parts_and_anything_else_is_refused():
+    body = (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+            b'"prediction": {"type": "content", "content": [{"type": "text", "text": "a"}, '
+            b'{"type": "text", "text": "b"}]}}')
+    req = parse_request(ChatCompletionRequest, body).to_generation_request("r")
+    assert req.prediction == "a\nb"
+    assert parse_request(ChatCompletionRequest, body.replace(b'"prediction"', b'"other"')
+                         ).to_generation_request("r").prediction is None
+    bad = body.replace(b'{"type": "text", "text": "b"}', b'{"type": "image_url"}')
+    with pytest.raises(UnsupportedValueError) as exc:
+        parse_request(ChatCompletionRequest, bad).to_generation_request("r")
+    assert "prediction.content[1].type" in str(exc.value.param)
