@@ -48,7 +48,7 @@ def test_a_predicted_output_drafts_the_answer_and_changes_nothing_in_it():
     assert text == ANSWER
     accepted, plain_accepted = fin.timings.draft_n_accepted, plain_fin.timings.draft_n_accepted
     assert accepted >= 3 * max(plain_accepted, 5), (accepted, plain_accepted)
-    assert len(pipe.steps) < 0.7 * len(plain_pipe.steps), (len(pipe.steps), len(plain_pipe.steps))
+    assert len(pipe.steps) < 0.5 * len(plain_pipe.steps), (len(pipe.steps), len(plain_pipe.steps))
     # a wrong prediction costs rejected drafts, never a different answer
     text, fin, _ = _run("print('something else entirely')\n" * 3)
     assert text == ANSWER

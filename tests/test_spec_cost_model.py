@@ -71,3 +71,19 @@ def test_a_window_s_fixed_cost_is_not_charged_to_each_further_draft():
     d.observe(2, 0.030)
     d.observe(8, 0.090)
     assert d.seconds(0) == pytest.approx(0.010)
+
+
+def test_a_fast_route_measured_at_one_draft_still_tries_two():
+    # a GPU node: a plain step 2.0 ms, one draft 2.1 ms; the prior's CPU cost per extra
+    # draft (0.45 of its 8.2 ms step) would price two drafts at 5.8 ms, so a window at one
+    # draft would never grow to be measured
+    gpu = CostModel(hop_s=0.0)
+    gpu.observe(0, 0.0020)
+    gpu.observe(1, 0.0021)
+    assert gpu.seconds(2) == pytest.approx(0.0022)
+    assert gpu.best_window(0.8) > 1
+    # a CPU node, whose first draft cost more than the prior says: the prior's slope stands
+    cpu = CostModel(hop_s=0.0)
+    cpu.observe(0, 0.0092)
+    cpu.observe(1, 0.0172)
+    assert cpu.seconds(2) == pytest.approx(0.0172 + cpu.prior(2) - cpu.prior(1))

@@ -125,6 +125,13 @@ class CostModel:
             est = obs[near] + self._slope(xs) * (k - near)
         else:  # one measurement to go by: shift the prior's shape through it
             est = obs[near] + self.prior(k) - self.prior(near)
+            if 1 <= near < k and 0 in obs:
+                # ...at no more per draft than this route's drafts have cost over a plain
+                # step: the prior's per-draft cost is a CPU's, and where a step is a few
+                # milliseconds (a GPU) it made a second draft look dearer than the first
+                # window's gain, so the window stayed at one draft, never measured wider
+                per_draft = max(0.0, (obs[near] - obs[0]) / near)
+                est = min(est, obs[near] + per_draft * (k - near))
         return max(est, 1e-9)
 
     @property
