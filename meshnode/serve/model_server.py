@@ -49,8 +49,8 @@ chunk and ``[DONE]`` (streams) or a 503 error JSON, as any in-band failure.
 from __future__ import annotations
 
 import asyncio
-import functools
 import contextlib
+import functools
 import logging
 import math
 import secrets
