@@ -142,6 +142,10 @@ class Node:
         self._server: Any = None
         self._server_task: asyncio.Task | None = None
         self._caps_task: asyncio.Task | None = None
+        # one capability refresh at a time: each reads the node's state when its turn comes,
+        # so a refresh begun before a change cannot land after the one that carries it
+        self._caps_lock = asyncio.Lock()
+        self._caps_retry_s = 1.0
         self._telemetry_task: asyncio.Task | None = None
         self._telemetry: deque[TelemetryPoint] = deque(maxlen=TELEMETRY_POINTS)
         self._subscribers: set[asyncio.Queue] = set()
@@ -372,16 +376,22 @@ class Node:
     async def _advertise(self) -> None:
         from meshnode.mesh.runtime import node_capabilities, warm_headers
 
-        try:
-            caps = await asyncio.to_thread(node_capabilities, self.paths, max_memory=self.max_memory,
-                                           share=self.share.enabled,
-                                           fetch_bytes_per_s=self.share.fetch_bytes_per_s,
-                                           parked_bytes=self.stage_server.shelf.held_bytes(),
-                                           parked_vram=self.stage_server.shelf.held_vram())
-            await self.fabric.set_capabilities(caps)
-            await asyncio.to_thread(warm_headers, self.paths)   # for a coordinator's Prepare
-        except Exception:  # noqa: BLE001 - stale capabilities are better than a dead node
-            log.debug("capability refresh failed", exc_info=True)
+        async with self._caps_lock:
+            try:
+                caps = await asyncio.to_thread(node_capabilities, self.paths, max_memory=self.max_memory,
+                                               share=self.share.enabled,
+                                               fetch_bytes_per_s=self.share.fetch_bytes_per_s,
+                                               parked_bytes=self.stage_server.shelf.held_bytes(),
+                                               parked_vram=self.stage_server.shelf.held_vram())
+                await self.fabric.set_capabilities(caps)
+                await asyncio.to_thread(warm_headers, self.paths)   # for a coordinator's Prepare
+                self._caps_retry_s = 1.0
+            except Exception:  # noqa: BLE001 - stale capabilities are better than a dead node
+                # (e.g. the store changing under the listing): again soon, not at the next
+                # periodic refresh, backing off while it keeps failing
+                log.debug("capability refresh failed; again in %.0f s", self._caps_retry_s, exc_info=True)
+                asyncio.get_running_loop().call_later(self._caps_retry_s, self.advertise_models)
+                self._caps_retry_s = min(CAPS_REFRESH_S, 2 * self._caps_retry_s)
 
     def _dispatch(self, node_id: str, msg: Message) -> None:
         """Route a fabric message to whichever part of the node owns it.
