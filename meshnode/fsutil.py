@@ -14,14 +14,21 @@ from pathlib import Path
 from typing import BinaryIO
 
 CHUNK = 1 << 20
+TEMP_SUFFIX = ".part"   # temp files are ``.<name>.<random>.part`` beside their destination
+
+
+def mkstemp_beside(path: Path) -> tuple[int, str]:
+    """``tempfile.mkstemp`` beside ``path`` (same filesystem, so ``os.replace`` is atomic),
+    named so that :func:`remove_temps_of` and :func:`remove_stale_temps` find it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
 
 
 @contextlib.contextmanager
 def temp_beside(path: Path) -> Iterator[Path]:
     """A fresh temp file beside ``path`` (same filesystem, so ``os.replace`` is atomic),
     with ordinary permissions; removed on exit unless the caller renamed it away."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    fd, name = mkstemp_beside(path)
     os.close(fd)
     tmp = Path(name)
     umask = os.umask(0)
@@ -40,8 +47,7 @@ def atomic_write(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
 
     On any exception the temp file is removed and ``path`` is untouched.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    fd, tmp = mkstemp_beside(path)
     try:
         with os.fdopen(fd, mode) as f:
             yield f  # type: ignore[misc]
@@ -59,7 +65,7 @@ def remove_temps_of(path: Path) -> None:
     """Delete the temp files a killed writer of ``path`` left (``atomic_write`` cleans up
     after an exception, not after SIGKILL). Only for a path with one writer at a time,
     which the caller is: another's temp file would be taken from under it."""
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.part"):
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*{TEMP_SUFFIX}"):
         with contextlib.suppress(OSError):
             tmp.unlink()
 
@@ -72,7 +78,7 @@ def remove_stale_temps(root: Path, older_than_s: float) -> tuple[int, int]:
     Returns (files removed, bytes freed)."""
     removed = freed = 0
     cutoff = time.time() - older_than_s
-    for tmp in root.rglob(".*.part"):
+    for tmp in root.rglob(f".*{TEMP_SUFFIX}"):
         with contextlib.suppress(OSError):
             st = tmp.lstat()
             if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:

@@ -246,16 +246,16 @@ def cmd_share_state(args: argparse.Namespace) -> int:
 
     from meshnode.models.index import partial_pulls, record_path
     from meshnode.models.sharing import set_shared
+    from meshnode.models.transfer import part_paths, remove_partial
     from meshnode.models.store import list_models
 
     paths = _paths(args)
     refs = [r for r in list_models(paths) if args.model in (r.name, r.sha256)
             or (len(args.model) >= 8 and r.sha256.startswith(args.model))]
-    partial = [part for name, part, _ in partial_pulls(paths) if name == args.model]
+    partial = [dest for name, dest, _ in partial_pulls(paths) if name == args.model]
     if args.action == "rm" and not refs and partial:
-        partial[0].unlink()
-        partial[0].with_name(partial[0].name + ".json").unlink(missing_ok=True)   # its chunk record
-        print(f"removed the partial pull of {args.model} ({partial[0]})")
+        remove_partial(partial[0])
+        print(f"removed the partial pull of {args.model} ({part_paths(partial[0])[0]})")
         return 0
     if len(refs) != 1:
         raise MeshnodeError(f"no model {args.model!r} in the store (`meshnode models list`)" if not refs
@@ -281,6 +281,7 @@ def cmd_share_state(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from meshnode.models.index import partial_pulls
     from meshnode.models.progress import TqdmProgress
+    from meshnode.models.transfer import part_paths
     from meshnode.models.store import list_models
 
     if args.mesh:
@@ -303,9 +304,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         size = r.path.stat().st_size
         print(f"{r.name:32} {r.architecture:8} {r.n_layers:3d} layers  {_mib(size):>10}  "
               f"{r.sha256[:12]}  {r.path}")
-    for name, part, held in partial:
+    for name, dest, held in partial:
         print(f"{name:32} a pull stopped with {_mib(held)} here: `meshnode models pull {name}` "
-              f"resumes it, `meshnode models rm {name}` removes it ({part})")
+              f"resumes it, `meshnode models rm {name}` removes it ({part_paths(dest)[0]})")
     return 0
 
 

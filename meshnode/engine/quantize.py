@@ -13,11 +13,12 @@ import contextlib
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import llama_cpp
+
+from meshnode.fsutil import mkstemp_beside
 
 from .errors import ModelLoadError
 from .llama_log import LLAMA_LOGGER, install_log_bridge
@@ -71,8 +72,7 @@ def requantize(src: Path | str, dest: Path | str, ftype: str | int = "Q4_0", *,
     params.ftype = ftype_value(ftype)
     params.nthread = max(1, int(n_threads))
     params.allow_requantize = allow_requantize
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    fd, tmp = mkstemp_beside(dest)
     os.close(fd)
     try:
         with _counting_tensors(progress):

@@ -25,6 +25,7 @@ from meshnode.fsutil import atomic_write, sha256_file
 from meshnode.models.errors import ModelFileError
 from meshnode.models.gguf_info import read_model_info
 from meshnode.models.progress import ProgressFn
+from meshnode.models.transfer import PART_SUFFIX
 from meshnode.paths import NodePaths
 
 RECORD_SUFFIX = ".meta.json"
@@ -129,22 +130,20 @@ def _outside_record_path(gguf: Path, paths: NodePaths) -> Path:
     return paths.cache / "hashes" / f"{key}.json"
 
 
-PARTIAL_SUFFIX = ".gguf.part"
-
-
 def partial_pulls(paths: NodePaths) -> list[tuple[str, Path, int]]:
-    """(name, part file, bytes it takes on disk) of each pull of a whole model that stopped
-    before the end (``meshnode.models.transfer.PartFile``): kept for the pull to resume,
-    never listed as a model."""
+    """(name, the model file it would become, bytes it takes on disk) of each pull of a whole
+    model that stopped before the end (``meshnode.models.transfer.PartFile``): kept for the
+    pull to resume, never listed as a model."""
     out: list[tuple[str, Path, int]] = []
     if paths.models.is_dir():
-        for part in sorted(paths.models.glob(f"*{PARTIAL_SUFFIX}")):
+        for part in sorted(paths.models.glob(f"*.gguf{PART_SUFFIX}")):
             with contextlib.suppress(OSError):
                 st = part.stat()
                 if part.is_file() and not part.name.startswith("."):
                     # the file has the model's full size from the start; blocks are what it holds
                     held = st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
-                    out.append((part.name[:-len(PARTIAL_SUFFIX)], part, held))
+                    dest = part.with_name(part.name[:-len(PART_SUFFIX)])
+                    out.append((dest.stem, dest, held))
     return out
 
 

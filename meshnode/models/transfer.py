@@ -48,8 +48,8 @@ from meshnode.fsutil import atomic_write, remove_temps_of
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CHUNK_SIZE", "ChunkPlan", "Manifest", "PartFile", "TransferError", "build_manifest",
-    "cached_manifest", "check_free_space", "chunk_ok",
+    "CHUNK_SIZE", "PART_SUFFIX", "ChunkPlan", "Manifest", "PartFile", "TransferError", "build_manifest",
+    "cached_manifest", "check_free_space", "chunk_ok", "part_paths", "remove_partial",
 ]
 
 CHUNK_SIZE = 8 * 1024 * 1024
@@ -286,14 +286,27 @@ class ChunkPlan:
 # ---- the part file (IO) ----------------------------------------------------------------------
 
 
+PART_SUFFIX = ".part"
+
+
+def part_paths(dest: Path) -> tuple[Path, Path]:
+    """The part file of a pull to ``dest`` and its chunk record (module docstring)."""
+    return dest.with_name(dest.name + PART_SUFFIX), dest.with_name(dest.name + PART_SUFFIX + ".json")
+
+
+def remove_partial(dest: Path) -> None:
+    """Delete what a stopped pull to ``dest`` left for a resume."""
+    for path in part_paths(dest):
+        path.unlink(missing_ok=True)
+
+
 class PartFile:
     """``<dest>.part`` and its record ``<dest>.part.json`` (module docstring)."""
 
     def __init__(self, dest: Path, manifest: Manifest) -> None:
         self.dest = dest
         self.manifest = manifest
-        self.part = dest.with_name(dest.name + ".part")
-        self.record = dest.with_name(dest.name + ".part.json")
+        self.part, self.record = part_paths(dest)
         self._lock = threading.Lock()
         self._ckpt_lock = threading.Lock()
         self._written: set[int] = set()
@@ -449,5 +462,4 @@ class PartFile:
 
     def discard(self) -> None:
         self.close()
-        self.part.unlink(missing_ok=True)
-        self.record.unlink(missing_ok=True)
+        remove_partial(self.dest)
