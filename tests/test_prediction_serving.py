@@ -15,6 +15,7 @@ import pytest
 from meshnode.serve.client import ChatMessage, GenerationRequest
 from meshnode.serve.errors import UnsupportedValueError
 from meshnode.serve.model_server import ModelServer, ServeSettings
+from meshnode.serve.request import prediction_usage
 from meshnode.serve.schemas import ChatCompletionRequest, parse_request
 from char_tokenizer import CharTokenizer
 from inproc import answer
@@ -49,9 +50,25 @@ def test_a_predicted_output_drafts_the_answer_and_changes_nothing_in_it():
     accepted, plain_accepted = fin.timings.draft_n_accepted, plain_fin.timings.draft_n_accepted
     assert accepted >= 3 * max(plain_accepted, 5), (accepted, plain_accepted)
     assert len(pipe.steps) < 0.5 * len(plain_pipe.steps), (len(pipe.steps), len(plain_pipe.steps))
+    # usage counts the prediction's tokens the answer repeats: all but the renamed ones
+    renamed = ANSWER.replace("sum_all", "total")
+    assert fin.usage.accepted_prediction_tokens + fin.usage.rejected_prediction_tokens == len(renamed)
+    assert len(renamed) - 8 <= fin.usage.accepted_prediction_tokens < len(renamed), fin.usage
+    assert plain_fin.usage.accepted_prediction_tokens is None    # no prediction, no count
     # a wrong prediction costs rejected drafts, never a different answer
-    text, fin, _ = _run("print('something else entirely')\n" * 3)
+    wrong = "print('something else entirely')\n" * 3
+    text, fin, _ = _run(wrong)
     assert text == ANSWER
+    assert fin.usage.rejected_prediction_tokens > 0.7 * len(wrong), fin.usage
+
+
+def test_prediction_usage_counts_the_repeated_tokens_in_order():
+    assert prediction_usage([], [1, 2]) == (0, 0)
+    assert prediction_usage([1, 2, 3, 4], [1, 2, 3, 4]) == (4, 0)
+    assert prediction_usage([1, 2, 3, 4], [1, 9, 3, 4, 5]) == (3, 1)
+    assert prediction_usage([1, 2, 3], []) == (0, 3)
+    # order matters: a reversed answer repeats one token of the prediction in order
+    assert prediction_usage([1, 2, 3], [3, 2, 1]) == (1, 2)
 
 
 def test_the_prediction_is_read_from_text_parts_and_anything_else_is_refused():

@@ -132,8 +132,14 @@ def test_a_predicted_output_is_drafted_and_the_text_stays_the_same(split, refere
                                            prediction={"type": "content", "content": guess})
         timings = (r.model_extra or {}).get("timings") or {}
         assert r.choices[0].message.content == reference[1]
+        details = r.usage.completion_tokens_details      # OpenAI's accounting of the guess
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
         if right:
             assert timings["draft_n_accepted"] >= MAX_TOKENS // 2, timings
+            assert details.rejected_prediction_tokens == 0, details
+            assert details.accepted_prediction_tokens >= r.usage.completion_tokens - 1, (details, r.usage)
+        else:
+            assert details.accepted_prediction_tokens < details.rejected_prediction_tokens, details
 
 
 def test_draft_model_equals_plain_greedy(split, reference):

@@ -153,6 +153,10 @@ class GenerationRequest:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # with a predicted output (OpenAI's ``prediction``): how many of its tokens the
+    # completion repeats, and how many it does not (meshnode.serve.request.prediction_usage); None without one
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:

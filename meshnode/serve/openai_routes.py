@@ -83,6 +83,7 @@ from meshnode.serve.schemas import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     ErrorResponse,
     FunctionCallDelta,
     FunctionCallOut,
@@ -474,8 +475,14 @@ def _total_usage(finished: list[Finished]) -> UsageInfo:
     prompt = finished[0].usage.prompt_tokens if finished else 0
     cached = finished[0].timings.cache_n if finished else 0
     completion = sum(f.usage.completion_tokens for f in finished)
+    details = None
+    if finished and finished[0].usage.accepted_prediction_tokens is not None:
+        details = CompletionTokensDetails(
+            accepted_prediction_tokens=sum(f.usage.accepted_prediction_tokens or 0 for f in finished),
+            rejected_prediction_tokens=sum(f.usage.rejected_prediction_tokens or 0 for f in finished))
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                     completion_tokens_details=details)
 
 
 class _Chunks:

@@ -400,11 +400,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0   # prompt tokens whose KV was reused (prefix reuse), not computed
 
 
+class CompletionTokensDetails(BaseModel):
+    # OpenAI's predicted output: the prediction's tokens the completion repeats, and the rest
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    # only for a request with a ``prediction`` (the response leaves it out otherwise)
+    completion_tokens_details: CompletionTokensDetails | None = Field(default=None, exclude_if=_omit_none)
 
 
 class FunctionCallOut(BaseModel):
