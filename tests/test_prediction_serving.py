@@ -25,16 +25,16 @@ ASK = "Rename the function in the file I sent earlier."
 ANSWER = "def sum_all(items):\n    s = 0\n    for x in items:\n        s += x.price\n    return s\n"
 
 
-def _run(prediction: str | None, mode: str = "auto", temperature: float = 0.0):
+def _run(prediction: str | None, mode: str = "auto", temperature: float = 0.0, n: int = 1):
     tok = CharTokenizer()
     req = GenerationRequest("r", "m", messages=(ChatMessage("user", ASK),), max_tokens=len(ANSWER),
-                            temperature=temperature, seed=3, prediction=prediction)
+                            temperature=temperature, seed=3, prediction=prediction, n=n)
 
     async def main():
         prompt = tok.apply_chat_template([{"role": "user", "content": ASK}])[0]
         pipe = OraclePipeline(prompt + tok.encode(ANSWER, add_bos=False))
         pipe.n_stages = 1
-        server = ModelServer(ServeSettings("m", n_ctx=1024, spec=_spec(mode)), tok, pipe)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=max(n, 1), spec=_spec(mode)), tok, pipe)
         text, fin = await answer(server, req)
         await server.scheduler.close()
         return text, fin, pipe
@@ -83,3 +83,20 @@ def test_the_prediction_is_read_from_text_parts_and_anything_else_is_refused():
     with pytest.raises(UnsupportedValueError) as exc:
         parse_request(ChatCompletionRequest, bad).to_generation_request("r")
     assert "prediction.content[1].type" in str(exc.value.param)
+
+
+def test_the_choices_of_one_request_share_the_predictions_automaton(monkeypatch):
+    import meshnode.serve.speculation as speculation
+
+    built = []
+
+    def counted(tokens):
+        built.append(len(tokens))
+        return real(tokens)
+
+    real = speculation.SuffixAutomaton
+    monkeypatch.setattr(speculation, "SuffixAutomaton", counted)
+    text, fin, _ = _run(ANSWER, n=3)
+    assert sorted(text) == sorted(ANSWER * 3)    # three greedy choices (interleaved), each the answer
+    assert built == [len(ANSWER)], built
+    assert fin.usage.accepted_prediction_tokens == len(ANSWER)   # a choice's own count

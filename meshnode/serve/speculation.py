@@ -95,6 +95,9 @@ class SpeculativeDecoder:
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
         self.recent = RecentTexts() if strategy == "ngram" else None
         self._remembering: set[asyncio.Future] = set()
+        # the last predicted output's automaton, by the token list the choices of one
+        # request share (``n`` > 1): built once, not once per choice
+        self._predicted: tuple[list[int], asyncio.Future[SuffixAutomaton]] | None = None
 
     @property
     def min_match(self) -> int:
@@ -119,6 +122,14 @@ class SpeculativeDecoder:
         (RouteWindows.exact_rows_at: a failover's replay chunks)."""
         return self._route.exact_rows_at(pos)
 
+    def _prediction_automaton(self, prediction: list[int]) -> asyncio.Future[SuffixAutomaton]:
+        """The automaton of ``prediction``, built off the loop; the choices of one request
+        (one token list) share it."""
+        if self._predicted is None or self._predicted[0] is not prediction:
+            built = asyncio.get_running_loop().run_in_executor(None, SuffixAutomaton, prediction)
+            self._predicted = (prediction, built)
+        return self._predicted[1]
+
     async def start(self, req: ActiveRequest, first: int) -> None:
         """The request's prefill gave ``first``: the proposers take its context."""
         # Only greedy requests draft from other requests' texts: a sampled request's random
@@ -130,7 +141,7 @@ class SpeculativeDecoder:
             # the client's own guess at the answer (OpenAI's predicted output) is the text
             # to draft from, before its recent requests; part of the request, so a seeded
             # request still sees the same drafts every time
-            history = await asyncio.get_running_loop().run_in_executor(None, SuffixAutomaton, req.prediction)
+            history = await self._prediction_automaton(req.prediction)
         req.ngram = SuffixProposer(req.prompt, history)
         req.ngram.observe([first])
         self.policy.on_prompt(req.prompt, predicted=bool(req.prediction))
