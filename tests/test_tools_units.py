@@ -18,6 +18,8 @@ from meshnode.serve.schemas import ChatCompletionRequest, parse_request
 from meshnode.serve.structured import Constraint, compile_constraint
 from meshnode.serve.tools import (
     FALLBACK_TOOLS_PROMPT,
+    TOOL_CLOSE,
+    TOOL_OPEN,
     Structure,
     ToolCallParser,
     ToolSpec,
@@ -76,9 +78,9 @@ def test_unknown_tool_or_malformed_block_stays_content():
     assert split_tool_calls(bad, ["get_weather"]) == (bad, [])
 
 
-@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
-def test_streamed_calls_reassemble_whatever_the_chunking(step):
-    text = "ok " + ANSWER + "\n" + ANSWER.replace("Paris", "Rome").replace("3", "5")
+def _stream(text: str, step: int) -> tuple[str, dict[int, dict], ToolCallParser]:
+    """``text`` fed ``step`` characters at a time: content, the calls' deltas by index
+    (id, name, arguments reassembled), the parser."""
     p = ToolCallParser(["get_weather"])
     content, deltas = "", []
     for i in range(0, len(text), step):
@@ -88,7 +90,6 @@ def test_streamed_calls_reassemble_whatever_the_chunking(step):
     c, d = p.finish()
     content += c
     deltas += d
-    assert content.strip() == "ok"
     by_index: dict[int, dict] = {}
     for d in deltas:
         e = by_index.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
@@ -96,10 +97,33 @@ def test_streamed_calls_reassemble_whatever_the_chunking(step):
             assert e["id"] is None, "id sent twice"
             e["id"], e["name"] = d.id, d.name
         e["arguments"] += d.arguments
+    return content, by_index, p
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_streamed_calls_reassemble_whatever_the_chunking(step):
+    text = "ok " + ANSWER + "\n" + ANSWER.replace("Paris", "Rome").replace("3", "5")
+    content, by_index, p = _stream(text, step)
+    assert content.strip() == "ok"
     assert sorted(by_index) == [0, 1]
     assert [json.loads(by_index[i]["arguments"]) for i in (0, 1)] == [{"city": "Paris", "days": 3},
                                                                      {"city": "Rome", "days": 5}]
     assert [c.id for c in p.calls] == [by_index[0]["id"], by_index[1]["id"]]
+
+
+def test_pages_of_spaces_in_a_call_stream_out_and_close_in_linear_time():
+    # a model can be led to write them; reading the wrapper's end with a regex backtracked
+    # over every run of spaces (minutes for this block), and each token rescanned them all
+    spaces = "\n" + " " * 300_000
+    text = (f'{TOOL_OPEN}{{"name": "get_weather", "arguments": {{"city": "Paris",{spaces}"days": 3}}'
+            f'{spaces}}}{TOOL_CLOSE}')
+    content, by_index, p = _stream(text, 81)
+    assert content == "" and len(p.calls) == 1
+    assert json.loads(by_index[0]["arguments"]) == {"city": "Paris", "days": 3}
+    # spaces before the head: the block is not streamed, but read whole when it closes
+    content, by_index, p = _stream(f'{TOOL_OPEN}{spaces}{text[len(TOOL_OPEN):]}', 81)
+    assert content == "" and len(p.calls) == 1 and json.loads(p.calls[0].arguments)["days"] == 3
+    assert by_index[0]["name"] == "get_weather"
 
 
 def test_a_call_cut_short_is_not_a_call():

@@ -231,8 +231,21 @@ def new_call_id() -> str:
 
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.\-]{1,64})"\s*,\s*"arguments"\s*:\s*')
-# what may follow the arguments in a grammar-shaped block: the wrapper's "}" and spaces
-_WRAPPER_TAIL = re.compile(r"\s*\}\s*$")
+# A block whose head (above) has not matched within this many characters is not streamed
+# but read whole when it closes: the match runs at every token, and a model led to write
+# pages of spaces first would make each one scan them all.
+HEAD_WINDOW = 1024
+# A streamed call's arguments hold back at most this many trailing characters (spaces and
+# braces that may be the wrapper's end); a longer run of them goes out as arguments.
+HOLD_BACK = 256
+
+
+def _args_end(args: str) -> int:
+    """Where the arguments of a streamed block end: before the wrapper's closing "}" and
+    the spaces around it, when the block ends so. (A regex for it, ``\\s*\\}\\s*$``,
+    backtracks over every run of spaces: minutes for a block of a few hundred KB.)"""
+    t = args.rstrip()
+    return len(t[:-1].rstrip()) if t.endswith("}") else len(args)
 
 
 @dataclass(slots=True)
@@ -313,19 +326,22 @@ class ToolCallParser:
 
     def _stream_block(self, b: _Block) -> list[CallDelta]:
         if b.args_at < 0:
-            m = _HEAD.match(b.text)
+            m = _HEAD.match(b.text) if len(b.text) <= HEAD_WINDOW else None
             if m is None or m.group(1) not in self._names:
                 return []
             b.args_at, b.id = m.end(), new_call_id()
             out = [CallDelta(b.index, id=b.id, name=m.group(1))]
         else:
             out = []
-        # hold back what may be the wrapper's closing brace and the spaces around it
-        args = b.text[b.args_at:]
-        safe = len(args.rstrip().rstrip("}").rstrip()) if args.rstrip().endswith("}") else len(args.rstrip())
-        safe = max(safe, b.sent)
+        # hold back what may be the wrapper's closing brace and the spaces around it: of
+        # the last HOLD_BACK characters at most, so a token costs the same however long
+        # the arguments (or a run of spaces in them) have grown
+        n_args = len(b.text) - b.args_at
+        start = max(b.sent, n_args - HOLD_BACK)
+        tail = b.text[b.args_at + start:].rstrip()
+        safe = start + (len(tail.rstrip("}").rstrip()) if tail.endswith("}") else len(tail))
         if safe > b.sent:
-            out.append(CallDelta(b.index, arguments=args[b.sent:safe]))
+            out.append(CallDelta(b.index, arguments=b.text[b.args_at + b.sent:b.args_at + safe]))
             b.sent = safe
         return out
 
@@ -336,9 +352,7 @@ class ToolCallParser:
         if b.id is not None:
             # announced already: finish its arguments from the same text
             args = b.text[b.args_at:]
-            m = _WRAPPER_TAIL.search(args)
-            args = args[:m.start()] if m else args
-            rest = args[b.sent:]
+            rest = args[b.sent:_args_end(args)]
             if call is not None:
                 self.calls.append(ToolCall(b.id, call.name, call.arguments))
             # else: cut short (max_tokens) or malformed: not a call; its streamed
