@@ -244,6 +244,7 @@ def test_local_and_unknown_models_are_not_forwarded():
         client = Client({"model": "nobody-serves-this", "messages": []})
         await MeshForwardMiddleware(_local, node)(_scope(), client.receive, client.send)
         assert client.status == 404 and json.loads(client.data)["error"]["code"] == "model_not_found"
+        assert "Served: big-model (GET /v1/models" in json.loads(client.data)["error"]["message"]
         client = Client({"model": "big-model"})
         await MeshForwardMiddleware(_local, node)(_scope("/v1/embeddings"), client.receive, client.send)
         assert client.status == 299       # not a route a member can reach: the local app answers

@@ -319,6 +319,7 @@ def test_malformed_json_is_400(base_url: str, raw: bytes) -> None:
 def test_unknown_model_is_404(base_url: str) -> None:
     err = _error(_post(base_url, "/chat/completions", {"model": "nope", "messages": _user("x")}), 404)
     assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "model_not_found", "model")
+    assert f"Served: {MODEL} (GET /v1/models" in err["message"], err     # what to write instead
     err = _error(_post(base_url, "/completions", {"model": "nope", "prompt": "x", "stream": True}), 404)
     assert err["code"] == "model_not_found"
 

@@ -21,6 +21,7 @@ request field or is null.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from meshnode.engine.errors import ContextOverflowError, EngineBusyError, EngineError
@@ -81,11 +82,21 @@ class MalformedRequestError(InvalidRequestError):
 
 
 class UnknownModelError(ServeError):
-    """No model of that id is served by this node or its mesh."""
+    """No model of that id is served by this node or its mesh; ``served``: the ids that
+    are (named in the message, so whoever set up an editor sees what to write)."""
 
-    def __init__(self, model: str) -> None:
-        super().__init__(f"The model '{model}' does not exist or is not served by this mesh.", param="model")
+    SHOWN = 8   # served ids named in the message at most
+
+    def __init__(self, model: str, served: Sequence[str] | None = None) -> None:
+        message = f"The model '{model}' does not exist or is not served by this mesh."
+        if served:
+            more = f" and {len(served) - self.SHOWN} more" if len(served) > self.SHOWN else ""
+            message += f" Served: {', '.join(served[:self.SHOWN])}{more} (GET /v1/models lists them)."
+        elif served is not None:
+            message += " It serves no model yet."
+        super().__init__(message, param="model")
         self.model = model
+        self.served = None if served is None else tuple(served)
 
 
 class PromptTooLongError(ServeError):

@@ -508,7 +508,8 @@ class MeshForwardMiddleware:
                 and not getattr(self.node, "stopping", False):
             from meshnode.serve.openai_routes import error_response
 
-            await _respond(error_response(UnknownModelError(model)), receive, send)
+            served = [m.name for m in share.mesh_models()]
+            await _respond(error_response(UnknownModelError(model, served)), receive, send)
             return
         await self.app(scope, replay, send)
 

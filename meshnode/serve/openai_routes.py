@@ -215,10 +215,11 @@ def make_openai_router(
     @router.get("/models/{model_id:path}", response_model=None,
                 responses={200: {"model": ModelObject}, **error_responses(GET_ERRORS)})
     async def retrieve_model(model_id: str) -> JSONResponse:
-        for card in get_client().models():
+        cards = get_client().models()
+        for card in cards:
             if card.id == model_id:
                 return _json(_model_object(card))
-        raise UnknownModelError(model_id)
+        raise UnknownModelError(model_id, [c.id for c in cards])
 
     @router.post("/chat/completions", response_model=None, **_post_docs(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
@@ -237,7 +238,7 @@ def make_openai_router(
         body = await _parse(InfillRequest, request)
         cards = get_client().models()
         if body.model is None and not cards:
-            raise UnknownModelError("(none)")
+            raise UnknownModelError("(none)", [])
         chunks = _InfillChunks(body.model or cards[0].id)
         return await _serve(request, body, body.to_generation_request(chunks.id, chunks.model), chunks,
                             "input_prefix")
@@ -266,6 +267,10 @@ def make_openai_router(
             if e.param is None:
                 e.param = prompt_param
             raise
+        except UnknownModelError as e:
+            if e.served is not None:
+                raise
+            raise UnknownModelError(e.model, [c.id for c in client.models()]) from None
         except _ClientGone:
             log.debug("%s: client went away before the response", chunks.id)
             return Response(status_code=499)
