@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from meshnode import wire
@@ -124,6 +125,30 @@ def test_pages_of_spaces_in_a_call_stream_out_and_close_in_linear_time():
     content, by_index, p = _stream(f'{TOOL_OPEN}{spaces}{text[len(TOOL_OPEN):]}', 81)
     assert content == "" and len(p.calls) == 1 and json.loads(p.calls[0].arguments)["days"] == 3
     assert by_index[0]["name"] == "get_weather"
+
+
+_PIECES = [TOOL_OPEN, TOOL_CLOSE, '{"name": "get_weather", "arguments": ', '{"city": "P", "days": 3}', "}", " ",
+           "\n", "x", '"', " " * 300, '{"name": "nope", "arguments": {}}', "<tool", "_call>"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=12), st.integers(1, 50))
+def test_any_answer_streams_to_the_calls_it_reads_as_whole(pieces, step):
+    # whatever the model writes and however it is cut into tokens: the same calls as
+    # reading the answer whole, each call's streamed arguments that call's arguments, and
+    # the same content but for spaces next to a call (whitespace between calls is not
+    # content); only a block announced as a call and then not one differs (its pieces
+    # were sent: OpenAI's finish_reason "length" case)
+    text = "".join(pieces)
+    content, by_index, p = _stream(text, step)
+    whole_content, whole_calls = split_tool_calls(text, ["get_weather"])
+    assert [(c.name, json.loads(c.arguments)) for c in p.calls] == \
+        [(c.name, json.loads(c.arguments)) for c in whole_calls]
+    streamed = {e["id"]: e["arguments"] for e in by_index.values()}
+    for call in p.calls:
+        assert json.loads(streamed[call.id]) == json.loads(call.arguments)
+    if set(streamed) == {c.id for c in p.calls}:
+        assert "".join(content.split()) == "".join(whole_content.split())
 
 
 def test_a_call_cut_short_is_not_a_call():
