@@ -19,24 +19,30 @@ from test_lookahead_serving import ANSWER, CODE, OraclePipeline
 
 
 class SlowStartDraft:
-    """A draft model whose prefill of a prompt takes ``prefill_s`` (a big prompt) and
-    that never has a draft."""
+    """A draft model whose prefill of a prompt takes ``prefill_s`` (a big prompt; a piece
+    of it the same share of that) and that never has a draft."""
 
     def __init__(self, prefill_s: float) -> None:
         self.prefill_s = prefill_s
-        self.prefilled_at: list[float] = []
+        self.prefilled_at: list[float] = []   # when it had caught up on a whole prompt
+        self.pieces: list[int] = []           # rows of each catch-up call
         self._lag = 0
+        self._row_s = 0.0
 
     def reset(self, prompt, *, sync: bool = True) -> None:
         self._lag = len(prompt)
+        self._row_s = self.prefill_s / max(1, len(prompt))
         if sync:
             self.sync()
 
-    def sync(self) -> None:
+    def sync(self, max_rows=None) -> None:
         assert threading.current_thread() is not threading.main_thread()   # the compute thread
-        time.sleep(self.prefill_s)
-        self._lag = 0
-        self.prefilled_at.append(time.monotonic())
+        rows = self._lag if max_rows is None else min(self._lag, max_rows)
+        time.sleep(self._row_s * rows)
+        self.pieces.append(rows)
+        self._lag -= rows
+        if not self._lag:
+            self.prefilled_at.append(time.monotonic())
 
     @property
     def lag(self) -> int:
@@ -55,8 +61,10 @@ class SlowStartDraft:
 
 
 def test_the_first_token_reaches_the_client_before_the_draft_prefills_the_prompt():
+    # (one node: a split catches up in the background, test_on_a_split_... below)
     draft = SlowStartDraft(0.4)
     pipe = OraclePipeline(CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER))
+    pipe.n_stages = 1
     spec = SpecConfig("draft", "draft-model", "on", "draft.gguf", WindowPolicy(), "test")
 
     async def main() -> tuple[list[float], str]:
@@ -135,30 +143,48 @@ class _TimedPipeline(OraclePipeline):
         return await super().run(steps)
 
 
-def test_on_a_split_the_draft_catches_up_while_the_first_step_is_away():
-    """On a split the draft prefills the prompt in the background while the first decode
-    step is at the stages (that step goes without the draft's help); on one node before
-    the first decode step is sent, as it needs the draft. Both texts are exact."""
+def _timed_answer(draft: SlowStartDraft, n_stages: int, max_tokens: int, delay: float):
     tok = CharTokenizer()
     spec = SpecConfig("draft", "draft-model", "on", "draft.gguf", WindowPolicy(), "test")
 
-    async def main(n_stages: int):
-        draft = SlowStartDraft(0.3)
-        pipe = _TimedPipeline(tok.encode(CODE) + tok.encode(ANSWER), 0.2)
+    async def main():
+        pipe = _TimedPipeline(tok.encode(CODE) + tok.encode(ANSWER), delay)
         pipe.n_stages = n_stages
         # n_batch: the prompt in one step, so the first decode step is the second one
         server = ModelServer(ServeSettings("m", n_ctx=1024, n_batch=1024, spec=spec), tok, pipe, draft=draft)
         text, _ = await answer(server, GenerationRequest("r", "m", messages=(ChatMessage("user", CODE),),
-                                                         max_tokens=8, temperature=0.0))
+                                                         max_tokens=max_tokens, temperature=0.0))
         await server.scheduler.close()
-        return text, draft.prefilled_at, pipe.started
+        return text, pipe.started
 
+    return asyncio.run(main())
+
+
+def test_on_a_split_the_draft_catches_up_while_steps_are_away():
+    """On a split the draft prefills the prompt in the background, a piece while each
+    decode step is at the stages (those steps go without the draft's help), pieces sized
+    to that time; on one node before the first decode step is sent, as it needs the
+    draft. Both texts are exact."""
     for n_stages in (2, 1):
-        text, prefilled, started = asyncio.run(main(n_stages))
-        assert text == ANSWER[:8]
+        draft = SlowStartDraft(0.3)
+        text, started = _timed_answer(draft, n_stages, 40, 0.05)
+        assert text == ANSWER[:40]
         (_, prompt_pos), (first_decode, pos) = started[0], started[1]
-        assert prompt_pos == 0 and pos > 0 and prefilled
+        assert prompt_pos == 0 and pos > 0 and draft.prefilled_at
         if n_stages == 2:
-            assert first_decode < prefilled[0] - 0.2, (first_decode, prefilled)
+            assert first_decode < draft.prefilled_at[0] - 0.1, (first_decode, draft.prefilled_at)
+            # the whole prompt in pieces, none of them the whole prompt at once
+            assert len(draft.pieces) >= 4 and sum(draft.pieces[:-1]) >= 164 - UNIFORM_CATCHUP_ROWS, draft.pieces
         else:
-            assert first_decode >= prefilled[0], (first_decode, prefilled)
+            assert first_decode >= draft.prefilled_at[0], (first_decode, draft.prefilled_at)
+
+
+def test_on_a_split_a_draft_too_slow_to_catch_up_in_time_is_left_behind():
+    # a draft as slow as the target on a CPU: each piece overruns the step it ran beside,
+    # the pieces halve, and once the rest of the prompt would not be caught up before the
+    # answer's end no more are started: the answer is not slowed down for nothing
+    draft = SlowStartDraft(8.0)      # ~49 ms a row, against 20 ms a step
+    text, _ = _timed_answer(draft, 2, 40, 0.02)
+    assert text == ANSWER[:40]
+    assert not draft.prefilled_at
+    assert 1 <= len(draft.pieces) <= 4 and sum(draft.pieces) <= 16 + 8 + 4 + 2, draft.pieces

@@ -285,6 +285,29 @@ def test_a_lazy_reset_prefills_at_the_first_proposal(synthetic_gguf):
 
 
 @pytest.mark.slow
+def test_a_catch_up_in_pieces_proposes_what_one_in_one_go_does(synthetic_gguf):
+    # On a split the draft catches up on a prompt a piece at a time, while steps are away
+    # (serve/speculation.py): each piece decodes at most its rows, and the proposal after
+    # the last equals one after a single catch-up.
+    path = synthetic_gguf(n_layer=2, vocab=320, weight_scale=0.5)
+    prompt = list(range(5, 5 + 70))
+    with DraftModelProposer(_engine(path), owns_engine=True) as whole:
+        whole.reset(prompt)
+        whole.accept([9, 10])
+        want = whole.propose([], 4)
+    with DraftModelProposer(_engine(path), owns_engine=True) as pieces:
+        pieces.reset(prompt, sync=False)
+        for lag in (70, 54, 38, 22, 6):
+            assert pieces.lag == lag
+            pieces.sync(16)
+        assert pieces.lag == 0 and pieces.stats.rows == 70 and pieces.stats.calls == 5
+        pieces.accept([9, 10])
+        assert pieces.propose([], 4) == want
+        pieces.sync(16)                          # in sync: nothing to do
+        assert pieces.stats.rows == 70 + 2 + 3
+
+
+@pytest.mark.slow
 def test_a_padding_engine_drafts_in_calls_of_one_shape(synthetic_gguf):
     """On a GPU engine (pad 2 here, on the CPU) every call of drafting (catch-ups of up to
     UNIFORM_CATCHUP_ROWS rows, one-row steps) has the shape of a padded one-row step, so

@@ -59,6 +59,13 @@ from meshnode.state import DraftVerified, SpecStats
 log = logging.getLogger(__name__)
 
 MAX_DRAFT = 16          # rows per verify stay well inside batch invariance (<= 32)
+# A draft model's catch-up in the background on a split (a prompt, the tokens of a cooldown)
+# goes in pieces that fit the time a step is away at the other stages: a piece runs on
+# stage 0's compute thread, and the next step's compute (and the draft's accept) waits
+# behind one that overruns. The first piece is this many rows; a piece still running when
+# its step's result arrives halves the next, one that was done grows it by a quarter.
+CATCHUP_FIRST_ROWS = 16
+CATCHUP_MAX_ROWS = 512
 
 
 class SpeculativeDecoder:
@@ -91,6 +98,7 @@ class SpeculativeDecoder:
         # to start while it is free); requests beside it draft by n-gram alone.
         self._draft_for: ActiveRequest | None = None
         self._catching_up: asyncio.Future | None = None   # its catch-up in the background
+        self._catchup_rows = CATCHUP_FIRST_ROWS            # ... in pieces of this many rows
         self.gate = LookaheadGate()
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
         self.recent = RecentTexts() if strategy == "ngram" else None
@@ -169,19 +177,32 @@ class SpeculativeDecoder:
     def _split(self) -> bool:
         return self.scheduler.pipeline.n_stages > 1
 
-    async def _catch_up_meanwhile(self, req: ActiveRequest) -> None:
+    async def _catch_up_meanwhile(self, req: ActiveRequest) -> asyncio.Future | None:
         """On a split, a draft model further behind ``req``'s context than a window's
-        catch-up (the prompt, a long run of n-gram drafts) catches up now, in the
-        background, while the step just sent is away at the other stages; the step's
-        result then waits for it (the draft's calls take turns: ``draft_lock``), and the
-        next window finds it ready instead of catching up before it is sent."""
+        catch-up (the prompt, a long run of n-gram drafts) catches up a piece of it now,
+        in the background, while the step just sent is away at the other stages (the
+        draft's calls take turns: ``draft_lock``), so that a later window finds it ready
+        instead of catching up before it is sent. The piece (returned, for
+        :meth:`_pace_catch_up`) is sized to fit that time (CATCHUP_FIRST_ROWS); none
+        is started when at that pace the draft would not catch up before the answer's
+        end: a draft as slow as the target on a CPU would only slow the answer down."""
         draft = self._draft_of(req)
         if (draft is None or not self._split or self._catching_up is not None
                 or not self.policy.should_draft or draft.lag <= UNIFORM_CATCHUP_ROWS):
-            return
+            return None
+        rows = self._catchup_rows
+        if draft.lag > rows * req.remaining:
+            return None
         await asyncio.sleep(0)   # the scheduler hands the step to stage 0 first
-        self._catching_up = asyncio.ensure_future(self._draft_call(draft.sync))
-        self._catching_up.add_done_callback(self._caught_up)
+        piece = self._catching_up = asyncio.ensure_future(self._draft_call(draft.sync, rows))
+        piece.add_done_callback(self._caught_up)
+        return piece
+
+    def _pace_catch_up(self, piece: asyncio.Future) -> None:
+        """The step a catch-up piece ran beside has its result: size the next piece."""
+        rows = self._catchup_rows
+        self._catchup_rows = max(1, rows // 2) if not piece.done() else \
+            min(CATCHUP_MAX_ROWS, rows + max(1, rows // 4))
 
     def _caught_up(self, fut: asyncio.Future) -> None:
         self._catching_up = None
@@ -203,13 +224,15 @@ class SpeculativeDecoder:
                 ahead.withdraw()
             step = await self._next_step(req, req.pos, last)
         nxt = self._look_ahead(req, step, ngram)
-        await self._catch_up_meanwhile(req)
+        piece = await self._catch_up_meanwhile(req)
         try:
             res = await step.result
         except BaseException:
             if nxt is not None:
                 nxt.withdraw()   # the caller never sees it
             raise
+        if piece is not None:
+            self._pace_catch_up(piece)
         dt = time.perf_counter() - step.t0  # drafting included: it is part of what a step costs
         assert res is not None
         tokens, drafts = list(res.tokens), step.drafts

@@ -191,14 +191,15 @@ class DraftModelProposer:
 
     # ---- extras -------------------------------------------------------------------------
 
-    def sync(self) -> None:
+    def sync(self, max_rows: int | None = None) -> None:
         """Catch the draft's cache up with the context now (e.g. in idle time between
-        :meth:`accept` and the next :meth:`propose`).
+        :meth:`accept` and the next :meth:`propose`); with ``max_rows``, on at most that
+        many tokens of it (a piece of a long catch-up: the rest waits for the next call).
 
         No-op when already in sync or when the context does not fit the draft.
         """
         if self._context and len(self._context) <= self.engine.n_ctx:
-            self._sync()
+            self._sync(max_rows)
 
     @property
     def lag(self) -> int:
@@ -232,8 +233,9 @@ class DraftModelProposer:
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _sync(self) -> None:
-        """Make ``kv`` start with the whole context and know the argmax after it.
+    def _sync(self, max_rows: int | None = None) -> None:
+        """Make ``kv`` start with the whole context and know the argmax after it (with
+        ``max_rows``: with that many more tokens of it at most).
 
         Cached rows beyond the context (drafts decoded by an earlier propose that the
         context has not contradicted) are kept: the next propose reuses them.
@@ -252,7 +254,7 @@ class DraftModelProposer:
                 return
             common -= 1  # the logits of the context's last position were not kept: redo it
         self._truncate(common)
-        self._feed(common, ctx[common:])
+        self._feed(common, ctx[common:] if max_rows is None else ctx[common:common + max(1, max_rows)])
 
     def _truncate(self, n: int) -> None:
         if n < len(self._kv):

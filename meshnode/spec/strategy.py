@@ -96,8 +96,8 @@ class DraftProposer(Proposer, Protocol):
         """Context tokens its next call would catch up on first."""
         ...
 
-    def sync(self) -> None:
-        """Catch up on them now."""
+    def sync(self, max_rows: int | None = None) -> None:
+        """Catch up on them now (on the first ``max_rows`` of them, when given)."""
         ...
 
     def close(self) -> None: ...
