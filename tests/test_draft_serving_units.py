@@ -145,7 +145,7 @@ class _TimedPipeline(OraclePipeline):
 
 def _timed_answer(draft: SlowStartDraft, n_stages: int, max_tokens: int, delay: float):
     tok = CharTokenizer()
-    spec = SpecConfig("draft", "draft-model", "on", "draft.gguf", WindowPolicy(), "test")
+    spec = SpecConfig("draft", "draft-model", "auto", "draft.gguf", WindowPolicy(), "test")
 
     async def main():
         pipe = _TimedPipeline(tok.encode(CODE) + tok.encode(ANSWER), delay)
@@ -163,8 +163,8 @@ def _timed_answer(draft: SlowStartDraft, n_stages: int, max_tokens: int, delay: 
 def test_on_a_split_the_draft_catches_up_while_steps_are_away():
     """On a split the draft prefills the prompt in the background, a piece while each
     decode step is at the stages (those steps go without the draft's help), pieces sized
-    to that time; on one node before the first decode step is sent, as it needs the
-    draft. Both texts are exact."""
+    to that time; on one node all at once before the step that needs it, which waits.
+    Both texts are exact."""
     for n_stages in (2, 1):
         draft = SlowStartDraft(0.3)
         text, started = _timed_answer(draft, n_stages, 40, 0.05)
@@ -175,8 +175,10 @@ def test_on_a_split_the_draft_catches_up_while_steps_are_away():
             assert first_decode < draft.prefilled_at[0] - 0.1, (first_decode, draft.prefilled_at)
             # the whole prompt in pieces, none of them the whole prompt at once
             assert len(draft.pieces) >= 4 and sum(draft.pieces[:-1]) >= 164 - UNIFORM_CATCHUP_ROWS, draft.pieces
-        else:
-            assert first_decode >= draft.prefilled_at[0], (first_decode, draft.prefilled_at)
+        else:   # (auto: the first few tokens are plain, then a step waits for the prefill)
+            times = [t for t, _ in started]
+            k = next(i for i, t in enumerate(times) if t >= draft.prefilled_at[0])
+            assert times[k] - times[k - 1] >= 0.25, times
 
 
 def test_on_a_split_a_draft_too_slow_to_catch_up_in_time_is_left_behind():
@@ -188,3 +190,29 @@ def test_on_a_split_a_draft_too_slow_to_catch_up_in_time_is_left_behind():
     assert text == ANSWER[:40]
     assert not draft.prefilled_at
     assert 1 <= len(draft.pieces) <= 4 and sum(draft.pieces) <= 16 + 8 + 4 + 2, draft.pieces
+
+
+def test_on_one_node_a_draft_too_slow_for_the_answer_is_not_caught_up():
+    # On one node the request waits for the draft's catch-up: once the draft's rate is
+    # known, a request whose prompt it would take longer to catch up on than half of
+    # decoding the answer plainly drafts by n-gram alone; a short prompt still takes it.
+    tok = CharTokenizer()
+    draft = RecordingDraft()
+    draft.prefill_s = 0.5               # ~3 ms a row, against 10 ms a step
+    spec = SpecConfig("draft", "draft-model", "auto", "draft.gguf", WindowPolicy(), "test")
+
+    async def main():
+        pipe = OraclePipeline(tok.encode(CODE) + tok.encode(ANSWER), 0.01)
+        pipe.n_stages = 1
+        server = ModelServer(ServeSettings("m", n_ctx=1024, spec=spec), tok, pipe, draft=draft)
+        texts = []
+        for max_tokens in (40, 8):      # the first measures the rate; the second is short
+            req = GenerationRequest(f"r{max_tokens}", "m", messages=(ChatMessage("user", CODE),),
+                                    max_tokens=max_tokens, temperature=0.0)
+            texts.append((await answer(server, req))[0])
+        await server.scheduler.close()
+        return texts
+
+    texts = asyncio.run(main())
+    assert texts == [ANSWER[:40], ANSWER[:8]]
+    assert draft.resets == 1 and len(draft.prefilled_at) == 1, (draft.resets, draft.prefilled_at)

@@ -66,6 +66,10 @@ MAX_DRAFT = 16          # rows per verify stay well inside batch invariance (<= 
 # its step's result arrives halves the next, one that was done grows it by a quarter.
 CATCHUP_FIRST_ROWS = 16
 CATCHUP_MAX_ROWS = 512
+# On one node a catch-up is not hidden behind anything: the request waits for it. A draft
+# takes a request only when catching up on its prompt (at the rate measured so far) costs
+# at most this share of plain decoding the rest of the answer.
+ONE_NODE_CATCHUP_SHARE = 0.5
 
 
 class SpeculativeDecoder:
@@ -99,6 +103,7 @@ class SpeculativeDecoder:
         self._draft_for: ActiveRequest | None = None
         self._catching_up: asyncio.Future | None = None   # its catch-up in the background
         self._catchup_rows = CATCHUP_FIRST_ROWS            # ... in pieces of this many rows
+        self._catchup_row_s: float | None = None           # seconds a caught-up row takes (EWMA)
         self.gate = LookaheadGate()
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
         self.recent = RecentTexts() if strategy == "ngram" else None
@@ -153,15 +158,42 @@ class SpeculativeDecoder:
         req.ngram = SuffixProposer(req.prompt, history)
         req.ngram.observe([first])
         self.policy.on_prompt(req.prompt, predicted=bool(req.prediction))
-        if self.draft is not None and self._draft_for is None:
+        if self.draft is not None and self._draft_for is None and self._catch_up_pays(req, len(req.prompt) + 1):
             self._draft_for = req
-            # prefill the draft now only if it will draft (not while cooling down), and on
-            # a split not even then: it catches up while the first step is away
-            # (_catch_up_meanwhile)
-            await self._draft_call(functools.partial(self.draft.reset, list(req.prompt),
-                                                     sync=self.policy.should_draft and not self._split))
+            await self._draft_call(functools.partial(self.draft.reset, list(req.prompt), sync=False))
             await self._draft_call(self.draft.accept, [first])
+            # prefill the draft now only if it will draft (not while cooling down), and on
+            # a split not even then: it catches up while steps are away (_catch_up_meanwhile)
+            if self.policy.should_draft and not self._split:
+                await self._timed_sync(self.draft)
         self.gate.window_done(0, 0)   # a new text: no run to continue yet
+
+    def _catch_up_pays(self, req: ActiveRequest, lag: int) -> bool:
+        """Whether the draft model may catch up on ``lag`` tokens of ``req``'s context:
+        on a split, when at the pace of its pieces it would be done before the answer's
+        end; on one node, when (at the rate measured so far) that costs at most
+        ONE_NODE_CATCHUP_SHARE of decoding the rest of the answer plainly. A draft as
+        costly as the target on a CPU catches up on a long prompt too slowly to help.
+        Always with ``mode = "on"``: drafting pinned on, the draft's catch-up with it."""
+        if self.policy.mode == "on":
+            return True
+        if self._split:
+            return lag <= self._catchup_rows * req.remaining
+        row_s, plain_s = self._catchup_row_s, self.cost.plain_s
+        return row_s is None or plain_s is None or lag * row_s <= ONE_NODE_CATCHUP_SHARE * req.remaining * plain_s
+
+    async def _timed_sync(self, draft: DraftProposer, max_rows: int | None = None) -> None:
+        """``draft.sync(max_rows)`` on the compute thread, timed: the seconds a caught-up
+        row takes, for :meth:`_catch_up_pays`."""
+        def run() -> tuple[int, float]:
+            before, t0 = draft.lag, time.perf_counter()
+            draft.sync(max_rows)
+            return before - draft.lag, time.perf_counter() - t0
+
+        rows, seconds = await self._draft_call(run)
+        if rows > UNIFORM_CATCHUP_ROWS:   # (a few rows: fixed per-call costs, not a rate)
+            old = self._catchup_row_s
+            self._catchup_row_s = seconds / rows if old is None else old + 0.25 * (seconds / rows - old)
 
     def end(self, req: ActiveRequest) -> None:
         """``req`` is over (done, failed or cancelled): the draft model is free for the
@@ -190,11 +222,13 @@ class SpeculativeDecoder:
         if (draft is None or not self._split or self._catching_up is not None
                 or not self.policy.should_draft or draft.lag <= UNIFORM_CATCHUP_ROWS):
             return None
-        rows = self._catchup_rows
-        if draft.lag > rows * req.remaining:
+        if not self._catch_up_pays(req, draft.lag):
+            log.debug("%s: the draft model would not catch up before the answer ends: n-gram drafts only", req.id)
+            self._draft_for = None   # (free for the next request)
             return None
         await asyncio.sleep(0)   # the scheduler hands the step to stage 0 first
-        piece = self._catching_up = asyncio.ensure_future(self._draft_call(draft.sync, rows))
+        rows = None if self.policy.mode == "on" else self._catchup_rows   # (pinned on: all at once)
+        piece = self._catching_up = asyncio.ensure_future(self._timed_sync(draft, rows))
         piece.add_done_callback(self._caught_up)
         return piece
 
@@ -323,8 +357,10 @@ class SpeculativeDecoder:
                 # the draft's help and the draft catches up while it is away.
                 if self._split:
                     draft = None
+                elif not self._catch_up_pays(req, draft.lag):
+                    self._draft_for, draft = None, None   # (n-gram drafts only: free for the next request)
                 else:
-                    await self._draft_call(draft.sync)
+                    await self._timed_sync(draft)
                     t0 = time.perf_counter()
             if draft is not None:
                 drafts = await self._draft_call(draft.propose, [], k)
