@@ -266,16 +266,22 @@ def test_constructed_from_a_path_owns_its_engine(synthetic_gguf):
             DraftModelProposer(stage)
 
 
-@pytest.mark.slow
-def test_a_lazy_reset_prefills_at_the_first_proposal(synthetic_gguf):
-    # While the auto policy cools down a request never drafts: reset(sync=False) must cost
-    # the draft nothing, and the first proposal must equal an eager reset's.
+def _caught_up_in_one_go(synthetic_gguf) -> tuple[Path, list[int], list[int]]:
+    """A small draft, a 70-token prompt, and the proposal after an eager reset of it and
+    two accepted tokens: what any other way of catching up must propose too."""
     path = synthetic_gguf(n_layer=2, vocab=320, weight_scale=0.5)
     prompt = list(range(5, 5 + 70))
     with DraftModelProposer(_engine(path), owns_engine=True) as eager:
         eager.reset(prompt)
         eager.accept([9, 10])
-        want = eager.propose([], 4)
+        return path, prompt, eager.propose([], 4)
+
+
+@pytest.mark.slow
+def test_a_lazy_reset_prefills_at_the_first_proposal(synthetic_gguf):
+    # While the auto policy cools down a request never drafts: reset(sync=False) must cost
+    # the draft nothing, and the first proposal must equal an eager reset's.
+    path, prompt, want = _caught_up_in_one_go(synthetic_gguf)
     with DraftModelProposer(_engine(path), owns_engine=True) as lazy:
         lazy.reset(prompt, sync=False)
         lazy.accept([9, 10])
@@ -289,12 +295,7 @@ def test_a_catch_up_in_pieces_proposes_what_one_in_one_go_does(synthetic_gguf):
     # On a split the draft catches up on a prompt a piece at a time, while steps are away
     # (serve/speculation.py): each piece decodes at most its rows, and the proposal after
     # the last equals one after a single catch-up.
-    path = synthetic_gguf(n_layer=2, vocab=320, weight_scale=0.5)
-    prompt = list(range(5, 5 + 70))
-    with DraftModelProposer(_engine(path), owns_engine=True) as whole:
-        whole.reset(prompt)
-        whole.accept([9, 10])
-        want = whole.propose([], 4)
+    path, prompt, want = _caught_up_in_one_go(synthetic_gguf)
     with DraftModelProposer(_engine(path), owns_engine=True) as pieces:
         pieces.reset(prompt, sync=False)
         for lag in (70, 54, 38, 22, 6):
