@@ -5,6 +5,7 @@ split: tests/test_spec_serving.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -192,7 +193,7 @@ def test_on_a_split_a_draft_too_slow_to_catch_up_in_time_is_left_behind():
     assert 1 <= len(draft.pieces) <= 4 and sum(draft.pieces) <= 16 + 8 + 4 + 2, draft.pieces
 
 
-def test_on_one_node_a_draft_too_slow_for_the_answer_is_not_caught_up():
+def test_on_one_node_a_draft_too_slow_for_the_answer_is_not_caught_up(caplog):
     # On one node the request waits for the draft's catch-up: once the draft's rate is
     # known, a request whose prompt it would take longer to catch up on than half of
     # decoding the answer plainly drafts by n-gram alone; a short prompt still takes it.
@@ -213,6 +214,9 @@ def test_on_one_node_a_draft_too_slow_for_the_answer_is_not_caught_up():
         await server.scheduler.close()
         return texts
 
-    texts = asyncio.run(main())
+    with caplog.at_level(logging.INFO, logger="meshnode.serve.speculation"):
+        texts = asyncio.run(main())
     assert texts == [ANSWER[:40], ANSWER[:8]]
     assert draft.resets == 1 and len(draft.prefilled_at) == 1, (draft.resets, draft.prefilled_at)
+    told = [r for r in caplog.records if "would not catch up in time" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.INFO, told    # the user learns why

@@ -104,6 +104,7 @@ class SpeculativeDecoder:
         self._catching_up: asyncio.Future | None = None   # its catch-up in the background
         self._catchup_rows = CATCHUP_FIRST_ROWS            # ... in pieces of this many rows
         self._catchup_row_s: float | None = None           # seconds a caught-up row takes (EWMA)
+        self._told_left_behind = False                     # (its one INFO line: _catch_up_pays)
         self.gate = LookaheadGate()
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
         self.recent = RecentTexts() if strategy == "ngram" else None
@@ -178,9 +179,22 @@ class SpeculativeDecoder:
         if self.policy.mode == "on":
             return True
         if self._split:
-            return lag <= self._catchup_rows * req.remaining
-        row_s, plain_s = self._catchup_row_s, self.cost.plain_s
-        return row_s is None or plain_s is None or lag * row_s <= ONE_NODE_CATCHUP_SHARE * req.remaining * plain_s
+            rows = self._catchup_rows
+            if lag <= rows * req.remaining:
+                return True
+            why = f"{lag} tokens in pieces of {rows} while steps are away, {req.remaining} steps left"
+        else:
+            row_s, plain_s = self._catchup_row_s, self.cost.plain_s
+            if row_s is None or plain_s is None or lag * row_s <= ONE_NODE_CATCHUP_SHARE * req.remaining * plain_s:
+                return True
+            why = (f"{lag} tokens at {1e3 * row_s:.2f} ms each, against {req.remaining} tokens left "
+                   f"at {1e3 * plain_s:.1f} ms")
+        # a user who set up a draft model learns once why it does not draft (then at debug)
+        (log.debug if self._told_left_behind else log.info)(
+            "%s: the draft model would not catch up in time (%s): n-gram drafts only%s", req.id, why,
+            "" if self._told_left_behind else " (so for every such request; logged once)")
+        self._told_left_behind = True
+        return False
 
     async def _timed_sync(self, draft: DraftProposer, max_rows: int | None = None) -> None:
         """``draft.sync(max_rows)`` on the compute thread, timed: the seconds a caught-up
@@ -223,7 +237,6 @@ class SpeculativeDecoder:
                 or not self.policy.should_draft or draft.lag <= UNIFORM_CATCHUP_ROWS):
             return None
         if not self._catch_up_pays(req, draft.lag):
-            log.debug("%s: the draft model would not catch up before the answer ends: n-gram drafts only", req.id)
             self._draft_for = None   # (free for the next request)
             return None
         await asyncio.sleep(0)   # the scheduler hands the step to stage 0 first
