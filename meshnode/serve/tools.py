@@ -261,11 +261,29 @@ class CallDelta:
 
 @dataclass(slots=True)
 class _Block:
+    """One ``<tool_call>`` block as it arrives. Its text is kept in pieces (joined when
+    the block closes, or while it is short enough to look for its head), and ``unsent``
+    holds the arguments not streamed yet: a token costs the same however long the block."""
+
     index: int
-    text: str = ""
+    parts: list[str] = field(default_factory=list)
+    size: int = 0              # characters so far
     id: str | None = None      # set once announced (streaming mode)
-    sent: int = 0              # characters of the arguments already sent
-    args_at: int = -1          # where the arguments start in ``text`` (streaming mode)
+    args_at: int = -1          # where the arguments start (streaming mode)
+    unsent: str = ""           # the arguments after what was streamed (once announced)
+
+    def add(self, text: str) -> None:
+        if text:
+            self.parts.append(text)
+            self.size += len(text)
+            if self.args_at >= 0:
+                self.unsent += text
+
+    @property
+    def text(self) -> str:
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
 
 
 class ToolCallParser:
@@ -297,11 +315,11 @@ class ToolCallParser:
                 j = self._buf.find(TOOL_CLOSE)
                 if j < 0:
                     keep = _partial_suffix(self._buf, TOOL_CLOSE)
-                    self._block.text += self._buf[:len(self._buf) - keep]
+                    self._block.add(self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     deltas += self._stream_block(self._block)
                     break
-                self._block.text += self._buf[:j]
+                self._block.add(self._buf[:j])
                 self._buf = self._buf[j + len(TOOL_CLOSE):]
                 block, self._block = self._block, None
                 got, text_back = self._close_block(block)
@@ -320,29 +338,28 @@ class ToolCallParser:
         if self._block is None:
             return rest, []
         block, self._block = self._block, None
-        block.text += rest
+        block.add(rest)
         deltas, text = self._close_block(block)
         return text, deltas
 
     def _stream_block(self, b: _Block) -> list[CallDelta]:
         if b.args_at < 0:
-            m = _HEAD.match(b.text) if len(b.text) <= HEAD_WINDOW else None
+            m = _HEAD.match(b.text) if b.size <= HEAD_WINDOW else None
             if m is None or m.group(1) not in self._names:
                 return []
             b.args_at, b.id = m.end(), new_call_id()
+            b.unsent = b.text[b.args_at:]
             out = [CallDelta(b.index, id=b.id, name=m.group(1))]
         else:
             out = []
         # hold back what may be the wrapper's closing brace and the spaces around it: of
-        # the last HOLD_BACK characters at most, so a token costs the same however long
-        # the arguments (or a run of spaces in them) have grown
-        n_args = len(b.text) - b.args_at
-        start = max(b.sent, n_args - HOLD_BACK)
-        tail = b.text[b.args_at + start:].rstrip()
+        # the last HOLD_BACK characters at most, so a run of spaces is not rescanned
+        start = max(0, len(b.unsent) - HOLD_BACK)
+        tail = b.unsent[start:].rstrip()
         safe = start + (len(tail.rstrip("}").rstrip()) if tail.endswith("}") else len(tail))
-        if safe > b.sent:
-            out.append(CallDelta(b.index, arguments=b.text[b.args_at + b.sent:b.args_at + safe]))
-            b.sent = safe
+        if safe > 0:
+            out.append(CallDelta(b.index, arguments=b.unsent[:safe]))
+            b.unsent = b.unsent[safe:]
         return out
 
     def _close_block(self, b: _Block) -> tuple[list[CallDelta], str]:
@@ -351,8 +368,7 @@ class ToolCallParser:
         call = _parse_call(b.text, self._names)
         if b.id is not None:
             # announced already: finish its arguments from the same text
-            args = b.text[b.args_at:]
-            rest = args[b.sent:_args_end(args)]
+            rest = b.unsent[:max(0, _args_end(b.unsent))]
             if call is not None:
                 self.calls.append(ToolCall(b.id, call.name, call.arguments))
             # else: cut short (max_tokens) or malformed: not a call; its streamed
