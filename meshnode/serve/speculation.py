@@ -45,6 +45,7 @@ from meshnode.mesh.pipeline import Step
 from meshnode.serve.errors import EngineFailedError
 from meshnode.serve.request import ActiveRequest, SentStep
 from meshnode.serve.scheduler import BatchScheduler
+from meshnode.spec.catchup import CatchUpPace
 from meshnode.spec.cost_model import CostModel
 from meshnode.spec.draft import UNIFORM_CATCHUP_ROWS
 from meshnode.spec.lookahead import LookaheadGate
@@ -59,17 +60,6 @@ from meshnode.state import DraftVerified, SpecStats
 log = logging.getLogger(__name__)
 
 MAX_DRAFT = 16          # rows per verify stay well inside batch invariance (<= 32)
-# A draft model's catch-up in the background on a split (a prompt, the tokens of a cooldown)
-# goes in pieces that fit the time a step is away at the other stages: a piece runs on
-# stage 0's compute thread, and the next step's compute (and the draft's accept) waits
-# behind one that overruns. The first piece is this many rows; a piece still running when
-# its step's result arrives halves the next, one that was done grows it by a quarter.
-CATCHUP_FIRST_ROWS = 16
-CATCHUP_MAX_ROWS = 512
-# On one node a catch-up is not hidden behind anything: the request waits for it. A draft
-# takes a request only when catching up on its prompt (at the rate measured so far) costs
-# at most this share of plain decoding the rest of the answer.
-ONE_NODE_CATCHUP_SHARE = 0.5
 
 
 class SpeculativeDecoder:
@@ -102,8 +92,7 @@ class SpeculativeDecoder:
         # to start while it is free); requests beside it draft by n-gram alone.
         self._draft_for: ActiveRequest | None = None
         self._catching_up: asyncio.Future | None = None   # its catch-up in the background
-        self._catchup_rows = CATCHUP_FIRST_ROWS            # ... in pieces of this many rows
-        self._catchup_row_s: float | None = None           # seconds a caught-up row takes (EWMA)
+        self._pace = CatchUpPace()                         # ... in pieces (spec/catchup.py)
         self._told_left_behind = False                     # (its one INFO line: _catch_up_pays)
         self.gate = LookaheadGate()
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
@@ -170,25 +159,13 @@ class SpeculativeDecoder:
         self.gate.window_done(0, 0)   # a new text: no run to continue yet
 
     def _catch_up_pays(self, req: ActiveRequest, lag: int) -> bool:
-        """Whether the draft model may catch up on ``lag`` tokens of ``req``'s context:
-        on a split, when at the pace of its pieces it would be done before the answer's
-        end; on one node, when (at the rate measured so far) that costs at most
-        ONE_NODE_CATCHUP_SHARE of decoding the rest of the answer plainly. A draft as
-        costly as the target on a CPU catches up on a long prompt too slowly to help.
-        Always with ``mode = "on"``: drafting pinned on, the draft's catch-up with it."""
+        """Whether the draft model may catch up on ``lag`` tokens of ``req``'s context
+        (spec/catchup.py); always with ``mode = "on"``, drafting pinned on."""
         if self.policy.mode == "on":
             return True
-        if self._split:
-            rows = self._catchup_rows
-            if lag <= rows * req.remaining:
-                return True
-            why = f"{lag} tokens in pieces of {rows} while steps are away, {req.remaining} steps left"
-        else:
-            row_s, plain_s = self._catchup_row_s, self.cost.plain_s
-            if row_s is None or plain_s is None or lag * row_s <= ONE_NODE_CATCHUP_SHARE * req.remaining * plain_s:
-                return True
-            why = (f"{lag} tokens at {1e3 * row_s:.2f} ms each, against {req.remaining} tokens left "
-                   f"at {1e3 * plain_s:.1f} ms")
+        why = self._pace.refusal(lag, req.remaining, split=self._split, plain_s=self.cost.plain_s)
+        if why is None:
+            return True
         # a user who set up a draft model learns once why it does not draft (then at debug)
         (log.debug if self._told_left_behind else log.info)(
             "%s: the draft model would not catch up in time (%s): n-gram drafts only%s", req.id, why,
@@ -197,17 +174,13 @@ class SpeculativeDecoder:
         return False
 
     async def _timed_sync(self, draft: DraftProposer, max_rows: int | None = None) -> None:
-        """``draft.sync(max_rows)`` on the compute thread, timed: the seconds a caught-up
-        row takes, for :meth:`_catch_up_pays`."""
+        """``draft.sync(max_rows)`` on the compute thread, timed for the pace."""
         def run() -> tuple[int, float]:
             before, t0 = draft.lag, time.perf_counter()
             draft.sync(max_rows)
             return before - draft.lag, time.perf_counter() - t0
 
-        rows, seconds = await self._draft_call(run)
-        if rows > UNIFORM_CATCHUP_ROWS:   # (a few rows: fixed per-call costs, not a rate)
-            old = self._catchup_row_s
-            self._catchup_row_s = seconds / rows if old is None else old + 0.25 * (seconds / rows - old)
+        self._pace.caught_up(*await self._draft_call(run))
 
     def end(self, req: ActiveRequest) -> None:
         """``req`` is over (done, failed or cancelled): the draft model is free for the
@@ -228,10 +201,10 @@ class SpeculativeDecoder:
         catch-up (the prompt, a long run of n-gram drafts) catches up a piece of it now,
         in the background, while the step just sent is away at the other stages (the
         draft's calls take turns: ``draft_lock``), so that a later window finds it ready
-        instead of catching up before it is sent. The piece (returned, for
-        :meth:`_pace_catch_up`) is sized to fit that time (CATCHUP_FIRST_ROWS); none
-        is started when at that pace the draft would not catch up before the answer's
-        end: a draft as slow as the target on a CPU would only slow the answer down."""
+        instead of catching up before it is sent. The piece (returned: its step's
+        result tells the pace whether it fit) is sized to fit that time; none is started
+        when at that pace the draft would not catch up before the answer's end
+        (spec/catchup.py)."""
         draft = self._draft_of(req)
         if (draft is None or not self._split or self._catching_up is not None
                 or not self.policy.should_draft or draft.lag <= UNIFORM_CATCHUP_ROWS):
@@ -240,16 +213,10 @@ class SpeculativeDecoder:
             self._draft_for = None   # (free for the next request)
             return None
         await asyncio.sleep(0)   # the scheduler hands the step to stage 0 first
-        rows = None if self.policy.mode == "on" else self._catchup_rows   # (pinned on: all at once)
+        rows = None if self.policy.mode == "on" else self._pace.rows   # (pinned on: all at once)
         piece = self._catching_up = asyncio.ensure_future(self._timed_sync(draft, rows))
         piece.add_done_callback(self._caught_up)
         return piece
-
-    def _pace_catch_up(self, piece: asyncio.Future) -> None:
-        """The step a catch-up piece ran beside has its result: size the next piece."""
-        rows = self._catchup_rows
-        self._catchup_rows = max(1, rows // 2) if not piece.done() else \
-            min(CATCHUP_MAX_ROWS, rows + max(1, rows // 4))
 
     def _caught_up(self, fut: asyncio.Future) -> None:
         self._catching_up = None
@@ -279,7 +246,7 @@ class SpeculativeDecoder:
                 nxt.withdraw()   # the caller never sees it
             raise
         if piece is not None:
-            self._pace_catch_up(piece)
+            self._pace.piece_ended(overran=not piece.done())
         dt = time.perf_counter() - step.t0  # drafting included: it is part of what a step costs
         assert res is not None
         tokens, drafts = list(res.tokens), step.drafts
