@@ -450,10 +450,13 @@ fi
 # process (split_batch_probe.py): a split's two engines, eight sessions grouped at random
 # against each alone, with the default call shapes, with windows, and with wide calls off;
 # then the concurrent probe with wide calls off (in part 27 it ran out of time). On the
-# H200 a schedule took ~20 s (3 per configuration fit the 80 s steps). One call
-# with the build: carry [.gpukit, .gpuwt/smol/part1, .gpuwt/smol/part2]:
-#   . .gpukit/device-setup.sh && mkdir -p /tmp/smol && cp .gpuwt/smol/part* /tmp/smol/ &&
+# H200 a schedule took ~20 s (3 per configuration fit the 80 s steps). Three calls, each
+# at once after the one before (a call carries 64 MiB at most, the working tree included):
+#   carry [.gpukit]: . .gpukit/device-setup.sh
+#   carry [.gpuwt/smol/part1]: mkdir -p /tmp/smol && cp .gpuwt/smol/part1 /tmp/smol/
+#   carry [.gpuwt/smol/part2]: (the exports of part 20); cp .gpuwt/smol/part2 /tmp/smol/ &&
 #     bash packaging/gpu/measure.sh 28 "$OUT"
+# Parts 26 and 27 run the same way (the last call with their number).
 if [ "$PART" = 28 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
   probe=("$PY" "$(dirname "$0")/split_batch_probe.py" "$SMOL")
