@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshnode.spec.catchup import FIRST_ROWS, MAX_ROWS, CatchUpPace
+from meshnode.spec.catchup import FIRST_ROWS, MAX_ROWS, PROBE_EVERY, CatchUpPace
 
 
 def test_pieces_halve_when_they_overrun_and_grow_by_a_quarter_when_they_fit():
@@ -15,13 +15,22 @@ def test_pieces_halve_when_they_overrun_and_grow_by_a_quarter_when_they_fit():
     for _ in range(3):
         pace.piece_ended(overran=True)
     assert pace.rows == 1
-    pace.piece_ended(overran=True)
-    assert pace.rows == 1                    # never below one row
     pace.piece_ended(overran=False)
     assert pace.rows == 2                    # (at least one more)
     for _ in range(100):
         pace.piece_ended(overran=False)
     assert pace.rows == MAX_ROWS
+
+
+def test_once_even_one_row_outlasts_a_step_nothing_is_caught_up_but_a_probe_now_and_then():
+    pace = CatchUpPace(first_rows=1)
+    pace.piece_ended(overran=True)
+    assert pace.rows == 0
+    refusals = [pace.refusal(10, 1000, split=True, plain_s=None) for _ in range(PROBE_EVERY)]
+    assert all(r is not None and "even one row" in r for r in refusals[:-1])
+    assert refusals[-1] is None and pace.rows == 1        # the probe: a piece of one row
+    pace.piece_ended(overran=False)
+    assert pace.rows == 2
 
 
 def test_on_a_split_a_context_is_caught_up_on_only_if_the_pieces_finish_before_the_answer():

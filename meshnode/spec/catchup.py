@@ -12,7 +12,9 @@ big as the target on a CPU.
   step's result comes back makes the next step wait: the next piece is half as big.
   One that was done grows the next by a quarter (AIMD: pieces settle just under the
   time a step is away). A request whose context the draft would not have caught up
-  on, at that pace, before the answer's ``max_tokens`` drafts by n-gram alone.
+  on, at that pace, before the answer's ``max_tokens`` drafts by n-gram alone; so does
+  every request once even a one-row piece outlasts a step (the pace is 0 rows), but
+  for a probe at every PROBE_EVERY-th such request.
 - On one node nothing hides a catch-up: the request waits for it. Once the seconds a
   caught-up row takes are known, a request takes the draft only when catching up on
   its context costs at most ``one_node_share`` of decoding the rest of its answer
@@ -31,25 +33,32 @@ FIRST_ROWS = 16          # the first piece, before anything is known
 MAX_ROWS = 512           # the biggest piece
 MIN_RATE_ROWS = 8        # a catch-up of fewer rows measures per-call costs, not a rate
 ONE_NODE_SHARE = 0.5     # of plain decoding the rest of the answer, at most, on one node
+PROBE_EVERY = 32         # requests refused at a pace of 0 rows before one probes again
 
 
 class CatchUpPace:
     """A draft model's catch-up pace on one node's route (module docstring)."""
 
-    __slots__ = ("rows", "row_s", "one_node_share")
+    __slots__ = ("rows", "row_s", "one_node_share", "_refused")
 
     def __init__(self, *, first_rows: int = FIRST_ROWS, one_node_share: float = ONE_NODE_SHARE) -> None:
         if first_rows < 1 or one_node_share <= 0:
             raise ValueError("catch-up pieces need at least one row and a positive share")
-        self.rows = first_rows              # rows of the next piece on a split
+        self.rows = first_rows              # rows of the next piece on a split (0: none fits)
         self.row_s: float | None = None     # seconds one caught-up row takes (EWMA)
         self.one_node_share = one_node_share
+        self._refused = 0                   # requests refused at 0 rows since the last probe
 
     def refusal(self, lag: int, remaining: int, *, split: bool, plain_s: float | None) -> str | None:
         """Why the draft should not catch up on ``lag`` tokens for an answer with
         ``remaining`` tokens left (a step of plain decoding taking ``plain_s``), or
         None when it should."""
         if split:
+            if self.rows == 0:
+                self._refused += 1
+                if self._refused < PROBE_EVERY:
+                    return "even one row outlasts a step's time at the other stages"
+                self.rows, self._refused = 1, 0     # probe: conditions change
             if lag <= self.rows * remaining:
                 return None
             return f"{lag} tokens in pieces of {self.rows} while steps are away, {remaining} steps left"
@@ -60,7 +69,7 @@ class CatchUpPace:
 
     def piece_ended(self, overran: bool) -> None:
         """The step a piece ran beside came back: ``overran`` when the piece still ran."""
-        self.rows = max(1, self.rows // 2) if overran else min(MAX_ROWS, self.rows + max(1, self.rows // 4))
+        self.rows = self.rows // 2 if overran else min(MAX_ROWS, self.rows + max(1, self.rows // 4))
 
     def caught_up(self, rows: int, seconds: float) -> None:
         """A catch-up decoded ``rows`` rows in ``seconds``."""
