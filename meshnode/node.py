@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import gc
 import json
 import logging
@@ -39,7 +38,7 @@ from dataclasses import replace
 from typing import Any
 
 from meshnode import __version__, stallwatch
-from meshnode.errors import MeshnodeError
+from meshnode.errors import MeshnodeError, cannot_listen
 from meshnode.fsutil import atomic_write
 from meshnode.mesh.local_caps import local_capabilities, set_offload
 from meshnode.net import caps as capsmod
@@ -510,10 +509,7 @@ async def _check_bindable(host: str, port: int) -> None:
     try:
         server = await asyncio.get_running_loop().create_server(asyncio.Protocol, host, port)
     except OSError as exc:
-        hint = (" (another program listens there: another meshnode? `meshnode status`, or choose "
-                "--port)") if exc.errno == errno.EADDRINUSE else ""
-        why = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise MeshnodeError(f"cannot serve HTTP on {host}:{port}: {why}{hint}") from None
+        raise cannot_listen(f"serve HTTP on {host}:{port}", exc, "--port") from None
     server.close()
     await server.wait_closed()
 

@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import inspect
 import logging
-import os
 import socket
 from collections.abc import Callable, Hashable
 from typing import Any
 
 from meshnode import PROTOCOL_VERSION
-from meshnode.errors import MeshnodeError
+from meshnode.errors import MeshnodeError, cannot_listen
 from meshnode.mesh.fabric_api import MessageCallback, PeerChangeCallback
 from meshnode.mesh.local_caps import local_capabilities
 from meshnode.net import caps as capsmod
@@ -144,11 +142,8 @@ class MeshFabric:
             self._server = await listen(self, self._bind_host, self._port)
         except OSError as exc:
             self._running = False
-            why = os.strerror(exc.errno) if exc.errno else str(exc)
-            hint = (" (another program uses it: another meshnode? `meshnode status`, or choose --quic-port)"
-                    if exc.errno == errno.EADDRINUSE else "")
-            raise MeshnodeError(f"cannot listen for peers on UDP {self._bind_host or '*'}:{self._port}: "
-                                f"{why}{hint}") from None
+            raise cannot_listen(f"listen for peers on UDP {self._bind_host or '*'}:{self._port}", exc,
+                                "--quic-port") from None
         self._port = self._server.port
         log.info("node %s (%s) in mesh %s: QUIC on port %d", self.node_id, self.name, self.mesh_id, self._port)
         if self._use_discovery:

@@ -223,12 +223,16 @@ class ModelServer:
         n_ctx = self.settings.n_ctx
         if n_chars > n_ctx * MAX_CHARS_PER_TOKEN:
             raise PromptTooLongError(n_chars // MAX_CHARS_PER_TOKEN, n_ctx, at_least=True)
-        if n_chars <= INLINE_TOKENIZE_CHARS:
-            return self._prompt_tokens(req)
-        # One thread, so tokenizations queue behind each other instead of taking every
-        # core; llama.cpp's tokenizer releases the GIL, the chat template yields it.
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, self._prompt_tokens, req)
+        return await self._text_work(n_chars <= INLINE_TOKENIZE_CHARS, self._prompt_tokens, req)
+
+    async def _text_work(self, inline: bool, fn, *args):
+        """``fn(*args)``: here when ``inline`` (small: well under a millisecond), else on
+        the tokenizer's thread. One thread, so long tokenizations (and the like) queue
+        behind each other instead of taking every core; llama.cpp's tokenizer releases
+        the GIL, the chat template yields it."""
+        if inline:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     async def _prediction_tokens(self, req: GenerationRequest) -> list[int]:
         """The predicted output's tokens, at most a context's worth (a hint: the rest of a
@@ -238,17 +242,16 @@ class ModelServer:
         n_ctx = self.settings.n_ctx
         text = req.prediction[:n_ctx * MAX_CHARS_PER_TOKEN]
         encode = functools.partial(self.tokenizer.encode, text, add_bos=False, special=False)
-        tokens = encode() if len(text) <= INLINE_TOKENIZE_CHARS else \
-            await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode)
-        return list(tokens[:n_ctx])
+        return list((await self._text_work(len(text) <= INLINE_TOKENIZE_CHARS, encode))[:n_ctx])
 
-    async def _prediction_usage(self, ar: ActiveRequest) -> tuple[int, int]:
-        """prediction_usage of ``ar``, in the tokenizer's thread when long (about a
-        microsecond a token)."""
-        if len(ar.prediction) + len(ar.generated) <= INLINE_DIFF_TOKENS:
-            return prediction_usage(ar.prediction, ar.generated)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, prediction_usage, ar.prediction, list(ar.generated))
+    async def _usage(self, ar: ActiveRequest) -> Usage:
+        """``ar``'s usage; with a predicted output, how much of it the answer repeats
+        (prediction_usage: about a microsecond a token, on the tokenizer's thread when long)."""
+        if not ar.prediction:
+            return Usage(len(ar.prompt), len(ar.generated))
+        counts = await self._text_work(len(ar.prediction) + len(ar.generated) <= INLINE_DIFF_TOKENS,
+                                       prediction_usage, ar.prediction, list(ar.generated))
+        return Usage(len(ar.prompt), len(ar.generated), *counts)
 
     def _sampling(self, req: GenerationRequest) -> Sampling:
         return sampling_for(req, getattr(self.tokenizer, "n_vocab", None))
@@ -292,10 +295,8 @@ class ModelServer:
                 # grammar's view of the vocabulary): off the loop. One per choice: each
                 # choice walks the grammar on its own.
                 param = "tools" if req.structure.kind == "tool_calls" else "response_format"
-                loop = asyncio.get_running_loop()
-                constraints = [await loop.run_in_executor(
-                    self._tokenize_pool, compile_constraint, req.structure, self.tokenizer, param)
-                    for _ in range(n)]
+                constraints = [await self._text_work(False, compile_constraint, req.structure, self.tokenizer, param)
+                               for _ in range(n)]
         except BaseException:
             self._release(n)
             raise
@@ -548,10 +549,7 @@ class ModelServer:
         counters, now = decoder.telemetry.counters(ar.id), decoder.telemetry.snapshot()
         self._finish(ar, RequestStatus.DONE)
         n_prompt, n_gen = len(ar.prompt), len(ar.generated)
-        usage = Usage(n_prompt, n_gen)
-        if ar.prediction:
-            usage = Usage(n_prompt, n_gen, *await self._prediction_usage(ar))
-        events.put_nowait(Finished(ar.finish, usage, Timings(
+        events.put_nowait(Finished(ar.finish, await self._usage(ar), Timings(
             prompt_n=n_prompt - ar.cached, cache_n=ar.cached, prompt_ms=1e3 * prefill_s, predicted_n=n_gen,
             predicted_ms=1e3 * decode_s, draft_n=counters.proposed,
             draft_n_accepted=counters.accepted, draft_windows=counters.windows,

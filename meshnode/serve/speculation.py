@@ -92,7 +92,7 @@ class SpeculativeDecoder:
         # to start while it is free); requests beside it draft by n-gram alone.
         self._draft_for: ActiveRequest | None = None
         self._catching_up: asyncio.Future | None = None   # its catch-up in the background
-        self._pace = CatchUpPace()                         # ... in pieces (spec/catchup.py)
+        self._pace = CatchUpPace(pinned=mode == "on")     # ... in pieces (spec/catchup.py)
         self._told_left_behind = False                     # (its one INFO line: _catch_up_pays)
         self.gate = LookaheadGate()
         # the same client's recent texts, drafted from (only where n-gram drafting runs)
@@ -138,13 +138,14 @@ class SpeculativeDecoder:
         # Only greedy requests draft from other requests' texts: a sampled request's random
         # draws depend on its drafts, so a seeded request must see the same drafts every
         # time (its own context only) to be reproducible.
-        history = None if self.recent is None or not req.sampling.greedy else \
-            self.recent.automaton(req.client, time.monotonic())
         if req.prediction:
             # the client's own guess at the answer (OpenAI's predicted output) is the text
             # to draft from, before its recent requests; part of the request, so a seeded
             # request still sees the same drafts every time
             history = await self._prediction_automaton(req.prediction)
+        else:
+            history = None if self.recent is None or not req.sampling.greedy else \
+                self.recent.automaton(req.client, time.monotonic())
         req.ngram = SuffixProposer(req.prompt, history)
         req.ngram.observe([first])
         self.policy.on_prompt(req.prompt, predicted=bool(req.prediction))
@@ -160,9 +161,7 @@ class SpeculativeDecoder:
 
     def _catch_up_pays(self, req: ActiveRequest, lag: int) -> bool:
         """Whether the draft model may catch up on ``lag`` tokens of ``req``'s context
-        (spec/catchup.py); always with ``mode = "on"``, drafting pinned on."""
-        if self.policy.mode == "on":
-            return True
+        (spec/catchup.py)."""
         why = self._pace.refusal(lag, req.remaining, split=self._split, plain_s=self.cost.plain_s)
         if why is None:
             return True
@@ -213,8 +212,7 @@ class SpeculativeDecoder:
             self._draft_for = None   # (free for the next request)
             return None
         await asyncio.sleep(0)   # the scheduler hands the step to stage 0 first
-        rows = None if self.policy.mode == "on" else self._pace.rows   # (pinned on: all at once)
-        piece = self._catching_up = asyncio.ensure_future(self._timed_sync(draft, rows))
+        piece = self._catching_up = asyncio.ensure_future(self._timed_sync(draft, self._pace.piece_rows))
         piece.add_done_callback(self._caught_up)
         return piece
 

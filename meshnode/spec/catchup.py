@@ -39,11 +39,13 @@ PROBE_EVERY = 32         # requests refused at a pace of 0 rows before one probe
 class CatchUpPace:
     """A draft model's catch-up pace on one node's route (module docstring)."""
 
-    __slots__ = ("rows", "row_s", "one_node_share", "_refused")
+    __slots__ = ("rows", "row_s", "one_node_share", "pinned", "_refused")
 
-    def __init__(self, *, first_rows: int = FIRST_ROWS, one_node_share: float = ONE_NODE_SHARE) -> None:
+    def __init__(self, *, first_rows: int = FIRST_ROWS, one_node_share: float = ONE_NODE_SHARE,
+                 pinned: bool = False) -> None:
         if first_rows < 1 or one_node_share <= 0:
             raise ValueError("catch-up pieces need at least one row and a positive share")
+        self.pinned = pinned                # drafting pinned on: always catch up, all at once
         self.rows = first_rows              # rows of the next piece on a split (0: none fits)
         self.row_s: float | None = None     # seconds one caught-up row takes (EWMA)
         self.one_node_share = one_node_share
@@ -53,6 +55,8 @@ class CatchUpPace:
         """Why the draft should not catch up on ``lag`` tokens for an answer with
         ``remaining`` tokens left (a step of plain decoding taking ``plain_s``), or
         None when it should."""
+        if self.pinned:
+            return None
         if split:
             if self.rows == 0:
                 self._refused += 1
@@ -66,6 +70,11 @@ class CatchUpPace:
         if row_s is None or plain_s is None or lag * row_s <= self.one_node_share * remaining * plain_s:
             return None
         return f"{lag} tokens at {1e3 * row_s:.2f} ms each, against {remaining} tokens left at {1e3 * plain_s:.1f} ms"
+
+    @property
+    def piece_rows(self) -> int | None:
+        """Rows of the next piece on a split (None: the whole lag at once, when pinned)."""
+        return None if self.pinned else self.rows
 
     def piece_ended(self, overran: bool) -> None:
         """The step a piece ran beside came back: ``overran`` when the piece still ran."""
