@@ -105,7 +105,7 @@ def _stream(text: str, step: int) -> tuple[str, dict[int, dict], ToolCallParser]
 def test_streamed_calls_reassemble_whatever_the_chunking(step):
     text = "ok " + ANSWER + "\n" + ANSWER.replace("Paris", "Rome").replace("3", "5")
     content, by_index, p = _stream(text, step)
-    assert content.strip() == "ok"
+    assert content == "ok"
     assert sorted(by_index) == [0, 1]
     assert [json.loads(by_index[i]["arguments"]) for i in (0, 1)] == [{"city": "Paris", "days": 3},
                                                                      {"city": "Rome", "days": 5}]
@@ -136,9 +136,9 @@ _PIECES = [TOOL_OPEN, TOOL_CLOSE, '{"name": "get_weather", "arguments": ', '{"ci
 def test_any_answer_streams_to_the_calls_it_reads_as_whole(pieces, step):
     # whatever the model writes and however it is cut into tokens: the same calls as
     # reading the answer whole, each call's streamed arguments that call's arguments, and
-    # the same content but for spaces next to a call (whitespace between calls is not
-    # content); only a block announced as a call and then not one differs (its pieces
-    # were sent: OpenAI's finish_reason "length" case)
+    # the same content (whitespace next to a call is not content); only a block announced
+    # as a call and then not one differs (its pieces were sent: OpenAI's finish_reason
+    # "length" case)
     text = "".join(pieces)
     content, by_index, p = _stream(text, step)
     whole_content, whole_calls = split_tool_calls(text, ["get_weather"])
@@ -148,7 +148,21 @@ def test_any_answer_streams_to_the_calls_it_reads_as_whole(pieces, step):
     for call in p.calls:
         assert json.loads(streamed[call.id]) == json.loads(call.arguments)
     if set(streamed) == {c.id for c in p.calls}:
-        assert "".join(content.split()) == "".join(whole_content.split())
+        assert content == whole_content
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_whitespace_next_to_a_call_is_not_content_streamed_or_whole(step):
+    # a space before a call that arrives in a token of its own was streamed and the
+    # whole answer's was not; now neither. The answer's own spaces stay, and text on both
+    # sides of calls keeps the whitespace that stood before them.
+    for text, want in [(f"  Let me check. \n{ANSWER}\n{ANSWER}\n Done. ", "  Let me check. \nDone. "),
+                       (f"Let me check.\n{ANSWER}", "Let me check."),
+                       (f"\n{ANSWER} \n{ANSWER}\n", ""),
+                       ("No calls here.  \n", "No calls here.  \n"),
+                       ("A <tool_call>{not json}</tool_call> B ", "A <tool_call>{not json}</tool_call> B ")]:
+        assert split_tool_calls(text, ["get_weather"])[0] == want
+        assert _stream(text, step)[0] == want
 
 
 def test_a_call_cut_short_is_not_a_call():

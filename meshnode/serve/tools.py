@@ -295,6 +295,14 @@ class ToolCallParser:
         self._buf = ""                 # outside a block: text that may start TOOL_OPEN
         self._block: _Block | None = None
         self.calls: list[ToolCall] = []
+        # Whitespace next to a call is not content, except that text on both sides of
+        # calls keeps the whitespace that stood before them. Content's trailing
+        # whitespace waits in _ws until what follows shows whether a call does; after a
+        # call, leading whitespace is dropped. So a streamed answer's content equals the
+        # whole one's however it is cut into tokens.
+        self._ws = ""
+        self._after_call = False
+        self._started = False          # content other than whitespace was given out
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         content: list[str] = []
@@ -305,10 +313,10 @@ class ToolCallParser:
                 i = self._buf.find(TOOL_OPEN)
                 if i < 0:
                     keep = _partial_suffix(self._buf, TOOL_OPEN)
-                    content.append(self._buf[:len(self._buf) - keep])
+                    self._content(self._buf[:len(self._buf) - keep], content)
                     self._buf = self._buf[len(self._buf) - keep:]
                     break
-                content.append(self._buf[:i])
+                self._content(self._buf[:i], content)
                 self._buf = self._buf[i + len(TOOL_OPEN):]
                 self._block = _Block(len(self.calls))
             else:
@@ -318,29 +326,62 @@ class ToolCallParser:
                     self._block.add(self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     deltas += self._stream_block(self._block)
+                    if self._block.id is not None:
+                        self._called()
                     break
                 self._block.add(self._buf[:j])
                 self._buf = self._buf[j + len(TOOL_CLOSE):]
                 block, self._block = self._block, None
                 got, text_back = self._close_block(block)
                 deltas += got
-                content.append(text_back)
-        out = "".join(content)
-        if self.calls or self._block is not None:
-            out = out.strip() if not out.strip() else out   # whitespace between calls is not content
-        return out, deltas
+                self._read(text_back, content)
+        return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         """The end of the output: held text, and an unclosed block as text (or, when
         it parses as a whole call, as that call: a model may stop before the tag)."""
-        rest = self._buf
-        self._buf = ""
+        rest, self._buf = self._buf, ""
+        content: list[str] = []
+        deltas: list[CallDelta] = []
         if self._block is None:
-            return rest, []
-        block, self._block = self._block, None
-        block.add(rest)
-        deltas, text = self._close_block(block)
-        return text, deltas
+            self._content(rest, content)
+        else:
+            block, self._block = self._block, None
+            block.add(rest)
+            deltas, text = self._close_block(block)
+            self._read(text, content)
+        if not self._after_call:
+            content.append(self._ws)     # the answer's own trailing whitespace
+        self._ws = ""
+        return "".join(content), deltas
+
+    def _content(self, text: str, out: list[str]) -> None:
+        """Content text, less the whitespace next to a call (see ``__init__``)."""
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        body = text.rstrip()
+        if body:
+            out.append(self._ws + body)
+            self._ws = text[len(body):]
+            self._started = True
+        else:
+            self._ws += text
+
+    def _read(self, text_back: str, out: list[str]) -> None:
+        """A block closed: a call (``text_back`` empty) or text given back as content."""
+        if text_back:
+            self._content(text_back, out)
+        else:
+            self._called()
+
+    def _called(self) -> None:
+        """A call was announced or read (a block that is not one comes back as text)."""
+        self._after_call = True
+        if not self._started:
+            self._ws = ""
 
     def _stream_block(self, b: _Block) -> list[CallDelta]:
         if b.args_at < 0:
@@ -412,4 +453,4 @@ def split_tool_calls(text: str, tool_names: Sequence[str]) -> tuple[str, list[To
     p = ToolCallParser(tool_names)
     content, _ = p.feed(text)
     tail, _ = p.finish()
-    return (content + tail).strip() if p.calls else content + tail, p.calls
+    return content + tail, p.calls
