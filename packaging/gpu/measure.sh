@@ -530,11 +530,11 @@ if [ "$PART" = 32 ]; then
 fi
 # Part 33: the held-out run of part 26 at bench spec's own answer length (max_tokens 160,
 # the figure docs/benchmarks.md quotes for the VM) instead of --tokens 96. Carried and
-# chained like part 24 (~8 minutes in the last call).
+# chained like part 24 (~4 minutes in the last call; MEASURE_ROUNDS=2, ~7).
 if [ "$PART" = 33 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
-  step 480 "bench spec SmolLM2 held-out, 2 stages on GPU 0, max_tokens 160, 1 round" \
+  step 560 "bench spec SmolLM2 held-out, 2 stages on GPU 0, max_tokens 160, ${MEASURE_ROUNDS:-1} round(s)" \
     env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
-    --set heldout --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
+    --set heldout --rounds ${MEASURE_ROUNDS:-1} --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
