@@ -405,6 +405,8 @@ def run(args: argparse.Namespace) -> int:
                         base, model, _, coord = splits[strategy]
                         raw[w][strategy][i].append(_complete(
                             base, model, prompt.chat(), max_tokens, f"r{rnd}-{prompt.client}", coord.inside))
+                    print(f"    round {rnd + 1}/{rounds}: {w} {i + 1}/{len(workloads[w])}",
+                          file=sys.stderr, flush=True)
             print(f"  round {rnd + 1}/{rounds}: {time.perf_counter() - t0:.0f} s",
                   file=sys.stderr, flush=True)
         learned = {s: _learned_costs(splits[s][3]) for s in strategies if s != "baseline"}
