@@ -165,6 +165,27 @@ def test_whitespace_next_to_a_call_is_not_content_streamed_or_whole(step):
         assert _stream(text, step)[0] == want
 
 
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_streamed_logprobs_keep_every_token_when_text_is_held_back(step):
+    # a token whose text the reader holds back (a call's start, its block, whitespace
+    # next to it) has its logprobs ride on the choice's next chunk, or on one of their
+    # own at the end: the stream carries every token's, in order, as the whole answer does
+    from meshnode.serve.client import Finished, TextDelta, TokenLogprob, Usage
+    from meshnode.serve.openai_routes import _ChatChunks
+
+    text = f"Let me check. \n{ANSWER}\n \n"
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    entries = [TokenLogprob(t, tuple(t.encode()), -0.5 - i) for i, t in enumerate(pieces)]
+    chunks = _ChatChunks("m", False, ["get_weather"])
+    chunks.logprobs = True
+    out = [c for t, e in zip(pieces, entries) for c in chunks.deltas(TextDelta(t, logprobs=(e,)))]
+    out += chunks.tail(Finished("stop", Usage(10, len(pieces))), [Finished("stop", Usage(10, len(pieces)))])
+    streamed = [e["logprob"] for c in out for ch in c["choices"] for e in ((ch.get("logprobs") or {}).get("content") or [])]
+    assert streamed == [e.logprob for e in entries]
+    assert "".join(ch["delta"].get("content") or "" for c in out for ch in c["choices"]) == "Let me check."
+    assert out[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_a_call_cut_short_is_not_a_call():
     p = ToolCallParser(["get_weather"])
     p.feed(ANSWER[:50])

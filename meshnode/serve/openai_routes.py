@@ -549,6 +549,9 @@ class _ChatChunks(_Chunks):
         super().__init__(model, include_usage)
         self.tool_names = tool_names
         self._parsers: dict[int, ToolCallParser] = {}   # per choice, when tools are read back
+        # per choice, the logprobs of tokens whose text the reader holds back (a possible
+        # call's start, whitespace next to a call): they ride on the choice's next chunk
+        self._held: dict[int, list[TokenLogprob]] = {}
 
     def _parser(self, index: int) -> ToolCallParser | None:
         if not self.tool_names:
@@ -564,11 +567,16 @@ class _ChatChunks(_Chunks):
         return self._parsed(event, *parser.feed(event.text))
 
     def _parsed(self, event: TextDelta, content: str, calls: list[CallDelta]) -> list[dict[str, Any]]:
-        # logprobs ride on the first chunk this event produces (none when all is held back)
-        lp = ChatLogprobs.of(event.logprobs) if self.logprobs and event.logprobs else None
+        # logprobs ride on the first chunk this event produces, with those held before it
+        entries = list(event.logprobs) if self.logprobs else []
+        if not content and not calls:
+            self._held.setdefault(event.index, []).extend(entries)
+            return []
+        entries[:0] = self._held.pop(event.index, ())
+        lp = ChatLogprobs.of(entries) if entries else None
         out = []
         if content:
-            out.append(self.delta(replace(event, text=content)))
+            out.append(self.delta(replace(event, text=content, logprobs=tuple(entries))))
             lp = None
         if calls:
             out.append(self._chunk([ChatChunkChoice(index=event.index, logprobs=lp, delta=ChatDelta(tool_calls=[
@@ -582,6 +590,9 @@ class _ChatChunks(_Chunks):
         if parser is None:
             return super().tail(event, finished)
         head = self._parsed(TextDelta("", (), index=event.index), *parser.finish())
+        if held := self._held.pop(event.index, None):   # tokens whose text was not content
+            head.append(self._chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(),
+                                                     logprobs=ChatLogprobs.of(held))]))
         if parser.calls and event.finish_reason == "stop":
             event = replace(event, finish_reason="tool_calls")
         return head + super().tail(event, finished)
