@@ -42,14 +42,29 @@ def port(text: str) -> int:
     return v
 
 
-def non_negative_float(text: str) -> float:
-    """argparse type: a number >= 0, with a one-line error otherwise."""
+def _float(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v >= 0:   # also refuses nan
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0, with a one-line error otherwise."""
+    v = _float(text)
+    if v < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a duration, a timeout), with a one-line error otherwise."""
+    v = _float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
     return v
 
 

@@ -40,6 +40,15 @@ import pytest
     ["bench", "net", "--iters", "0"],
     ["bench", "net", "--bulk-rows", "x"],
     ["bench", "sample", "--iters", "0"],
+    ["bench", "spec", "--delay-ms", "-1"],
+    ["bench", "spec", "--delay-ms", "nan"],
+    ["bench", "prefix", "--delay-ms", "inf"],
+    ["bench", "soak", "--minutes", "nan"],
+    ["bench", "soak", "--down", "-5"],
+    ["bench", "soak", "--spare", "-1"],
+    ["bench", "engine", "--threads", "0"],
+    ["status", "--timeout", "0"],
+    ["mesh", "rotate", "--timeout", "-1"],
 ])
 def test_bad_benchmark_options_are_refused_up_front(tmp_path, args, meshnode_main):
     r = meshnode_main("--home", str(tmp_path), *args)

@@ -58,7 +58,7 @@ def window_sizes(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshnode.argtypes import GPU_LAYERS_HELP, gpu_layers, non_negative_float
+    from meshnode.argtypes import GPU_LAYERS_HELP, gpu_layers, non_negative_float, positive_int
 
     parser.add_argument("model", nargs="?", default=None,
                         help="a GGUF path or a model name in the store (default: the default model)")
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=64,
                         help="rows per llama_decode, the prefill chunk (default 64)")
     parser.add_argument("--reps", type=int, default=5, help="prefill repetitions per path (default 5)")
-    parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="llama.cpp threads (default: all cores)")
     parser.add_argument("--gpu-layers", type=gpu_layers, default=-1, metavar="N|all|auto", help=GPU_LAYERS_HELP)
     parser.add_argument("--windows", type=window_sizes, default=[1, 2, 4, 8], metavar="K,K,...",
                         help="verify-window sizes (rows) timed on the whole model after the prefill "

@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from meshnode.argtypes import positive_int
+from meshnode.argtypes import non_negative_float, positive_int
 
 HELP = "prefix reuse: time to first token on editor-like sequences, cache off vs on, on a 2-stage split"
 
@@ -35,7 +35,7 @@ SPLITS = ("cold", "warm")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF or store name (default: the default model)")
     p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads per stage (default 1)")
-    p.add_argument("--delay-ms", type=float, default=5.0, help="latency added by the relay, each way (default 5 ms)")
+    p.add_argument("--delay-ms", type=non_negative_float, default=5.0, help="latency added by the relay, each way (default 5 ms)")
     p.add_argument("--tokens", type=positive_int, default=32, help="max tokens per completion (default 32)")
     p.add_argument("--ctx", type=positive_int, default=4096, help="context per request (default 4096)")
     p.add_argument("--rounds", type=positive_int, default=2, help="passes over the sequences (default 2)")
@@ -65,9 +65,6 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if args.delay_ms < 0:
-        print("meshnode bench prefix: --delay-ms must be >= 0", file=sys.stderr)
-        return 2
     seqs = _sequences(args.split)
     paths = NodePaths.resolve(getattr(args, "home", None)).ensure()
     ref = resolve_model(args.model, paths)

@@ -327,14 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import signal
 
+    from meshnode.argtypes import non_negative_float
+
     p = argparse.ArgumentParser(prog="python -m meshnode.bench.relay", description=main.__doc__)
     p.add_argument("--target", type=_address, required=True, help="where datagrams go (HOST:PORT)")
     p.add_argument("--listen", type=_address, default=("127.0.0.1", 0), help="bind address (default 127.0.0.1:0)")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="added one-way delay")
-    p.add_argument("--jitter-ms", type=float, default=0.0, help="uniform jitter around the delay")
-    p.add_argument("--spike-every", type=float, default=0.0, metavar="S",
+    p.add_argument("--delay-ms", type=non_negative_float, default=0.0, help="added one-way delay")
+    p.add_argument("--jitter-ms", type=non_negative_float, default=0.0, help="uniform jitter around the delay")
+    p.add_argument("--spike-every", type=non_negative_float, default=0.0, metavar="S",
                    help="every S seconds the link stalls for --spike-ms (both ways)")
-    p.add_argument("--spike-ms", type=float, default=0.0, help="length of each stall")
+    p.add_argument("--spike-ms", type=non_negative_float, default=0.0, help="length of each stall")
     args = p.parse_args(argv)
 
     async def run() -> RelayCounters:

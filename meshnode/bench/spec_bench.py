@@ -49,7 +49,7 @@ import sys
 import time
 
 from meshnode.bench.cluster import add_busy_poll_option, busy_poll_flags, sse_chunks
-from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, positive_int
+from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, non_negative_float, positive_int
 
 HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model on a 2-stage split"
 
@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", action="store_true",
                    help="give each node CPUs of its own (--cpus), when the machine has enough "
                         "(default: the OS places them)")
-    p.add_argument("--delay-ms", type=float, default=5.0,
+    p.add_argument("--delay-ms", type=non_negative_float, default=5.0,
                    help="latency added by the relay, each way (default 5 ms)")
     p.add_argument("--tokens", type=positive_int, default=None,
                    help="max tokens per completion (default 160, --quick 96)")

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from meshnode.argtypes import positive_float
 from meshnode.cli import add_common_options
 from meshnode.errors import MeshnodeError
 
@@ -15,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="show the running node of this home and its peers")
     add_common_options(p)
     p.add_argument("--json", action="store_true", help="print JSON (stable: {node, peers})")
-    p.add_argument("--timeout", type=float, default=5.0, help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=positive_float, default=5.0, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("invite", help="print a token that lets another node join this mesh")
@@ -40,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "running node and its peers)")
     r.add_argument("--exclude", action="append", default=[], metavar="NODE_ID",
                    help="do not give the new secret to this member (a compromised one; repeatable)")
-    r.add_argument("--timeout", type=float, default=5.0, help="seconds to reach the members (default 5)")
+    r.add_argument("--timeout", type=positive_float, default=5.0, help="seconds to reach the members (default 5)")
     r.set_defaults(func=cmd_rotate)
 
 
