@@ -34,6 +34,17 @@ def non_negative_int(text: str) -> int:
     return v
 
 
+def draft_window(text: str) -> int:
+    """argparse type: a verify window's size in drafts, 1..MAX_VERIFY_WINDOW (the rows
+    llama.cpp computes alike however they are batched: meshnode.limits)."""
+    from meshnode.limits import MAX_VERIFY_WINDOW
+
+    v = positive_int(text)
+    if v > MAX_VERIFY_WINDOW:
+        raise argparse.ArgumentTypeError(f"expected a number <= {MAX_VERIFY_WINDOW}, got {v}")
+    return v
+
+
 def port(text: str) -> int:
     """argparse type: a TCP/UDP port, 0 (any free port) to 65535."""
     v = _int(text, "a port number")
@@ -77,6 +88,11 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# Linux numbers at most 8192 CPUs (CONFIG_NR_CPUS); a bigger number is a typo, and
+# "0-4000000000" must not build a set of four billion.
+MAX_CPU = 8191
+
+
 def cpu_list(text: str) -> frozenset[int]:
     """argparse type: CPU numbers like ``0``, ``0,2`` or ``0-3`` (``taskset -c`` syntax)."""
     cpus: set[int] = set()
@@ -84,13 +100,24 @@ def cpu_list(text: str) -> frozenset[int]:
         for part in text.split(","):
             lo, sep, hi = part.strip().partition("-")
             first, last = int(lo), int(hi) if sep else int(lo)
-            if first < 0 or last < first:
+            if first < 0 or last < first or last > MAX_CPU:
                 raise ValueError
             cpus.update(range(first, last + 1))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected CPU numbers like 0, 0,2 or 0-3, got {text!r}") from None
+            f"expected CPU numbers 0-{MAX_CPU} like 0, 0,2 or 0-3, got {text!r}") from None
     return frozenset(cpus)
+
+
+def cpu_ranges(cpus) -> str:
+    """CPU numbers written the way :func:`cpu_list` reads them: ``0-3,6``."""
+    out: list[str] = []
+    for c in sorted(cpus):
+        if out and c == int(out[-1].rpartition("-")[2]) + 1:
+            out[-1] = f"{out[-1].partition('-')[0]}-{c}"
+        else:
+            out.append(str(c))
+    return ",".join(out)
 
 
 GPU_LAYERS_HELP = ("layers of each slice this node runs to offload to its GPU: a number, 'all' or "

@@ -41,6 +41,7 @@ import pytest
     ["bench", "net", "--bulk-rows", "x"],
     ["bench", "sample", "--iters", "0"],
     ["bench", "spec", "--delay-ms", "-1"],
+    ["bench", "spec", "--draft-max", "33"],
     ["bench", "spec", "--delay-ms", "nan"],
     ["bench", "prefix", "--delay-ms", "inf"],
     ["bench", "soak", "--minutes", "nan"],

@@ -18,7 +18,7 @@ from nodeproc import meshnode_cmd, start_node
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only")
 
 
-@pytest.mark.parametrize("value", ["x", "3-1", "-2", "0,,1"])
+@pytest.mark.parametrize("value", ["x", "3-1", "-2", "0,,1", "0-4000000000"])
 def test_malformed_cpu_lists_are_refused_up_front(tmp_path, value, meshnode_main):
     r = meshnode_main("--home", str(tmp_path), "serve", "--headless", "--no-model", "--cpus", value)
     assert r.returncode == 2
@@ -31,6 +31,14 @@ def test_a_cpu_this_process_cannot_use_is_named(tmp_path, meshnode_main):
     r = meshnode_main("--home", str(tmp_path), "serve", "--headless", "--no-model", "--cpus", str(missing))
     assert r.returncode != 0
     assert f"CPU {missing} not available here" in r.stderr and "Traceback" not in r.stderr
+
+
+@linux_only
+def test_cpus_not_available_are_named_as_ranges(tmp_path, meshnode_main):
+    top = max(os.sched_getaffinity(0))
+    r = meshnode_main("--home", str(tmp_path), "serve", "--headless", "--no-model", "--cpus", f"0-{top + 900}")
+    assert r.returncode != 0
+    assert f"CPU {top + 1}-{top + 900} not available here" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow

@@ -29,11 +29,22 @@ from nodeproc import NodeProc, env, meshnode_argv, meshnode_cmd, start_node, wai
     ("--shutdown-grace", "-1"),
     ("--shutdown-grace", "soon"),
     ("--shutdown-grace", "1e9"),
+    ("--shutdown-grace", "nan"),
+    ("--draft-max", "33"),
+    ("--draft-initial", "0"),
 ])
 def test_malformed_serve_options_are_refused_up_front(tmp_path, option, value, meshnode_main):
     r = meshnode_main("--home", str(tmp_path), "serve", "--headless", option, value)
     assert r.returncode == 2
     assert f"argument {option}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_smallest_window_above_the_largest_is_refused_up_front(tmp_path, meshnode_main):
+    # (both flags are the user's: refused before anything starts, not served without speculation)
+    r = meshnode_main("--home", str(tmp_path), "serve", "--headless", "--draft-min", "5", "--draft-max", "2")
+    assert r.returncode != 0
+    assert "--draft-min 5 is larger than --draft-max 2" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "data").exists()   # nothing was fetched
 
 
 @pytest.mark.parametrize("argv, expect", [

@@ -49,7 +49,7 @@ import sys
 import time
 
 from meshnode.bench.cluster import add_busy_poll_option, busy_poll_flags, sse_chunks
-from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, non_negative_float, positive_int
+from meshnode.argtypes import draft_window, gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, non_negative_float, positive_int
 
 HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model on a 2-stage split"
 
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp threads for one-token steps on every node (default: --threads; "
                         "1 keeps speculation token-identical when --threads > 1)")
     p.add_argument("--gpu-layers", type=gpu_layers, default=-1, metavar="N|all|auto", help=GPU_LAYERS_HELP)
-    p.add_argument("--draft-max", type=positive_int, default=None, metavar="N",
+    p.add_argument("--draft-max", type=draft_window, default=None, metavar="N",
                    help="largest verify window on every node (default: the node's, 32)")
     add_busy_poll_option(p)
     p.add_argument("--pin", action="store_true",

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from meshnode.argtypes import (
     GPU_LAYERS_HELP,
     cpu_list,
+    cpu_ranges,
+    draft_window,
     gpu_layers,
     non_negative_float,
     non_negative_int,
@@ -130,9 +132,9 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="ignore a draft model declared by the model package or config")
     s.add_argument("--draft-policy", choices=["adaptive", "fixed"], default=None,
                    help="window policy (default adaptive)")
-    s.add_argument("--draft-initial", type=positive_int, default=None, metavar="N", help="initial window")
-    s.add_argument("--draft-min", type=positive_int, default=None, metavar="N", help="smallest window")
-    s.add_argument("--draft-max", type=positive_int, default=None, metavar="N", help="largest window (<= 32)")
+    s.add_argument("--draft-initial", type=draft_window, default=None, metavar="N", help="initial window (1-32)")
+    s.add_argument("--draft-min", type=draft_window, default=None, metavar="N", help="smallest window (1-32)")
+    s.add_argument("--draft-max", type=draft_window, default=None, metavar="N", help="largest window (1-32)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -168,6 +170,8 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise MeshnodeError(f"model file not found: {args.model}")
     if args.draft_model and args.no_draft:
         raise MeshnodeError("--draft-model and --no-draft contradict each other")
+    if args.draft_min is not None and args.draft_max is not None and args.draft_min > args.draft_max:
+        raise MeshnodeError(f"--draft-min {args.draft_min} is larger than --draft-max {args.draft_max}")
 
 
 def _node_kwargs(args: argparse.Namespace, paths, config=None) -> dict:
@@ -305,8 +309,8 @@ def pin_cpus(cpus: frozenset[int] | None) -> None:
     available = os.sched_getaffinity(0)
     missing = sorted(cpus - available)
     if missing:
-        raise MeshnodeError(f"--cpus: CPU {', '.join(map(str, missing))} not available here "
-                            f"(available: {', '.join(map(str, sorted(available)))})")
+        raise MeshnodeError(f"--cpus: CPU {cpu_ranges(missing)} not available here "
+                            f"(available: {cpu_ranges(available)})")
     os.sched_setaffinity(0, cpus)
 
 
