@@ -13,6 +13,8 @@ from pathlib import Path
 
 import platformdirs
 
+from meshnode.errors import MeshnodeError
+
 APP_NAME = "meshnode"
 HOME_ENV = "MESHNODE_HOME"
 
@@ -30,6 +32,9 @@ class NodePaths:
         home = home or os.environ.get(HOME_ENV) or None
         if home:
             root = Path(home).expanduser().resolve()
+            if root.exists() and not root.is_dir():
+                raise MeshnodeError(f"home {home}: not a directory (--home or ${HOME_ENV} names the "
+                                    "folder a node keeps its files in)")
             return cls(root / "data", root / "cache", root / "config", root / "state")
         return cls(
             Path(platformdirs.user_data_dir(APP_NAME)),
@@ -61,5 +66,8 @@ class NodePaths:
 
     def ensure(self) -> "NodePaths":
         for p in (self.data, self.cache, self.config, self.state, self.models, self.slices):
-            p.mkdir(parents=True, exist_ok=True)
+            try:
+                p.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise MeshnodeError(f"cannot create {p}: {exc.strerror or exc}") from exc
         return self

@@ -44,6 +44,23 @@ def test_user_errors_are_one_line(tmp_path: Path, synthetic_gguf, capsys):
     mamba = synthetic_gguf("m.gguf", architecture="mamba")
     assert main(["models", "slice", str(mamba), "--range", "1:2", "-o", str(out), "--home", home]) == 2
     assert "architecture 'mamba' is not supported for splitting" in capsys.readouterr().err
+    # an output that is a folder, or where no file can be made
+    assert main(["models", "slice", str(src), "--range", "1:2", "-o", str(tmp_path), "--home", home]) == 2
+    assert f"-o {tmp_path}: a directory" in capsys.readouterr().err
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    assert main(["models", "slice", str(src), "--range", "1:2", "-o", str(blocked / "s.gguf"), "--home", home]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"meshnode: error: cannot write {blocked / 's.gguf'}") and "Traceback" not in err
+
+
+def test_a_home_that_is_a_file_is_one_line(tmp_path: Path, meshnode_main):
+    home = tmp_path / "home"
+    home.write_text("not a folder")
+    for argv in (("status",), ("invite",), ("models", "list")):
+        r = meshnode_main("--home", str(home), *argv)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert f"home {home}: not a directory" in r.stderr
 
 
 def test_parse_range():

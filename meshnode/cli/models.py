@@ -371,9 +371,14 @@ def cmd_slice(args: argparse.Namespace) -> int:
     ref = resolve_model(args.model, _paths(args))
     role = stage_role_checked(ref, start, end)
     out = Path(args.output)
-    with TqdmProgress() as bar:
-        write_slice(ref.path, start, end, out, keep_embedding=role.keep_embedding,
-                    keep_head=role.keep_head, progress=bar)
+    if out.is_dir():
+        raise UsageError(f"-o {out}: a directory; give the slice's file name")
+    try:
+        with TqdmProgress() as bar:
+            write_slice(ref.path, start, end, out, keep_embedding=role.keep_embedding,
+                        keep_head=role.keep_head, progress=bar)
+    except OSError as exc:
+        raise UsageError(f"cannot write {out}: {exc.strerror or exc}") from exc
     print(f"{out}: blocks [{start}, {end}) of {ref.name} ({role.value} stage, {_mib(out.stat().st_size)})",
           file=sys.stdout)
     return 0
