@@ -163,9 +163,14 @@ def test_machine_info_reads_this_machine(monkeypatch):
 @pytest.mark.parametrize("args, message", [
     (["--only", "engine,flood"], "--only takes some of engine,net,serve,spec"),
     (["--from-json", "missing.json"], "cannot read missing.json"),
+    # checked before the suite runs (for many minutes), not when its results are written
+    (["--out", "."], ".: a directory, not a file"),
+    (["--charts", "a-file"], "a-file: not a directory"),
+    (["--out", "a-file/benchmarks.md"], "a-file/benchmarks.md: cannot write in a-file"),
 ])
 def test_bad_report_options_are_one_line_and_write_nothing(tmp_path, monkeypatch, args, message, meshnode_main):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("x")
     r = meshnode_main("--home", str(tmp_path / "home"), "bench", "report", *args)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr

@@ -156,7 +156,12 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not names:
         print(f"meshnode bench report: --only takes some of {','.join(SUITE)}", file=sys.stderr)
         return 2
-    charts = Path(args.charts)
+    charts, out = Path(args.charts), Path(args.out)
+    # checked before the suite runs for many minutes, not when its results are written
+    why = _unwritable(out, folder=False) or _unwritable(charts, folder=True)
+    if why:
+        print(f"meshnode bench report: {why}", file=sys.stderr)
+        return 2
     if args.from_json:
         try:
             results = json.loads(Path(args.from_json).read_text())
@@ -165,7 +170,6 @@ def run(args: argparse.Namespace) -> int:
             return 2
     else:
         results = run_suite(names, args.quick, getattr(args, "home", None))
-    out = Path(args.out)
     rel = os.path.relpath(charts, out.parent if str(out.parent) else ".")
     markdown, svgs = render(results, charts_rel=rel)
     charts.mkdir(parents=True, exist_ok=True)
@@ -178,6 +182,18 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(splice(existing, markdown))
     print(f"bench report: wrote {out} and {len(svgs)} chart(s) in {charts}", file=sys.stderr)
     return 1 if results.get("errors") else 0
+
+
+def _unwritable(path: Path, *, folder: bool) -> str | None:
+    """Why ``path`` (a file, or with ``folder`` a directory) cannot be written; None if it can."""
+    if path.exists() and path.is_dir() != folder:
+        return f"{path}: {'not a directory' if folder else 'a directory, not a file'}"
+    parent = path if folder else path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        return f"{path}: cannot write in {parent}"
+    return None
 
 
 def splice(existing: str, block: str) -> str:
