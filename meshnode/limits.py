@@ -16,6 +16,10 @@ MAX_TOP_LOGPROBS = 20
 # Choices of one request (``n``): each holds a sequence slot on every stage.
 MAX_CHOICES = 8
 
+# llama.cpp's LLAMA_MAX_SEQ: a context holds at most this many sequences, so a node serves
+# at most this many requests at once (--parallel) and a stage loads no more (Load.n_seq_max).
+MAX_SEQ = 256
+
 # The KV cache types a stage engine accepts (wire Load.kv_type), and the default: with a
 # q8_0 cache llama.cpp's CPU flash attention gives every row the same result alone, in a
 # batch of any size and on any thread count (docs/engine.md, "Batch invariance"), which

@@ -32,6 +32,7 @@ from nodeproc import NodeProc, env, meshnode_argv, meshnode_cmd, start_node, wai
     ("--shutdown-grace", "nan"),
     ("--draft-max", "33"),
     ("--draft-initial", "0"),
+    ("--parallel", "257"),
 ])
 def test_malformed_serve_options_are_refused_up_front(tmp_path, option, value, meshnode_main):
     r = meshnode_main("--home", str(tmp_path), "serve", "--headless", option, value)

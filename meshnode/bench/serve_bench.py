@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from meshnode.bench.cluster import add_busy_poll_option, busy_poll_flags, sse_chunks
 from meshnode.bench.timeline import TokenPath
 from meshnode.argtypes import gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, non_negative_float, positive_int
+from meshnode.limits import MAX_SEQ
 
 HELP = "serving benchmark: single node vs 2/3-stage splits (decode, TTFT, prefill, concurrency)"
 
@@ -346,6 +347,9 @@ def run(args: argparse.Namespace) -> int:
     if not stage_counts or not concurrency or min(stage_counts + concurrency) < 1:
         print("meshnode bench serve: --stages and --concurrency take comma-separated positive "
               "integers, e.g. --stages 1,2 --concurrency 1,4", file=sys.stderr)
+        return 2
+    if max(concurrency) > MAX_SEQ:   # every node serves them at once (--parallel)
+        print(f"meshnode bench serve: --concurrency takes at most {MAX_SEQ} streams", file=sys.stderr)
         return 2
     if args.cuda_devices:   # the in-process engines (ceiling, stage clocks) are one node: one GPU
         os.environ["CUDA_VISIBLE_DEVICES"] = args.cuda_devices[0]

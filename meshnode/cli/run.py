@@ -38,6 +38,15 @@ def _grace(text: str) -> float:
     return v
 
 
+def _parallel(text: str) -> int:
+    from meshnode.limits import MAX_SEQ
+
+    v = positive_int(text)
+    if v > MAX_SEQ:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SEQ} (llama.cpp's sequences per context), got {v}")
+    return v
+
+
 def _add_node_options(p: argparse.ArgumentParser) -> None:
     add_common_options(p)
     p.add_argument("--port", type=port, default=None, metavar="N",
@@ -93,8 +102,8 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="context size per request in tokens (default 2048)")
     m.add_argument("--batch", type=positive_int, default=64, metavar="N",
                    help="prefill chunk in tokens, the same on every stage (default 64)")
-    m.add_argument("--parallel", type=positive_int, default=4, metavar="N",
-                   help="requests served at once (default 4)")
+    m.add_argument("--parallel", type=_parallel, default=4, metavar="N",
+                   help="requests served at once (default 4, at most 256: llama.cpp's sequences)")
     m.add_argument("--prefix-cache", type=non_negative_int, default=None, metavar="N",
                    help="keep up to N finished requests' KV so a prompt that begins with an "
                         "earlier one's tokens prefills only the rest (at most --parallel - 1, or 1 with --parallel 1, "

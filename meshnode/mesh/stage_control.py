@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES
+from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES, MAX_SEQ
 from meshnode.state import StageChanged, StageInfo
 from meshnode.wire import ErrorCode, LocalProtocolError, Message
 
@@ -85,8 +85,6 @@ class LoadParams:
     kv_type: str = DEFAULT_KV_TYPE   # KV cache type: results depend on it, so one for all
 
 
-# llama.cpp's LLAMA_MAX_SEQ: a context cannot hold more sequences than this.
-MAX_SEQ = 256
 GIB = 1024 ** 3
 
 
