@@ -111,6 +111,13 @@ def test_error_table_lookup_follows_subclasses() -> None:
                                 EngineUnavailableError, EngineFailedError}
 
 
+def test_an_unknown_model_id_is_echoed_short() -> None:
+    # the id is the client's text: a 5000-character one is not repeated whole
+    e = UnknownModelError("a" * 5000, ["m1"])
+    assert "'" + "a" * UnknownModelError.ECHOED + "...'" in e.message and len(e.message) < 300
+    assert e.model == "a" * 5000
+
+
 def test_context_overflow_carries_numbers() -> None:
     e = PromptTooLongError(9000, 8192)
     assert (e.prompt_tokens, e.n_ctx) == (9000, 8192)

@@ -86,9 +86,11 @@ class UnknownModelError(ServeError):
     are (named in the message, so whoever set up an editor sees what to write)."""
 
     SHOWN = 8   # served ids named in the message at most
+    ECHOED = 128   # characters of the asked-for id the message repeats (it is the client's text)
 
     def __init__(self, model: str, served: Sequence[str] | None = None) -> None:
-        message = f"The model '{model}' does not exist or is not served by this mesh."
+        shown = model if len(model) <= self.ECHOED else model[:self.ECHOED] + "..."
+        message = f"The model '{shown}' does not exist or is not served by this mesh."
         if served:
             more = f" and {len(served) - self.SHOWN} more" if len(served) > self.SHOWN else ""
             message += f" Served: {', '.join(served[:self.SHOWN])}{more} (GET /v1/models lists them)."
