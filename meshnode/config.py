@@ -303,6 +303,8 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
             data = tomllib.loads(data)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"not valid TOML: {e}", path=spath) from None
+        except RecursionError:   # tomllib recurses per nesting level
+            raise ConfigError("not valid TOML: nested too deeply", path=spath) from None
     warnings: list[str] = []
     r = _Reader(spath, warnings)
     r.warn_unknown(data, "", ("node", "http", "defaults", "models"))

@@ -113,6 +113,8 @@ def test_errors_name_file_key_and_type(text, key, expect):
 def test_invalid_toml_and_unreadable(tmp_path):
     with pytest.raises(ConfigError, match="not valid TOML"):
         parse_config("[node\n", "x.toml")
+    with pytest.raises(ConfigError, match="nested too deeply"):   # tomllib recurses per level
+        parse_config("a = " + "[" * 100_000 + "]" * 100_000, "x.toml")
     bad = tmp_path / "bad.toml"
     bad.write_bytes(b"\xff\xfe[node]")
     with pytest.raises(ConfigError, match="UTF-8"):

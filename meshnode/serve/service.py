@@ -320,7 +320,7 @@ class ModelService:
         try:
             if pkg_file.is_file():
                 pkg = PackageSpeculative.from_dict(json.loads(pkg_file.read_text()), origin=str(pkg_file))
-        except (OSError, ValueError, SpecConfigError) as exc:
+        except (OSError, ValueError, RecursionError, SpecConfigError) as exc:   # (json recurses per level)
             log.warning("ignoring %s: %s", pkg_file, exc)
         try:
             return resolve_strategy(ref.name, cli=self.options.spec_cli, config=self.options.config,
