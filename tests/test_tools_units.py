@@ -24,6 +24,7 @@ from meshnode.serve.tools import (
     Structure,
     ToolCallParser,
     ToolSpec,
+    format_call,
     render_messages,
     split_tool_calls,
 )
@@ -184,6 +185,16 @@ def test_streamed_logprobs_keep_every_token_when_text_is_held_back(step):
     assert streamed == [e.logprob for e in entries]
     assert "".join(ch["delta"].get("content") or "" for c in out for ch in c["choices"]) == "Let me check."
     assert out[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_block_nested_too_deeply_is_text_not_a_crash():
+    # json recurses per nesting level: a model led to write 100,000 "[" must not fail the request
+    deep = "[" * 100_000 + "]" * 100_000
+    for text in (f"{TOOL_OPEN}{deep}{TOOL_CLOSE}",
+                 f'{TOOL_OPEN}{{"name": "get_weather", "arguments": "{deep}"}}{TOOL_CLOSE}'):
+        content, calls = split_tool_calls(text, ["get_weather"])
+        assert calls == [] and content == text
+    assert TOOL_OPEN in format_call("get_weather", deep)   # a client's arguments, shown as they are
 
 
 def test_a_call_cut_short_is_not_a_call():

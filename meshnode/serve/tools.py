@@ -219,7 +219,7 @@ def format_call(name: str, arguments: str) -> str:
 def _arguments_object(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):   # (json recurses per nesting level)
         return arguments    # a client's malformed arguments: shown as they are
 
 
@@ -425,7 +425,7 @@ class ToolCallParser:
 def _parse_call(text: str, names: set[str]) -> ToolCall | None:
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):   # a model can write 100,000 "[" as well as anything
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
@@ -433,7 +433,7 @@ def _parse_call(text: str, names: set[str]) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
