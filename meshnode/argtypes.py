@@ -9,6 +9,10 @@ dispatches to, can use them without importing the CLI back.
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable, Iterable
+
+from meshnode.limits import MAX_SEQ, MAX_VERIFY_WINDOW
 
 
 def _int(text: str, what: str = "a whole number") -> int:
@@ -34,15 +38,21 @@ def non_negative_int(text: str) -> int:
     return v
 
 
-def draft_window(text: str) -> int:
-    """argparse type: a verify window's size in drafts, 1..MAX_VERIFY_WINDOW (the rows
-    llama.cpp computes alike however they are batched: meshnode.limits)."""
-    from meshnode.limits import MAX_VERIFY_WINDOW
+def int_up_to(most: int, why: str) -> Callable[[str], int]:
+    """argparse type: a whole number 1..``most``; ``why`` says where the bound comes from."""
+    def parse(text: str) -> int:
+        v = positive_int(text)
+        if v > most:
+            raise argparse.ArgumentTypeError(f"at most {most} ({why}), got {v}")
+        return v
+    return parse
 
-    v = positive_int(text)
-    if v > MAX_VERIFY_WINDOW:
-        raise argparse.ArgumentTypeError(f"expected a number <= {MAX_VERIFY_WINDOW}, got {v}")
-    return v
+
+# a verify window's size in drafts: the rows llama.cpp computes alike however they are
+# batched (meshnode.limits)
+draft_window = int_up_to(MAX_VERIFY_WINDOW, "rows computed alike in one batch")
+# requests a node serves at once: each holds one of llama.cpp's sequences
+parallel_requests = int_up_to(MAX_SEQ, "llama.cpp's sequences per context")
 
 
 def port(text: str) -> int:
@@ -58,7 +68,7 @@ def _float(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if v != v or v in (float("inf"), float("-inf")):
+    if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
     return v
 
@@ -109,15 +119,15 @@ def cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def cpu_ranges(cpus) -> str:
+def cpu_ranges(cpus: Iterable[int]) -> str:
     """CPU numbers written the way :func:`cpu_list` reads them: ``0-3,6``."""
-    out: list[str] = []
+    runs: list[list[int]] = []   # [first, last] of each run of consecutive numbers
     for c in sorted(cpus):
-        if out and c == int(out[-1].rpartition("-")[2]) + 1:
-            out[-1] = f"{out[-1].partition('-')[0]}-{c}"
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
         else:
-            out.append(str(c))
-    return ",".join(out)
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 GPU_LAYERS_HELP = ("layers of each slice this node runs to offload to its GPU: a number, 'all' or "

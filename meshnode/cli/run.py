@@ -21,6 +21,7 @@ from meshnode.argtypes import (
     gpu_layers,
     non_negative_float,
     non_negative_int,
+    parallel_requests,
     port,
     positive_int,
     size,
@@ -35,15 +36,6 @@ def _grace(text: str) -> float:
     v = non_negative_float(text)
     if v > MAX_SHUTDOWN_GRACE:
         raise argparse.ArgumentTypeError(f"at most {MAX_SHUTDOWN_GRACE:g} seconds, got {text}")
-    return v
-
-
-def _parallel(text: str) -> int:
-    from meshnode.limits import MAX_SEQ
-
-    v = positive_int(text)
-    if v > MAX_SEQ:
-        raise argparse.ArgumentTypeError(f"at most {MAX_SEQ} (llama.cpp's sequences per context), got {v}")
     return v
 
 
@@ -102,7 +94,7 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="context size per request in tokens (default 2048)")
     m.add_argument("--batch", type=positive_int, default=64, metavar="N",
                    help="prefill chunk in tokens, the same on every stage (default 64)")
-    m.add_argument("--parallel", type=_parallel, default=4, metavar="N",
+    m.add_argument("--parallel", type=parallel_requests, default=4, metavar="N",
                    help="requests served at once (default 4, at most 256: llama.cpp's sequences)")
     m.add_argument("--prefix-cache", type=non_negative_int, default=None, metavar="N",
                    help="keep up to N finished requests' KV so a prompt that begins with an "

@@ -573,12 +573,12 @@ class _ChatChunks(_Chunks):
             self._held.setdefault(event.index, []).extend(entries)
             return []
         entries[:0] = self._held.pop(event.index, ())
-        lp = ChatLogprobs.of(entries) if entries else None
         out = []
         if content:
             out.append(self.delta(replace(event, text=content, logprobs=tuple(entries))))
-            lp = None
+            entries = []
         if calls:
+            lp = ChatLogprobs.of(entries) if entries else None
             out.append(self._chunk([ChatChunkChoice(index=event.index, logprobs=lp, delta=ChatDelta(tool_calls=[
                 ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
                               function=FunctionCallDelta(name=c.name, arguments=c.arguments))

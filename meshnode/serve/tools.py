@@ -216,10 +216,15 @@ def format_call(name: str, arguments: str) -> str:
     return f'{TOOL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": {args}}}\n{TOOL_CLOSE}'
 
 
+# what json.loads raises on text that is not JSON, or nested deeper than it recurses (a
+# model can write 100,000 "[" as well as anything)
+_JSON_ERRORS = (ValueError, RecursionError)
+
+
 def _arguments_object(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except (ValueError, RecursionError):   # (json recurses per nesting level)
+    except _JSON_ERRORS:
         return arguments    # a client's malformed arguments: shown as they are
 
 
@@ -326,8 +331,6 @@ class ToolCallParser:
                     self._block.add(self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     deltas += self._stream_block(self._block)
-                    if self._block.id is not None:
-                        self._called()
                     break
                 self._block.add(self._buf[:j])
                 self._buf = self._buf[j + len(TOOL_CLOSE):]
@@ -390,6 +393,7 @@ class ToolCallParser:
                 return []
             b.args_at, b.id = m.end(), new_call_id()
             b.unsent = b.text[b.args_at:]
+            self._called()
             out = [CallDelta(b.index, id=b.id, name=m.group(1))]
         else:
             out = []
@@ -425,7 +429,7 @@ class ToolCallParser:
 def _parse_call(text: str, names: set[str]) -> ToolCall | None:
     try:
         obj = json.loads(text)
-    except (ValueError, RecursionError):   # a model can write 100,000 "[" as well as anything
+    except _JSON_ERRORS:
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
@@ -433,7 +437,7 @@ def _parse_call(text: str, names: set[str]) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except (ValueError, RecursionError):
+        except _JSON_ERRORS:
             return None
     if not isinstance(args, dict):
         return None
