@@ -13,6 +13,12 @@ MAX_VERIFY_WINDOW = 32
 # SegmentResult) all refuse more.
 MAX_TOP_LOGPROBS = 20
 
+# OpenAI's logit_bias: a bias of -100..100 added to a token's logit before sampling (-100
+# bans it in practice, 100 all but forces it). The API, the final stage and the wire
+# (Segment.bias_ids / bias_values) refuse more entries or larger values.
+MAX_LOGIT_BIAS = 1024
+MAX_BIAS = 100.0
+
 # Choices of one request (``n``): each holds a sequence slot on every stage.
 MAX_CHOICES = 8
 

@@ -39,7 +39,15 @@ def _sse(r: httpx.Response) -> tuple[list[dict], bool]:
     return chunks, done
 
 
-def _observations(port: int) -> dict:
+def _token_id(model_path: Path, text: str) -> int:
+    from meshnode.engine.tokenizer import Tokenizer
+
+    ids = Tokenizer(model_path).encode(text, add_bos=False, special=False)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def _observations(port: int, model_path: Path) -> dict:
     """What the tests compare between one node and a split."""
     model = _model(port)
     out: dict = {}
@@ -59,6 +67,17 @@ def _observations(port: int) -> dict:
                                         "max_tokens": 5, "temperature": 0, "logprobs": 2})
     assert r.status_code == 200, r.text
     out["text_logprobs"] = r.json()["choices"][0]["logprobs"]
+    # logit_bias: +100 on one token at every step; -100 on the greedy answer's first token
+    blue = _token_id(model_path, " blue")
+    r = _post(port, "/v1/completions", {"model": model, "prompt": "The capital of France is", "max_tokens": 3,
+                                        "temperature": 0, "logprobs": 0, "logit_bias": {str(blue): 100}})
+    assert r.status_code == 200, r.text
+    out["forced_tokens"] = r.json()["choices"][0]["logprobs"]["tokens"]
+    first = _token_id(model_path, out["text_logprobs"]["tokens"][0])
+    r = _post(port, "/v1/completions", {"model": model, "prompt": "The capital of France is", "max_tokens": 5,
+                                        "temperature": 0, "logprobs": 2, "logit_bias": {str(first): -100}})
+    assert r.status_code == 200, r.text
+    out["banned_logprobs"] = r.json()["choices"][0]["logprobs"]
     r = _post(port, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 8,
                                              "temperature": 0, "n": 2})
     assert r.status_code == 200, r.text
@@ -90,7 +109,7 @@ def single(smollm2, tmp_path_factory):
     try:
         node.wait_up(30)
         _wait_ready(node)
-        yield node, _observations(node.info["http_port"])
+        yield node, _observations(node.info["http_port"], smollm2.path)
     finally:
         node.stop()
 
@@ -112,6 +131,15 @@ def test_logprobs_are_log_softmax_shaped_and_streamed_the_same(single):
     assert len(text["tokens"]) == len(text["token_logprobs"]) == len(text["top_logprobs"]) == 5
     assert all(len(t) == 2 for t in text["top_logprobs"])
     assert text["text_offset"][0] == 0 and text["text_offset"] == sorted(text["text_offset"])
+
+
+def test_logit_bias_forces_and_bans_tokens(single):
+    _, obs = single
+    assert obs["forced_tokens"] == [" blue"] * 3
+    plain, banned = obs["text_logprobs"], obs["banned_logprobs"]
+    assert banned["tokens"][0] != plain["tokens"][0]
+    # logprobs are the model's own: the banned token still leads the alternatives
+    assert next(iter(banned["top_logprobs"][0])) == plain["tokens"][0]
 
 
 def test_n_choices(single):
@@ -265,7 +293,7 @@ def test_split_equals_single_node(smollm2, single, tmp_path):
         coord = start_node(homes[0], "s0", "--model", str(smollm2.path), "--split", "2", *NODE_FLAGS).wait_up(30)
         _wait_ready(coord)
         assert [s["state"] for s in coord.status()["stages"]] == ["ready", "ready"]
-        split = _observations(coord.info["http_port"])
+        split = _observations(coord.info["http_port"], smollm2.path)
         assert split == reference
     finally:
         for n in (coord, helper):

@@ -49,9 +49,8 @@ def _greedy(engine: StageEngine, prompt: list[int], n: int, session: int = 0) ->
 def _teacher_forced_agreement(engine: StageEngine, prompt: list[int], target: list[int]) -> float:
     """Fraction of positions where the draft's argmax, fed the target's own context, is the
     target's next token (= acceptance of a 1-token window)."""
-    n = len(target)
     ctx = np.asarray(prompt + target[:-1], dtype=np.int32)
-    # logits of the rows at positions len(prompt)-1 .. len(prompt)+n-2 (n rows)
+    # logits of the rows at positions len(prompt)-1 .. len(prompt)+len(target)-2
     engine.run_session(0, 0, ctx[:len(prompt) - 1], n_logits=0)
     rows = []
     tail = ctx[len(prompt) - 1:]

@@ -335,6 +335,10 @@ async def test_seed_minus_one_is_random_and_a_bad_request_spares_its_batch() -> 
 @pytest.mark.parametrize("extra, param", [
     ({"seed": 2**64}, "seed"), ({"top_k": 2**40}, "top_k"), ({"temperature": 2.5}, "temperature"),
     ({"top_p": -0.1}, "top_p"), ({"stop": ["x"] * 17}, "stop"), ({"stop": "y" * 300}, "stop"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"5": "NaN"}}, "logit_bias"),
+    ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"), ({"logit_bias": {"1" * 40: 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"), ({"logit_bias": [[1, 2]]}, "logit_bias"),
 ])
 def test_out_of_range_sampling_fields_are_400(url: str, extra: dict, param: str) -> None:
     err = error_of(post(url, chat(**extra)), 400)
@@ -364,9 +368,11 @@ def test_every_valid_sampling_request_samples() -> None:
 
     @settings(max_examples=300, deadline=None)
     @given(t=st.floats(0, 2), p=st.floats(0, 1), k=st.one_of(st.none(), st.integers(-1, 2**31 - 1)),
-           seed=st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)))
-    def check(t, p, k, seed):
-        req = GenerationRequest("r", MODEL, prompt="x", temperature=t, top_p=p, top_k=k, seed=seed)
+           seed=st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
+           bias=st.lists(st.tuples(st.integers(-1, VOCAB), st.floats(-100, 100)), max_size=8))
+    def check(t, p, k, seed, bias):
+        req = GenerationRequest("r", MODEL, prompt="x", temperature=t, top_p=p, top_k=k, seed=seed,
+                                logit_bias=tuple(bias))
         try:
             sampling = sampling_for(req, VOCAB)
         except InvalidRequestError:

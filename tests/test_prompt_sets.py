@@ -94,3 +94,16 @@ def test_spec_bench_by_kind_compares_fastest_rounds():
     got = _by_kind(ngram, base, prompts)
     assert got["rename"] == {"prompts": 1, "wall_speedup": 2.0, "acceptance": 0.8}
     assert got["fix_bug"] == {"prompts": 1, "wall_speedup": 0.8, "acceptance": 0.0}
+
+
+def test_spec_bench_decode_rate_is_tokens_over_time_not_a_mean_of_rates():
+    from meshnode.bench.spec_bench import _summary
+
+    def run(n, ms, wall=1.0):
+        return {"wall_s": wall, "tokens": n, "text": "t", "ttft_s": 0.1,
+                "timings": {"predicted_n": n, "predicted_ms": ms, "predicted_per_second": 1e3 * n / ms}}
+
+    # a short fast answer and a long slow one: 110 tokens in 1.1 s, not the mean of 100 and 50
+    got = _summary([[run(10, 100.0)], [run(100, 2000.0), run(100, 1000.0)]])
+    assert got["tok_s"] == pytest.approx(1e3 * 110 / 1100.0)
+    assert _summary([[{"wall_s": 0.0, "tokens": 0, "text": "", "ttft_s": 0.0, "timings": {}}]])["tok_s"] == 0.0

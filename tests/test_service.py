@@ -12,7 +12,6 @@ import os
 import plistlib
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 

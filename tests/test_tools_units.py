@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from meshnode import wire
-from meshnode.mesh.final import FinalSampler, Sampling, apply_mask
+from meshnode.mesh.final import FinalSampler, Sampling, apply_bias, apply_mask
 from meshnode.serve.client import ChatMessage, ToolCall
 from meshnode.serve.errors import InvalidRequestError
 from meshnode.serve.schemas import ChatCompletionRequest, parse_request
@@ -339,6 +339,25 @@ def test_apply_mask_keeps_only_allowed_tokens():
     assert np.isfinite(out[1]).nonzero()[0].tolist() == [69]
     with pytest.raises(ValueError):
         apply_mask(logits, _mask_of([set(), {1}], 70))
+
+
+def test_logit_bias_moves_greedy_choices_and_verification_and_leaves_logprobs_raw():
+    logits = np.zeros((3, 10), dtype=np.float32)
+    logits[:, 4] = 5.0                       # the model's greedy choice, every row
+    out = apply_bias(logits, (4, 7), (-100.0, 2.0))
+    assert out[0, 4] == -95.0 and out[0, 7] == 2.0 and logits[0, 4] == 5.0   # a copy
+    sampler = FinalSampler()
+    plain = sampler.finalize(1, logits, (4, 4), Sampling(top_logprobs=1))
+    assert plain.tokens == (4, 4, 4) and plain.n_accepted == 2
+    banned = sampler.finalize(1, logits, (4, 4), Sampling(top_logprobs=1, bias_ids=(4, 7), bias_values=(-100.0, 2.0)))
+    # the drafts of the banned token are rejected; the bonus is the biased argmax
+    assert banned.tokens == (7,) and banned.n_accepted == 0
+    # logprobs of the model's own row: the banned token is still its most likely
+    assert banned.logprobs.top_ids[:1] == (4,)
+    forced = sampler.finalize(1, logits, (), Sampling(temperature=1.0, seed=3, bias_ids=(9,), bias_values=(100.0,)))
+    assert forced.tokens == (9,)
+    with pytest.raises(ValueError, match="vocabulary"):
+        sampler.finalize(1, logits, (), Sampling(bias_ids=(10,), bias_values=(1.0,)))
 
 
 def test_a_draft_the_mask_forbids_is_rejected_and_the_bonus_is_allowed():

@@ -86,15 +86,16 @@ GOLDEN = [
     ),
     (
         Forward(ref=1, batch_id=2, step=3, segments=(SEG,), act=np.array([[1.0, -2.0]], np.float16)),
-        # kind 0x100, length 76
-        "4d4e 01 00 0001 4c000000"
+        # kind 0x100, length 84
+        "4d4e 01 00 0001 54000000"
         "01000000 0200000000000000 03000000"  # ref, batch_id, step
         "0100"  # one segment
         "0400000000000000 05000000 01000000 0100"  # session, pos, n_rows, n_logits
         "01 06000000"  # one draft: 6
         "0000003f ffffffff 0000803f 0700000000000000 00"  # temp 0.5, top_k -1, top_p 1.0, seed, flags
-        "02 01000000 02000000"  # dtype f16, rows 1, width 2  (payload offset 71)
-        "00"  # pad to offset 72
+        "0000 0000"  # no logit bias (counts of ids and values)
+        "02 01000000 02000000"  # dtype f16, rows 1, width 2  (payload offset 75)
+        "0000000000"  # pad to offset 80
         "003c 00c0",  # 1.0, -2.0 as f16
     ),
 ]
@@ -246,8 +247,8 @@ def _forward(act: np.ndarray, rows: tuple[int, ...] | None = None) -> Forward:
 def _forward_payload_with(dtype_code: int, rows: int, width: int, data: bytes, n_rows: int) -> bytes:
     """A Forward payload with one segment of ``n_rows`` rows and a hand-made array part."""
     body = encode(_forward(np.zeros((n_rows, 1), np.float32)))[HEADER_SIZE:]
-    prefix = body[:58]  # ref 4, batch_id 8, step 4, count 2, one draft-less segment 40
-    assert body[58] == 1 and body[59:63] == n_rows.to_bytes(4, "little")  # the f32 array head
+    prefix = body[:62]  # ref 4, batch_id 8, step 4, count 2, one draft-less, unbiased segment 44
+    assert body[62] == 1 and body[63:67] == n_rows.to_bytes(4, "little")  # the f32 array head
     head = struct.pack("<BII", dtype_code, rows, width)
     return prefix + head + bytes(-(len(prefix) + len(head)) % 8) + data
 
@@ -541,3 +542,30 @@ def test_numpy_scalars_are_accepted():
     fwd = Forward(0, 0, 0, (seg,), np.zeros((1, 2), np.float32))
     assert decode(encode(fwd)).segments[0].temperature == 0.5
     assert decode(encode(Heartbeat(0, 1, 2, np.bool_(True)))).echo is True
+
+
+def test_logit_bias_round_trips_and_is_checked_both_ways():
+    act = np.zeros((1, 2), np.float32)
+    seg = Segment(1, 0, 1, 1, (), 0.0, 0, 1.0, 0, 0, (3, 70000), (-100.0, 5.5))
+    msg = Forward(0, 0, 0, (seg,), act)
+    tr(encode(msg), [msg])
+    for ids, values in [((3, 70000), (1.0,)), ((7, 3), (1.0, 1.0)), ((3, 3), (1.0, 1.0)),
+                        ((3,), (100.5,)), ((3,), (float("nan"),))]:
+        bad = Forward(0, 0, 0, (dataclasses.replace(seg, bias_ids=ids, bias_values=values),), act)
+        with pytest.raises(LocalProtocolError):
+            encode(bad)
+    # a bias forged on the wire: 5.5 patched to 200
+    payload = bytearray(encode(msg)[HEADER_SIZE:])
+    at = bytes(payload).index(struct.pack("<f", 5.5))
+    payload[at:at + 4] = struct.pack("<f", 200.0)
+    with pytest.raises(RemoteProtocolError) as ei:
+        decode_message(MessageKind.FORWARD, bytes(payload))
+    assert ei.value.code is ErrorCode.BAD_FIELD
+
+
+def test_decode_template_carries_logit_bias():
+    t = DecodeTemplate(9, 4, bias_ids=(2, 5), bias_values=(-100.0, 3.0))
+    row = np.arange(4, dtype=np.float32)
+    frame = bytes(t.encode(7, 1, 12, row))
+    want = Forward(0, 7, 1, (Segment(9, 12, 1, 1, (), 0.0, 0, 1.0, 0, 0, (2, 5), (-100.0, 3.0)),), row[None])
+    assert frame == encode(want)

@@ -31,7 +31,7 @@ over the request's whole time, prefill included; per prompt the fastest round, t
 total tokens over total seconds) and **time to first token** (median over prompts);
 ``wall x`` is the wall-clock speedup against that workload's baseline in the same
 invocation, also per kind of prompt. Beside it, the server's decode tokens/s
-(``timings.predicted_per_second`` averaged over prompts, and its speedup), acceptance
+(``timings.predicted_n`` over ``predicted_ms``, summed over prompts, and its speedup), acceptance
 ``sum(draft_n_accepted) / sum(draft_n)``, and where the time went, from the responses'
 ``timings`` summed over every round: verify windows and their mean time, plain
 (one-token) steps and theirs, lookahead windows used / sent. Greedy decoding throughout,
@@ -183,6 +183,12 @@ def _complete(base: str, model: str, messages: list[dict], max_tokens: int, key:
             "timings": timings or {}, "ttft_s": ttft if ttft is not None else wall, "wall_s": wall}
 
 
+def _rate(runs: list[dict]) -> float:
+    """The server's decode tokens/s over ``runs``: their tokens over their decode time."""
+    ms = sum(r["timings"].get("predicted_ms", 0.0) for r in runs)
+    return 1e3 * sum(r["timings"].get("predicted_n", 0) for r in runs) / ms if ms > 0 else 0.0
+
+
 def _summary(runs_by_prompt: list[list[dict]]) -> dict:
     """Per prompt, the fastest of its rounds; then over prompts.
 
@@ -204,7 +210,9 @@ def _summary(runs_by_prompt: list[list[dict]]) -> dict:
     plain_ms = total("predicted_ms") - verify_ms
     wall_s = sum(r["wall_s"] for r in fastest)
     return {
-        "tok_s": statistics.mean(r["timings"].get("predicted_per_second", 0.0) for r in best),
+        # total decoded tokens over total decode time: a mean of per-prompt rates would
+        # weigh a short answer's rate as much as a long one's
+        "tok_s": _rate(best),
         "wall_tok_s": sum(r["tokens"] for r in fastest) / wall_s if wall_s else 0.0,
         "wall_s": wall_s,
         "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in fastest),

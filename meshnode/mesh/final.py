@@ -41,6 +41,10 @@ class Sampling:
     seed: int = 0
     # None: no logprobs; 0..20: the sampled tokens' logprobs and this many alternatives
     top_logprobs: int | None = None
+    # OpenAI's logit_bias: added to these tokens' logits before sampling or verifying
+    # (ids unique and ascending, values in -100..100; meshnode.serve.model_server.sampling_for)
+    bias_ids: tuple[int, ...] = ()
+    bias_values: tuple[float, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +85,8 @@ class FinalSampler:
             if rng is None:
                 rng = self._rngs[session] = np.random.default_rng(sampling.seed)
         rows = raw = logits[-(len(drafts) + 1):]
+        if sampling.bias_ids:
+            rows = apply_bias(rows, sampling.bias_ids, sampling.bias_values)
         if mask is not None:
             if mask.shape[0] != rows.shape[0]:
                 raise ValueError(f"{mask.shape[0]} mask rows for {rows.shape[0]} logit rows")
@@ -90,7 +96,8 @@ class FinalSampler:
         lp = None
         if sampling.top_logprobs is not None:
             # row i is what the i-th emitted token (accepted draft or bonus) came from; the
-            # raw rows, before a grammar mask (whose -inf would be no number in JSON)
+            # model's own rows, before a bias or a grammar mask (whose -inf would be no
+            # number in JSON), as llama.cpp's server reports them
             lp = token_logprobs(raw, res.tokens, sampling.top_logprobs)
         return Finalized(res.tokens, res.n_accepted, len(drafts), lp)
 
@@ -111,6 +118,16 @@ class FinalSampler:
 
     def forget(self, session: int) -> None:
         self._rngs.pop(session, None)
+
+
+def apply_bias(logits: np.ndarray, ids: tuple[int, ...], values: tuple[float, ...]) -> np.ndarray:
+    """``logits`` ``(rows, V)`` with ``values`` added to the columns ``ids`` of every row (a
+    new float32 array). An id outside the vocabulary fails the sampling."""
+    if ids[-1] >= logits.shape[1]:   # ascending (the wire checks it)
+        raise ValueError(f"logit bias for token {ids[-1]}, the vocabulary has {logits.shape[1]}")
+    out = np.array(logits, dtype=np.float32)
+    out[:, np.asarray(ids, dtype=np.intp)] += np.asarray(values, dtype=np.float32)
+    return out
 
 
 def apply_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:

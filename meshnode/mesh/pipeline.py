@@ -354,7 +354,8 @@ class MeshPipeline:
                          temperature=s.sampling.temperature, top_k=s.sampling.top_k,
                          top_p=s.sampling.top_p, seed=s.sampling.seed,
                          flags=flags | wire.logprob_flags(s.sampling.top_logprobs)
-                         | (wire.SEG_MASKED if s.mask is not None and s.n_logits else 0))
+                         | (wire.SEG_MASKED if s.mask is not None and s.n_logits else 0),
+                         bias_ids=s.sampling.bias_ids, bias_values=s.sampling.bias_values)
             for s in steps)
         return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
 
@@ -397,7 +398,8 @@ class MeshPipeline:
             t = self._templates[s.session] = wire.DecodeTemplate(
                 s.session, act.shape[1], "f16" if act.dtype == np.float16 else "f32", n_logits=1,
                 temperature=s.sampling.temperature, top_k=s.sampling.top_k,
-                top_p=s.sampling.top_p, seed=s.sampling.seed)
+                top_p=s.sampling.top_p, seed=s.sampling.seed,
+                bias_ids=s.sampling.bias_ids, bias_values=s.sampling.bias_values)
         flags = wire.logprob_flags(s.sampling.top_logprobs) | (wire.SEG_LANE if lane else 0)
         return t.encode(batch_id, 0, s.pos, act[0], flags=flags)
 

@@ -310,7 +310,8 @@ class StageHost:
                 else:
                     fin = self.sampler.finalize_isolated(s.session, logits, tuple(s.drafts),
                                                          Sampling(s.temperature, s.top_k, s.top_p, s.seed,
-                                                                  wire.flags_top_logprobs(s.flags)), mask)
+                                                                  wire.flags_top_logprobs(s.flags),
+                                                                  s.bias_ids, s.bias_values), mask)
                 if isinstance(fin, SamplingFailed):
                     # this session's failure: the others of the batch keep their tokens
                     results.append(wire.DataError(ref=0, batch_id=msg.batch_id, session=s.session,

@@ -138,6 +138,9 @@ class GenerationRequest:
     logprobs: int | None = None
     n: int = 1
     infill: InfillPrompt | None = None
+    # OpenAI's logit_bias as (token id, bias) pairs, checked against the vocabulary by
+    # meshnode.serve.model_server.sampling_for
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Who asked (the peer address, plus a hash of the API key it sent): speculation drafts
     # from the same client's recent requests (meshnode.spec.suffix). Empty: nobody's.
     client: str = ""

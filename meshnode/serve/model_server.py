@@ -73,7 +73,7 @@ from meshnode.serve.client import (
     Timings,
     Usage,
 )
-from meshnode.limits import MAX_CHOICES, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
+from meshnode.limits import MAX_BIAS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
 from meshnode.mesh.final import Finalized, Sampling
 from meshnode.mesh.pipeline import (
     Pipeline, PipelineFailedError, PipelineUnavailableError, Step, StepFailedError,
@@ -867,6 +867,28 @@ def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling
     if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError("top_logprobs", f"Invalid value for 'top_logprobs': {lp} "
                                   f"(expected 0..{MAX_TOP_LOGPROBS}).")
+    ids, values = _bias(req.logit_bias, n_vocab)
     if t < MIN_TEMPERATURE or p <= 0:
-        return Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=seed % SEED_SPACE, top_logprobs=lp)
-    return Sampling(temperature=float(t), top_k=top_k, top_p=float(p), seed=seed % SEED_SPACE, top_logprobs=lp)
+        return Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=seed % SEED_SPACE, top_logprobs=lp,
+                        bias_ids=ids, bias_values=values)
+    return Sampling(temperature=float(t), top_k=top_k, top_p=float(p), seed=seed % SEED_SPACE, top_logprobs=lp,
+                    bias_ids=ids, bias_values=values)
+
+
+def _bias(pairs: tuple[tuple[int, float], ...], n_vocab: int | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """``logit_bias`` pairs as :class:`Sampling`'s ascending ids and their values (zero
+    biases dropped); raises InvalidRequestError for a token outside the vocabulary."""
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError("logit_bias", f"'logit_bias' has {len(pairs)} entries (at most {MAX_LOGIT_BIAS}).")
+    bias: dict[int, float] = {}
+    for tok, v in pairs:
+        if not 0 <= tok < (n_vocab or 2**32):
+            raise InvalidRequestError("logit_bias", f"Invalid token id in 'logit_bias': {tok} (the model's "
+                                      f"vocabulary has {n_vocab} tokens).")
+        if not (math.isfinite(v) and -MAX_BIAS <= v <= MAX_BIAS):
+            raise InvalidRequestError("logit_bias", f"Invalid bias for token {tok}: {v!r} (expected "
+                                      f"-{MAX_BIAS:g}..{MAX_BIAS:g}).")
+        if v:
+            bias[tok] = v
+    ids = tuple(sorted(bias))
+    return ids, tuple(bias[i] for i in ids)

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from meshnode.limits import MAX_CHOICES, MAX_TOP_LOGPROBS
+from meshnode.limits import MAX_BIAS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from meshnode.serve.client import ChatMessage, GenerationRequest, InfillPrompt, TimingsJSON, TokenLogprob, ToolCall
 from meshnode.serve.errors import InvalidRequestError, MalformedRequestError, UnsupportedValueError
 from meshnode.serve.tools import MAX_TOOLS, json_structure, tool_specs, tool_structure
@@ -107,6 +107,21 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+_Bias = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS, allow_inf_nan=False)]
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs; raises InvalidRequestError for a key that
+    is no token id (whether the id is in the model's vocabulary is checked with the model)."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise InvalidRequestError("logit_bias", f"Invalid key in 'logit_bias': {key[:32]!r} "
+                                                    "(expected a token id).")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
 class _SamplingRequest(_Lenient):
     """Fields shared by chat and text completions."""
 
@@ -124,6 +139,8 @@ class _SamplingRequest(_Lenient):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # token id (a decimal string, JSON keys being strings) -> bias added to its logit
+    logit_bias: Annotated[dict[str, _Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = None
 
     @model_validator(mode="after")
@@ -159,6 +176,7 @@ class _SamplingRequest(_Lenient):
             seed=self.seed,
             stop=self._stops(),
             n=self.n or 1,
+            logit_bias=_logit_bias(self.logit_bias),
             **prompt,
         )
 

@@ -20,7 +20,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from meshnode.limits import DEFAULT_KV_TYPE, KV_CACHE_TYPES, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
+from meshnode.limits import (
+    DEFAULT_KV_TYPE,
+    KV_CACHE_TYPES,
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    MAX_VERIFY_WINDOW,
+)
 from meshnode.wire.errors import ErrorCode
 from meshnode.wire.schema import (
     ARRAY,
@@ -52,7 +59,8 @@ from meshnode.wire.schema import (
 # 3: SessionEnd goes to stage 1 only and every stage relays it (a stage of version 2 would
 # not, and its successors would never free the session); a stage may fail one session of
 # a Forward with DataError(NO_SUCH_SESSION).
-PROTOCOL_VERSION = 3
+# 4: Segment carries the request's logit bias (bias_ids, bias_values).
+PROTOCOL_VERSION = 4
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
 # (meshnode.net.lane); stage 0 resends it over the stream, without the bit, if it is lost.
@@ -398,6 +406,8 @@ class Segment:
 
     ``n_logits``: how many rows at the end of the segment are sampled by the final
     stage (0 = none). ``drafts``: draft token ids being verified (<= 32).
+    ``bias_ids`` / ``bias_values``: the request's logit bias (OpenAI's ``logit_bias``), added
+    to those tokens' logits before sampling; ids unique and ascending, values in -100..100.
     """
 
     session: int = wf(U64)
@@ -410,6 +420,18 @@ class Segment:
     top_p: float = wf(F32)
     seed: int = wf(U64)
     flags: int = wf(U8)
+    bias_ids: tuple[int, ...] = wf(IntList("H", U32, MAX_LOGIT_BIAS), default=())
+    bias_values: tuple[float, ...] = wf(IntList("H", F32, MAX_LOGIT_BIAS), default=())
+
+
+def _check_bias(i: int, s: Segment) -> None:
+    if len(s.bias_ids) != len(s.bias_values):
+        raise Invalid(ErrorCode.BAD_SHAPE, f"segments[{i}]: {len(s.bias_ids)} bias ids, "
+                                           f"{len(s.bias_values)} bias values")
+    if any(b <= a for a, b in zip(s.bias_ids, s.bias_ids[1:])):
+        raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: bias ids not unique and ascending")
+    if not all(-MAX_BIAS <= v <= MAX_BIAS for v in s.bias_values):   # (NaN fails too)
+        raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: a bias value outside -{MAX_BIAS:g}..{MAX_BIAS:g}")
 
 
 def _check_forward(m: Forward) -> None:
@@ -417,6 +439,8 @@ def _check_forward(m: Forward) -> None:
     for i, s in enumerate(m.segments):
         if s.n_logits > s.n_rows:
             raise Invalid(ErrorCode.BAD_SHAPE, f"segments[{i}]: n_logits {s.n_logits} > n_rows {s.n_rows}")
+        if s.bias_ids or s.bias_values:
+            _check_bias(i, s)
         rows += s.n_rows
         if s.flags >> SEG_TOP_SHIFT > (MAX_TOP_LOGPROBS if s.flags & SEG_LOGPROBS else 0):
             raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: flags {s.flags:#x} ask for too many logprobs")

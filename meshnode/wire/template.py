@@ -10,7 +10,7 @@ Fixed payload layout of a 1-segment, 0-draft Forward (offsets from the payload s
 the frame header adds 10)::
 
     0 ref u32 | 4 batch_id u64 | 12 step u32 | 16 n_segments u16 | 18 session u64
-    | 26 pos u32 | 30 n_rows u32 | ... sampling fields ... | array head | pad | 72 data
+    | 26 pos u32 | 30 n_rows u32 | ... sampling fields, logit bias ... | array head | pad | data
 """
 
 from __future__ import annotations
@@ -58,13 +58,15 @@ class DecodeTemplate:
         top_p: float = 1.0,
         seed: int = 0,
         flags: int = 0,
+        bias_ids: tuple[int, ...] = (),
+        bias_values: tuple[float, ...] = (),
     ) -> None:
         if dtype not in DTYPE_NAMES:
             raise LocalProtocolError(ErrorCode.BAD_DTYPE, f"wire dtype {dtype!r} (only f32/f16)")
         if not isinstance(width, int) or not 1 <= width <= MAX_WIDTH:
             raise LocalProtocolError(ErrorCode.BAD_SHAPE, f"width {width!r}")
         np_dtype = DTYPE_CODES[DTYPE_NAMES[dtype]]
-        seg = Segment(session, 0, 1, n_logits, (), temperature, top_k, top_p, seed, flags)
+        seg = Segment(session, 0, 1, n_logits, (), temperature, top_k, top_p, seed, flags, bias_ids, bias_values)
         proto = encode(Forward(0, 0, 0, (seg,), np.zeros((1, width), np_dtype)))
         # where the segment's flags byte sits: the one byte that differs when it does
         other = encode(Forward(0, 0, 0, (replace(seg, flags=flags ^ 1),), np.zeros((1, width), np_dtype)))
