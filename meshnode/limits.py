@@ -18,6 +18,11 @@ MAX_TOP_LOGPROBS = 20
 # (Segment.bias_ids / bias_values) refuse more entries or larger values.
 MAX_LOGIT_BIAS = 1024
 MAX_BIAS = 100.0
+# OpenAI's presence_penalty and frequency_penalty: -2..2. A step carries the counts of the
+# tokens generated before it (Segment.seen_ids / seen_counts): at most one entry per token
+# of a vocabulary (the wire's bound on one, as for grammar masks).
+MAX_PENALTY = 2.0
+MAX_SEEN = 1 << 20
 
 # Choices of one request (``n``): each holds a sequence slot on every stage.
 MAX_CHOICES = 8

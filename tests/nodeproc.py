@@ -189,9 +189,9 @@ class TwoStageSplit:
             raise
         return self.coord
 
-    def chats(self, conversations, max_tokens: int) -> list[tuple[str, dict]]:
+    def chats(self, conversations, max_tokens: int, **params) -> list[tuple[str, dict]]:
         """Greedy answers to ``conversations`` (lists of messages), one after another as
-        one client: (text, timings) each."""
+        one client: (text, timings) each. ``params``: more request fields."""
         from openai import OpenAI
 
         client = OpenAI(base_url=f"http://127.0.0.1:{self.coord.info['http_port']}/v1",
@@ -200,7 +200,7 @@ class TwoStageSplit:
         out = []
         for messages in conversations:
             r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                               temperature=0)
+                                               temperature=0, **params)
             timings = (r.model_extra or {}).get("timings") or {}
             # usage states the reused prompt tokens as OpenAI does; timings, as llama.cpp does
             assert r.usage.prompt_tokens_details.cached_tokens == timings.get("cache_n", 0), (r.usage, timings)

@@ -78,6 +78,14 @@ def _observations(port: int, model_path: Path) -> dict:
                                         "temperature": 0, "logprobs": 2, "logit_bias": {str(first): -100}})
     assert r.status_code == 200, r.text
     out["banned_logprobs"] = r.json()["choices"][0]["logprobs"]
+    # penalties: the counts travel with every step to the final stage
+    r = _post(port, "/v1/completions", {"model": model, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 12,
+                                        "temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 0.5})
+    assert r.status_code == 200, r.text
+    out["penalized"] = r.json()["choices"][0]["text"]
+    r = _post(port, "/v1/completions", {"model": model, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 12,
+                                        "temperature": 0})
+    out["unpenalized"] = r.json()["choices"][0]["text"]
     r = _post(port, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 8,
                                              "temperature": 0, "n": 2})
     assert r.status_code == 200, r.text
@@ -140,6 +148,14 @@ def test_logit_bias_forces_and_bans_tokens(single):
     assert banned["tokens"][0] != plain["tokens"][0]
     # logprobs are the model's own: the banned token still leads the alternatives
     assert next(iter(banned["top_logprobs"][0])) == plain["tokens"][0]
+
+
+def test_penalties_change_a_repetitive_answer(single):
+    _, obs = single
+    plain, penalized = obs["unpenalized"], obs["penalized"]
+    assert plain != penalized, plain
+    # the count goes on with ", " between numbers; penalized, the commas thin out
+    assert penalized.count(",") < plain.count(","), (plain, penalized)
 
 
 def test_n_choices(single):

@@ -364,12 +364,12 @@ def _poison_by_seed(monkeypatch) -> None:
     real = FinalSampler.finalize
     seen: dict[int, int] = {}
 
-    def finalize(self, session, logits, drafts, sampling: Sampling):
+    def finalize(self, session, logits, drafts, sampling: Sampling, *rest):
         if sampling.seed == POISON_SEED:
             seen[session] = seen.get(session, 0) + 1
             if seen[session] >= 3:
                 raise ValueError("poisoned on purpose")
-        return real(self, session, logits, drafts, sampling)
+        return real(self, session, logits, drafts, sampling, *rest)
 
     monkeypatch.setattr(FinalSampler, "finalize", finalize)
 

@@ -35,12 +35,12 @@ def test_a_request_whose_sampling_fails_does_not_fail_its_neighbour(smollm2, mon
     sampled: dict[int, int] = {}
     batched: list[int] = []   # sessions per finalize call of the poisoned request
 
-    def finalize(self, session, logits, drafts, sampling: Sampling):
+    def finalize(self, session, logits, drafts, sampling: Sampling, *rest):
         if sampling.seed == POISON_SEED:
             sampled[session] = sampled.get(session, 0) + 1
             if sampled[session] >= 4:     # a few tokens beside the other request first
                 raise ValueError("sampling poisoned on purpose")
-        return real(self, session, logits, drafts, sampling)
+        return real(self, session, logits, drafts, sampling, *rest)
 
     monkeypatch.setattr(FinalSampler, "finalize", finalize)
 

@@ -23,6 +23,7 @@ from meshnode.mesh.replan import fallback_options, substitute, upgrade_wanted
 from meshnode.mesh.runtime import ServeOptions
 from meshnode.serve.client import ChatMessage, GenerationRequest, TextDelta
 from meshnode.serve.errors import EngineUnavailableError
+from meshnode.mesh.final import Counts, Sampling
 from meshnode.serve.failover import RouteGate, replay_steps
 from meshnode.serve.model_server import ModelServer, ServeSettings
 from meshnode.serve.scheduler import BatchScheduler
@@ -97,6 +98,10 @@ def test_replay_uses_the_cold_prefill_chunks_then_small_chunks():
     assert all(s.n_logits == 0 and s.session == 7 for s in steps)
     checked = replay_steps(7, prompt + generated, len(prompt), 64, check_last=True)
     assert [s.n_logits for s in checked] == [0] * (len(checked) - 1) + [1]
+    # a penalized request's check is penalized by the answer so far, as the lost step was
+    penalized = replay_steps(7, prompt + [5, 9, 5], len(prompt), 64, check_last=True,
+                             sampling=Sampling(frequency=1.0))
+    assert penalized[-1].seen == Counts((5, 9), (2, 1)) and checked[-1].seen == Counts()
 
 
 def test_replay_takes_the_chunks_the_new_route_computes_exactly():

@@ -57,3 +57,21 @@ def test_a_character_split_across_steps_waits_for_its_second_byte() -> None:
     assert _text(r.take([2], tok)) == "é"
     assert _text(r.take(list(b"!z"), tok)) == "!"
     assert r.tail() == "z"   # a partial stop string is released when generation ends
+
+
+def test_a_step_is_penalized_by_the_answer_up_to_its_last_token() -> None:
+    from dataclasses import replace
+
+    from meshnode.mesh.final import Counts, Sampling
+
+    r, tok = _req(), ByteTokenizer()
+    assert r.seen_before(3) == Counts()                 # not penalized: nothing counted
+    r = replace(r, sampling=Sampling(presence=1.0))     # prompt [5, 6, 7]: positions 0..2
+    r.take([65], tok)                                   # the prefill's token, at position 3
+    assert r.seen_before(3) == Counts((65,), (1,))      # the first decode step feeds it
+    r.take([66, 65], tok)
+    assert r.seen_before(5) == Counts((65, 66), (2, 1))
+    assert r.seen_before(4) == Counts((65, 66), (1, 1))  # an earlier step, counted afresh
+    # a step sent before its tokens are taken (the next step goes first): they count too
+    assert r.seen_before(7, pending=[67, 65]) == Counts((65, 66, 67), (3, 1, 1))
+    assert r.seen_before(5) == Counts((65, 66), (2, 1))  # the pending ones were not kept

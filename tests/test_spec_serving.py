@@ -32,6 +32,9 @@ CODE_PROMPT = (
 CHAT_PROMPT = "Write a short story about a fox who learns to swim."
 PROMPTS = (CODE_PROMPT, CHAT_PROMPT)
 MAX_TOKENS = 32
+# penalties (counted over the answer, row by row inside a verify window) and a logit bias
+# (" self" all but banned): speculation must leave such answers as they are too
+PENALIZED = {"frequency_penalty": 0.4, "presence_penalty": 0.3, "logit_bias": {"639": -100}}
 NODE_FLAGS = ("--threads", "1", "--ctx", "1024", "--batch", "64", "--parallel", "1")
 
 
@@ -45,9 +48,9 @@ class Split(TwoStageSplit):
     def package_file(self) -> Path:
         return self.model.parent / "model-package.json"
 
-    def complete_all(self) -> list[tuple[str, dict]]:
+    def complete_all(self, **params) -> list[tuple[str, dict]]:
         """Greedy completions of PROMPTS: (text, timings) each."""
-        return self.chats([[{"role": "user", "content": p}] for p in PROMPTS], MAX_TOKENS)
+        return self.chats([[{"role": "user", "content": p}] for p in PROMPTS], MAX_TOKENS, **params)
 
     def spec_strategy(self) -> str:
         return self.coord.status()["spec"][0]["strategy"]
@@ -60,13 +63,21 @@ def split(smollm2, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(split) -> list[str]:
-    """Plain greedy decoding on the same split (speculation off)."""
+def references(split) -> dict[str, list[str]]:
+    """Plain greedy decoding on the same split (speculation off): of PROMPTS, and of
+    PROMPTS with the PENALIZED fields."""
     split.start("--spec-mode", "off")
     out = split.complete_all()
     assert all(t.get("draft_n", 0) == 0 for _, t in out)
     assert all(text for text, _ in out)
-    return [text for text, _ in out]
+    penalized = [text for text, _ in split.complete_all(**PENALIZED)]
+    assert penalized[0] != out[0][0] and all(penalized)
+    return {"plain": [text for text, _ in out], "penalized": penalized}
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> list[str]:
+    return references["plain"]
 
 
 @pytest.fixture
@@ -84,10 +95,13 @@ def _drafted(timings: dict) -> bool:
     return timings.get("draft_n", 0) > 0 and timings.get("draft_n_accepted", 0) > 0
 
 
-def test_ngram_on_equals_plain_greedy(split, reference):
+def test_ngram_on_equals_plain_greedy(split, references):
     split.start("--spec", "ngram", "--spec-mode", "on")
     out = split.complete_all()
-    assert [text for text, _ in out] == reference
+    assert [text for text, _ in out] == references["plain"]
+    penalized = split.complete_all(**PENALIZED)
+    assert [text for text, _ in penalized] == references["penalized"]
+    assert _drafted(penalized[0][1]), penalized[0][1]
     code_timings = out[0][1]
     assert _drafted(code_timings), code_timings
     assert code_timings["draft_n_accepted"] <= code_timings["draft_n"]

@@ -319,12 +319,12 @@ async def test_one_session_failing_at_the_final_stage_leaves_its_batch_neighbour
     real = FinalSampler.finalize
     calls: list[int] = []
 
-    def finalize(self, session, logits, drafts, sampling: Sampling):
+    def finalize(self, session, logits, drafts, sampling: Sampling, *rest):
         if sampling.seed == poison:
             calls.append(session)
             if len(calls) >= 3:          # prefill, then decodes beside the other session
                 raise ValueError("sampling poisoned on purpose")
-        return real(self, session, logits, drafts, sampling)
+        return real(self, session, logits, drafts, sampling, *rest)
 
     monkeypatch.setattr(FinalSampler, "finalize", finalize)
     good, bad = 7, 8

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from meshnode import wire
-from meshnode.mesh.final import FinalSampler, Sampling, apply_bias, apply_mask
+from meshnode.mesh.final import Counts, FinalSampler, Sampling, apply_bias, apply_mask, apply_penalties
 from meshnode.serve.client import ChatMessage, ToolCall
 from meshnode.serve.errors import InvalidRequestError
 from meshnode.serve.schemas import ChatCompletionRequest, parse_request
@@ -358,6 +358,37 @@ def test_logit_bias_moves_greedy_choices_and_verification_and_leaves_logprobs_ra
     assert forced.tokens == (9,)
     with pytest.raises(ValueError, match="vocabulary"):
         sampler.finalize(1, logits, (), Sampling(bias_ids=(10,), bias_values=(1.0,)))
+
+
+def test_penalties_count_the_drafts_before_each_row():
+    logits = np.zeros((3, 10), dtype=np.float32)
+    logits[:, 4], logits[:, 7] = 5.0, 3.0
+    out = apply_penalties(logits, (4, 6), Counts((4,), (2,)), presence=0.5, frequency=1.0)
+    assert out[0, 4] == 2.5 and out[1, 4] == 1.5 and out[2, 4] == 1.5 and out[2, 6] == -1.5
+    assert out[0, 6] == out[1, 6] == 0.0 and out[0, 7] == 3.0
+    got = FinalSampler().finalize(1, logits, (4, 4), Sampling(presence=0.5, frequency=1.0), seen=Counts((4,), (2,)))
+    assert got.tokens == (7,) and got.n_accepted == 0      # the penalized 4 loses to 7 at once
+    with pytest.raises(ValueError, match="vocabulary"):
+        apply_penalties(logits, (), Counts((10,), (1,)), 0.0, 1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 8),
+       presence=st.floats(-2, 2), frequency=st.floats(-2, 2))
+def test_a_penalized_window_verifies_what_penalized_one_row_steps_produce(seed, k, presence, frequency):
+    """A fake model whose row t is the logits after t answer tokens: greedy one-row steps,
+    counting each token, against one window drafting those same tokens."""
+    rng = np.random.default_rng(seed)
+    rows = (rng.integers(0, 4, size=(k + 1, 6)) + rng.random((k + 1, 6)) / 8).astype(np.float32)
+    sampling = Sampling(presence=presence, frequency=frequency)
+    seen: dict[int, int] = {2: 1}
+    plain = []
+    for t in range(k + 1):
+        tok = FinalSampler().finalize(1, rows[t:t + 1], (), sampling, seen=Counts.of(seen)).tokens[0]
+        plain.append(tok)
+        seen[tok] = seen.get(tok, 0) + 1
+    window = FinalSampler().finalize(1, rows, tuple(plain[:k]), sampling, seen=Counts.of({2: 1}))
+    assert window.tokens == tuple(plain) and window.n_accepted == k
 
 
 def test_a_draft_the_mask_forbids_is_rejected_and_the_bonus_is_allowed():

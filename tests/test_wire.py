@@ -86,16 +86,17 @@ GOLDEN = [
     ),
     (
         Forward(ref=1, batch_id=2, step=3, segments=(SEG,), act=np.array([[1.0, -2.0]], np.float16)),
-        # kind 0x100, length 84
-        "4d4e 01 00 0001 54000000"
+        # kind 0x100, length 100
+        "4d4e 01 00 0001 64000000"
         "01000000 0200000000000000 03000000"  # ref, batch_id, step
         "0100"  # one segment
         "0400000000000000 05000000 01000000 0100"  # session, pos, n_rows, n_logits
         "01 06000000"  # one draft: 6
         "0000003f ffffffff 0000803f 0700000000000000 00"  # temp 0.5, top_k -1, top_p 1.0, seed, flags
         "0000 0000"  # no logit bias (counts of ids and values)
-        "02 01000000 02000000"  # dtype f16, rows 1, width 2  (payload offset 75)
-        "0000000000"  # pad to offset 80
+        "00000000 00000000 00000000 00000000"  # no penalties: presence, frequency, no counts
+        "02 01000000 02000000"  # dtype f16, rows 1, width 2  (payload offset 91)
+        "0000000000"  # pad to offset 96
         "003c 00c0",  # 1.0, -2.0 as f16
     ),
 ]
@@ -247,8 +248,8 @@ def _forward(act: np.ndarray, rows: tuple[int, ...] | None = None) -> Forward:
 def _forward_payload_with(dtype_code: int, rows: int, width: int, data: bytes, n_rows: int) -> bytes:
     """A Forward payload with one segment of ``n_rows`` rows and a hand-made array part."""
     body = encode(_forward(np.zeros((n_rows, 1), np.float32)))[HEADER_SIZE:]
-    prefix = body[:62]  # ref 4, batch_id 8, step 4, count 2, one draft-less, unbiased segment 44
-    assert body[62] == 1 and body[63:67] == n_rows.to_bytes(4, "little")  # the f32 array head
+    prefix = body[:78]  # ref 4, batch_id 8, step 4, count 2, one plain segment 60
+    assert body[78] == 1 and body[79:83] == n_rows.to_bytes(4, "little")  # the f32 array head
     head = struct.pack("<BII", dtype_code, rows, width)
     return prefix + head + bytes(-(len(prefix) + len(head)) % 8) + data
 
@@ -569,3 +570,15 @@ def test_decode_template_carries_logit_bias():
     frame = bytes(t.encode(7, 1, 12, row))
     want = Forward(0, 7, 1, (Segment(9, 12, 1, 1, (), 0.0, 0, 1.0, 0, 0, (2, 5), (-100.0, 3.0)),), row[None])
     assert frame == encode(want)
+
+
+def test_penalties_round_trip_and_are_checked():
+    act = np.zeros((1, 2), np.float32)
+    seg = Segment(1, 0, 1, 1, (), 0.0, 0, 1.0, 0, 0, presence=0.5, frequency=-2.0,
+                  seen_ids=(4, 9, 70000), seen_counts=(1, 3, 2))
+    msg = Forward(0, 0, 0, (seg,), act)
+    tr(encode(msg), [msg])
+    for bad in [dict(presence=2.5), dict(frequency=float("nan")), dict(seen_counts=(1, 3)),
+                dict(seen_ids=(9, 4, 70000)), dict(seen_counts=(1, 0, 2))]:
+        with pytest.raises(LocalProtocolError):
+            encode(Forward(0, 0, 0, (dataclasses.replace(seg, **bad),), act))

@@ -45,10 +45,37 @@ class Sampling:
     # (ids unique and ascending, values in -100..100; meshnode.serve.model_server.sampling_for)
     bias_ids: tuple[int, ...] = ()
     bias_values: tuple[float, ...] = ()
+    # OpenAI's presence_penalty / frequency_penalty (-2..2): subtracted from the logit of
+    # every token the answer already holds, once / once per occurrence (Counts)
+    presence: float = 0.0
+    frequency: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence or self.frequency)
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """The tokens generated before a step's first logit row, with how often each came
+    (ids unique and ascending): what presence and frequency penalties are applied by.
+    A step carries them, so the final stage keeps no history (a new route after a
+    failover needs none)."""
+
+    ids: tuple[int, ...] = ()
+    counts: tuple[int, ...] = ()
+
+    @staticmethod
+    def of(tally: dict[int, int]) -> Counts:
+        ids = tuple(sorted(tally))
+        return Counts(ids, tuple(tally[i] for i in ids))
+
+
+NO_COUNTS = Counts()
 
 
 GREEDY = Sampling()
@@ -76,9 +103,10 @@ class FinalSampler:
         self._rngs: dict[int, np.random.Generator] = {}
 
     def finalize(self, session: int, logits: np.ndarray, drafts: tuple[int, ...],
-                 sampling: Sampling, mask: np.ndarray | None = None) -> Finalized:
+                 sampling: Sampling, mask: np.ndarray | None = None, seen: Counts = NO_COUNTS) -> Finalized:
         """``logits``: ``(len(drafts) + 1, V)`` rows for ``[last, d1..dk]``; ``mask``:
-        None, or the allowed tokens of each of those rows (uint32 words, see apply_mask)."""
+        None, or the allowed tokens of each of those rows (uint32 words, see apply_mask);
+        ``seen``: the tokens generated before ``last``'s row, for the penalties."""
         rng = None
         if not sampling.greedy:
             rng = self._rngs.get(session)
@@ -87,6 +115,8 @@ class FinalSampler:
         rows = raw = logits[-(len(drafts) + 1):]
         if sampling.bias_ids:
             rows = apply_bias(rows, sampling.bias_ids, sampling.bias_values)
+        if sampling.penalized:
+            rows = apply_penalties(rows, drafts, seen, sampling.presence, sampling.frequency)
         if mask is not None:
             if mask.shape[0] != rows.shape[0]:
                 raise ValueError(f"{mask.shape[0]} mask rows for {rows.shape[0]} logit rows")
@@ -102,15 +132,14 @@ class FinalSampler:
         return Finalized(res.tokens, res.n_accepted, len(drafts), lp)
 
     def finalize_isolated(self, session: int, logits: np.ndarray, drafts: tuple[int, ...],
-                          sampling: Sampling, mask: np.ndarray | None = None) -> Finalized | SamplingFailed:
+                          sampling: Sampling, mask: np.ndarray | None = None,
+                          seen: Counts = NO_COUNTS) -> Finalized | SamplingFailed:
         """:meth:`finalize`, with a failure returned instead of raised, so that the caller,
         which finalizes every session of one engine call in turn, hands it to this session
         alone. The session's generator is dropped: it may have advanced part way, and the
         request fails anyway."""
         try:
-            if mask is None:
-                return self.finalize(session, logits, drafts, sampling)
-            return self.finalize(session, logits, drafts, sampling, mask)
+            return self.finalize(session, logits, drafts, sampling, mask, seen)
         except Exception as exc:  # noqa: BLE001 - this session's failure, never its batch's
             log.warning("session %x: sampling failed: %s", session, exc, exc_info=not isinstance(exc, ValueError))
             self.forget(session)
@@ -127,6 +156,29 @@ def apply_bias(logits: np.ndarray, ids: tuple[int, ...], values: tuple[float, ..
         raise ValueError(f"logit bias for token {ids[-1]}, the vocabulary has {logits.shape[1]}")
     out = np.array(logits, dtype=np.float32)
     out[:, np.asarray(ids, dtype=np.intp)] += np.asarray(values, dtype=np.float32)
+    return out
+
+
+def apply_penalties(logits: np.ndarray, drafts: tuple[int, ...], seen: Counts,
+                    presence: float, frequency: float) -> np.ndarray:
+    """``logits`` ``(rows, V)`` for ``[last, d1..dk]`` with OpenAI's penalties taken off (a
+    new float32 array): row i's tokens counted in ``seen`` plus ``d1..di`` (the tokens
+    that precede it once its drafts are accepted) lose ``presence + frequency * count``.
+    An id outside the vocabulary fails the sampling. float32 throughout, so one node and
+    a split (which carries the two values as f32) compute the same numbers."""
+    rows, vocab = logits.shape
+    out = np.array(logits, dtype=np.float32)
+    tally = dict(zip(seen.ids, seen.counts))
+    p, f = np.float32(presence), np.float32(frequency)
+    for i in range(rows):
+        if i:
+            tally[drafts[i - 1]] = tally.get(drafts[i - 1], 0) + 1
+        if not tally:
+            continue
+        ids = np.fromiter(tally, dtype=np.intp, count=len(tally))
+        if ids.max() >= vocab:
+            raise ValueError(f"a penalty for token {int(ids.max())}, the vocabulary has {vocab}")
+        out[i, ids] -= f * np.fromiter(tally.values(), dtype=np.float32, count=len(tally)) + p
     return out
 
 

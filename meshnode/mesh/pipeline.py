@@ -45,7 +45,7 @@ from meshnode.engine import EngineError, Segment
 from meshnode.engine.worker import EngineWorker
 from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import Fabric
-from meshnode.mesh.final import GREEDY, FinalSampler, Finalized, Sampling, SamplingFailed
+from meshnode.mesh.final import GREEDY, NO_COUNTS, Counts, FinalSampler, Finalized, Sampling, SamplingFailed
 from meshnode.mesh.logprobs import TokenLogprobs
 from meshnode.wire.messages import WHOLE_BATCH
 
@@ -98,6 +98,8 @@ class Step:
     # grammar-constrained sampling: the allowed tokens of each logit row (n_logits rows of
     # uint32 words, mesh.final.apply_mask), or None
     mask: np.ndarray | None = None
+    # the tokens generated before this step's first logit row (a penalized request's)
+    seen: Counts = NO_COUNTS
 
     @property
     def plain_decode(self) -> bool:
@@ -155,7 +157,7 @@ class LocalPipeline:
         return [self._finalize(s, out) if s.n_logits else None for s, out in zip(steps, outs)]
 
     def _finalize(self, step: Step, logits: np.ndarray) -> Finalized | StepFailedError:
-        res = self.sampler.finalize_isolated(step.session, logits, step.drafts, step.sampling, step.mask)
+        res = self.sampler.finalize_isolated(step.session, logits, step.drafts, step.sampling, step.mask, step.seen)
         return StepFailedError(step.session, res.reason) if isinstance(res, SamplingFailed) else res
 
     async def run(self, steps: Sequence[Step]) -> list[StepResult]:
@@ -355,7 +357,9 @@ class MeshPipeline:
                          top_p=s.sampling.top_p, seed=s.sampling.seed,
                          flags=flags | wire.logprob_flags(s.sampling.top_logprobs)
                          | (wire.SEG_MASKED if s.mask is not None and s.n_logits else 0),
-                         bias_ids=s.sampling.bias_ids, bias_values=s.sampling.bias_values)
+                         bias_ids=s.sampling.bias_ids, bias_values=s.sampling.bias_values,
+                         presence=s.sampling.presence, frequency=s.sampling.frequency,
+                         seen_ids=s.seen.ids, seen_counts=s.seen.counts)
             for s in steps)
         return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
 
@@ -390,8 +394,8 @@ class MeshPipeline:
 
     def _decode_frame(self, steps: Sequence[Step], batch_id: int, act: np.ndarray,
                       lane: bool) -> memoryview | None:
-        if len(steps) != 1 or not steps[0].plain_decode:
-            return None
+        if len(steps) != 1 or not steps[0].plain_decode or steps[0].sampling.penalized:
+            return None   # (a penalized step's counts change every step: no fixed frame)
         s = steps[0]
         t = self._templates.get(s.session)
         if t is None:

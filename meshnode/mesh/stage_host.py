@@ -38,7 +38,7 @@ from meshnode import wire
 from meshnode.engine import EngineError, Segment
 from meshnode.engine.worker import EngineWorker
 from meshnode.mesh.fabric_api import Fabric
-from meshnode.mesh.final import FinalSampler, Sampling, SamplingFailed
+from meshnode.mesh.final import Counts, FinalSampler, Sampling, SamplingFailed
 from meshnode.wire.messages import WHOLE_BATCH
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,8 @@ class StageHost:
                     fin = self.sampler.finalize_isolated(s.session, logits, tuple(s.drafts),
                                                          Sampling(s.temperature, s.top_k, s.top_p, s.seed,
                                                                   wire.flags_top_logprobs(s.flags),
-                                                                  s.bias_ids, s.bias_values), mask)
+                                                                  s.bias_ids, s.bias_values, s.presence, s.frequency),
+                                                         mask, Counts(s.seen_ids, s.seen_counts))
                 if isinstance(fin, SamplingFailed):
                     # this session's failure: the others of the batch keep their tokens
                     results.append(wire.DataError(ref=0, batch_id=msg.batch_id, session=s.session,

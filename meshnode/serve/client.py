@@ -141,6 +141,9 @@ class GenerationRequest:
     # OpenAI's logit_bias as (token id, bias) pairs, checked against the vocabulary by
     # meshnode.serve.model_server.sampling_for
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties, -2..2, on the tokens the answer already holds
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # Who asked (the peer address, plus a hash of the API key it sent): speculation drafts
     # from the same client's recent requests (meshnode.spec.suffix). Empty: nobody's.
     client: str = ""

@@ -24,12 +24,13 @@ to the lost one and greedy output continues exactly.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from meshnode.limits import MAX_VERIFY_WINDOW
-from meshnode.mesh.final import GREEDY, Sampling
+from meshnode.mesh.final import GREEDY, NO_COUNTS, Counts, Sampling
 from meshnode.mesh.pipeline import PipelineUnavailableError, Step
 
 __all__ = ["RouteGate", "replay_steps"]
@@ -135,5 +136,7 @@ def replay_steps(session: int, history: Sequence[int], n_prompt: int, n_batch: i
     steps = [Step(session, a, arr[a:b], 0, (), sampling) for a, b in zip(bounds, bounds[1:])]
     if check_last and steps:
         last = steps[-1]
-        steps[-1] = Step(session, last.pos, last.tokens, 1, (), sampling)
+        # (what the lost route's step was penalized by)
+        seen = Counts.of(Counter(history[n_prompt:])) if sampling.penalized else NO_COUNTS
+        steps[-1] = Step(session, last.pos, last.tokens, 1, (), sampling, seen=seen)
     return steps

@@ -73,7 +73,7 @@ from meshnode.serve.client import (
     Timings,
     Usage,
 )
-from meshnode.limits import MAX_BIAS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
+from meshnode.limits import MAX_BIAS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
 from meshnode.mesh.final import Finalized, Sampling
 from meshnode.mesh.pipeline import (
     Pipeline, PipelineFailedError, PipelineUnavailableError, Step, StepFailedError,
@@ -868,11 +868,16 @@ def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling
         raise InvalidRequestError("top_logprobs", f"Invalid value for 'top_logprobs': {lp} "
                                   f"(expected 0..{MAX_TOP_LOGPROBS}).")
     ids, values = _bias(req.logit_bias, n_vocab)
+    penalties = {}
+    for name, v in (("presence", req.presence_penalty), ("frequency", req.frequency_penalty)):
+        if not (isinstance(v, (int, float)) and -MAX_PENALTY <= v <= MAX_PENALTY):
+            raise InvalidRequestError(f"{name}_penalty", f"Invalid value for '{name}_penalty': {v!r} "
+                                      f"(expected -{MAX_PENALTY:g}..{MAX_PENALTY:g}).")
+        penalties[name] = float(v)
+    common = dict(seed=seed % SEED_SPACE, top_logprobs=lp, bias_ids=ids, bias_values=values, **penalties)
     if t < MIN_TEMPERATURE or p <= 0:
-        return Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=seed % SEED_SPACE, top_logprobs=lp,
-                        bias_ids=ids, bias_values=values)
-    return Sampling(temperature=float(t), top_k=top_k, top_p=float(p), seed=seed % SEED_SPACE, top_logprobs=lp,
-                    bias_ids=ids, bias_values=values)
+        return Sampling(temperature=0.0, top_k=0, top_p=1.0, **common)
+    return Sampling(temperature=float(t), top_k=top_k, top_p=float(p), **common)
 
 
 def _bias(pairs: tuple[tuple[int, float], ...], n_vocab: int | None) -> tuple[tuple[int, ...], tuple[float, ...]]:

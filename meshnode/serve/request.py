@@ -21,13 +21,14 @@ import bisect
 import codecs
 import secrets
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshnode.engine.tokenizer import Tokenizer
 from meshnode.serve.client import StopMatcher, TextDelta, TokenLogprob, TopLogprob
-from meshnode.mesh.final import Sampling
+from meshnode.mesh.final import NO_COUNTS, Counts, Sampling
 from meshnode.mesh.logprobs import TokenLogprobs
 from meshnode.mesh.pipeline import Step
 from meshnode.spec.suffix import SuffixProposer
@@ -150,6 +151,27 @@ class ActiveRequest:
     client: str = ""             # whose recent texts it drafts from (meshnode.spec.suffix)
     prediction: list[int] = field(default_factory=list)   # the predicted output's tokens (drafts only)
     _utf8: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder, repr=False)
+    # generated[:_tallied], counted (seen_before: a penalized request's steps)
+    _tally: Counter[int] = field(default_factory=Counter, repr=False)
+    _tallied: int = 0
+
+    def seen_before(self, pos: int, pending: Sequence[int] = ()) -> Counts:
+        """The generated tokens a step of ``last`` at ``pos`` is penalized by: those at
+        positions up to ``pos``, ``last`` included (``pending``: tokens generated after
+        ``generated``, not taken yet). Counted once as they come, so a step costs the
+        distinct tokens, not the answer's length."""
+        if not self.sampling.penalized:
+            return NO_COUNTS
+        n = pos - len(self.prompt) + 1
+        if not 0 <= n <= len(self.generated) + len(pending):
+            raise ValueError(f"a step at {pos} after {len(self.generated) + len(pending)} generated tokens")
+        self._tally.update(self.generated[self._tallied:n])
+        self._tallied = max(self._tallied, min(n, len(self.generated)))
+        if n == self._tallied:
+            return Counts.of(self._tally)
+        if n > self._tallied:   # and pending tokens
+            return Counts.of(self._tally + Counter(pending[:n - self._tallied]))
+        return Counts.of(Counter(self.generated[:n]))   # a step behind the count (none the decoder sends)
 
     @property
     def remaining(self) -> int:

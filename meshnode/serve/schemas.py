@@ -156,9 +156,6 @@ class _SamplingRequest(_Lenient):
     def _common_checks(self) -> None:
         if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
             raise InvalidRequestError("stop", "Stop strings must be non-empty.")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                log.debug("ignoring %s=%s (not implemented)", name, getattr(self, name))
 
     def _stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -177,6 +174,8 @@ class _SamplingRequest(_Lenient):
             stop=self._stops(),
             n=self.n or 1,
             logit_bias=_logit_bias(self.logit_bias),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             **prompt,
         )
 

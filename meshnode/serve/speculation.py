@@ -309,12 +309,13 @@ class SpeculativeDecoder:
             guess.withdraw()
         if (self._draft_of(req) is not None and self.policy.should_draft) or req.constraint is not None:
             return   # (a draft model not drafting, cooling down, leaves plain steps: sent ahead)
-        req.ahead = await self._next_step(req, pos, tokens[-1])
+        req.ahead = await self._next_step(req, pos, tokens[-1], tokens)
         await asyncio.sleep(0)   # the scheduler starts it before the caller goes on
 
-    async def _next_step(self, req: ActiveRequest, pos: int, last: int) -> SentStep:
+    async def _next_step(self, req: ActiveRequest, pos: int, last: int, pending: Sequence[int] = ()) -> SentStep:
         """Send the step of ``last`` at ``pos``: a verify window when the policy drafts
-        and the proposer has drafts, else a plain step."""
+        and the proposer has drafts, else a plain step. ``pending``: the tokens generated
+        since ``req.generated`` was last extended (``last`` among them)."""
         t0 = time.perf_counter()
         drafts: list[int] = []
         by_model = False
@@ -345,7 +346,7 @@ class SpeculativeDecoder:
                 by_model = bool(drafts)
             drafts = [int(t) for t in drafts[:k]]
             self.telemetry.set_window(k)
-        return self._send(req, pos, last, drafts, t0=t0, by_model=by_model)
+        return self._send(req, pos, last, drafts, t0=t0, by_model=by_model, pending=pending)
 
     def stats(self) -> SpecStats:
         """The model's speculation counters, with what sizes its windows: the learned
@@ -367,10 +368,11 @@ class SpeculativeDecoder:
         fut.add_done_callback(self._remembering.discard)
 
     def _send(self, req: ActiveRequest, pos: int, last: int, drafts: list[int], *,
-              lookahead: bool = False, t0: float | None = None, by_model: bool = False) -> SentStep:
+              lookahead: bool = False, t0: float | None = None, by_model: bool = False,
+              pending: Sequence[int] = ()) -> SentStep:
         mask = req.constraint.masks(drafts) if req.constraint is not None else None
         step = Step(req.session, pos, np.asarray([last, *drafts], dtype=np.int32), len(drafts) + 1,
-                    tuple(drafts), req.sampling, mask)
+                    tuple(drafts), req.sampling, mask, req.seen_before(pos, pending))
         company = self.scheduler.company
         return SentStep(step, self.scheduler.enqueue(step, req.epoch),
                         time.perf_counter() if t0 is None else t0, lookahead, by_model, company)
@@ -378,9 +380,10 @@ class SpeculativeDecoder:
     def _look_ahead(self, req: ActiveRequest, step: SentStep, ngram: SuffixProposer) -> SentStep | None:
         """Send the window that follows ``step`` if it is fully accepted and its bonus is
         the proposer's next token (see :mod:`meshnode.spec.lookahead` for when)."""
-        # (a constrained request's masks follow its committed tokens: no guessing ahead)
+        # (a constrained request's masks, and a penalized one's counts, follow its
+        # committed tokens: no guessing ahead)
         if (not step.drafts or not self._split or not req.sampling.greedy
-                or req.constraint is not None
+                or req.constraint is not None or req.sampling.penalized
                 or self.draft is not None or not self.policy.should_draft
                 or self.scheduler.decoding != 1 or not self.gate.allow()):
             return None

@@ -25,6 +25,8 @@ from meshnode.limits import (
     KV_CACHE_TYPES,
     MAX_BIAS,
     MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_SEEN,
     MAX_TOP_LOGPROBS,
     MAX_VERIFY_WINDOW,
 )
@@ -59,7 +61,8 @@ from meshnode.wire.schema import (
 # 3: SessionEnd goes to stage 1 only and every stage relays it (a stage of version 2 would
 # not, and its successors would never free the session); a stage may fail one session of
 # a Forward with DataError(NO_SUCH_SESSION).
-# 4: Segment carries the request's logit bias (bias_ids, bias_values).
+# 4: Segment carries the request's logit bias (bias_ids, bias_values) and penalties
+# (presence, frequency, and the counts of the tokens generated before it).
 PROTOCOL_VERSION = 4
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
@@ -408,6 +411,9 @@ class Segment:
     stage (0 = none). ``drafts``: draft token ids being verified (<= 32).
     ``bias_ids`` / ``bias_values``: the request's logit bias (OpenAI's ``logit_bias``), added
     to those tokens' logits before sampling; ids unique and ascending, values in -100..100.
+    ``presence`` / ``frequency``: OpenAI's penalties (-2..2), applied by ``seen_ids`` /
+    ``seen_counts``, the tokens generated before the segment's first logit row and how
+    often each came (ids unique and ascending, counts >= 1).
     """
 
     session: int = wf(U64)
@@ -422,13 +428,31 @@ class Segment:
     flags: int = wf(U8)
     bias_ids: tuple[int, ...] = wf(IntList("H", U32, MAX_LOGIT_BIAS), default=())
     bias_values: tuple[float, ...] = wf(IntList("H", F32, MAX_LOGIT_BIAS), default=())
+    presence: float = wf(F32, default=0.0)
+    frequency: float = wf(F32, default=0.0)
+    seen_ids: tuple[int, ...] = wf(IntList("I", U32, MAX_SEEN), default=())
+    seen_counts: tuple[int, ...] = wf(IntList("I", U32, MAX_SEEN), default=())
+
+
+def _ascending(ids: tuple[int, ...]) -> bool:
+    return all(a < b for a, b in zip(ids, ids[1:]))
+
+
+def _check_penalties(i: int, s: Segment) -> None:
+    if not (-MAX_PENALTY <= s.presence <= MAX_PENALTY and -MAX_PENALTY <= s.frequency <= MAX_PENALTY):
+        raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: a penalty outside -{MAX_PENALTY:g}..{MAX_PENALTY:g}")
+    if len(s.seen_ids) != len(s.seen_counts):
+        raise Invalid(ErrorCode.BAD_SHAPE, f"segments[{i}]: {len(s.seen_ids)} seen ids, "
+                                           f"{len(s.seen_counts)} counts")
+    if not _ascending(s.seen_ids) or not all(s.seen_counts):
+        raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: seen ids not unique and ascending, or a count of 0")
 
 
 def _check_bias(i: int, s: Segment) -> None:
     if len(s.bias_ids) != len(s.bias_values):
         raise Invalid(ErrorCode.BAD_SHAPE, f"segments[{i}]: {len(s.bias_ids)} bias ids, "
                                            f"{len(s.bias_values)} bias values")
-    if any(b <= a for a, b in zip(s.bias_ids, s.bias_ids[1:])):
+    if not _ascending(s.bias_ids):
         raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: bias ids not unique and ascending")
     if not all(-MAX_BIAS <= v <= MAX_BIAS for v in s.bias_values):   # (NaN fails too)
         raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: a bias value outside -{MAX_BIAS:g}..{MAX_BIAS:g}")
@@ -441,6 +465,8 @@ def _check_forward(m: Forward) -> None:
             raise Invalid(ErrorCode.BAD_SHAPE, f"segments[{i}]: n_logits {s.n_logits} > n_rows {s.n_rows}")
         if s.bias_ids or s.bias_values:
             _check_bias(i, s)
+        if s.presence or s.frequency or s.seen_ids or s.seen_counts:
+            _check_penalties(i, s)
         rows += s.n_rows
         if s.flags >> SEG_TOP_SHIFT > (MAX_TOP_LOGPROBS if s.flags & SEG_LOGPROBS else 0):
             raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: flags {s.flags:#x} ask for too many logprobs")
