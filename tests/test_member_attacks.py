@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 
 import numpy as np
@@ -143,7 +144,12 @@ def _garbage(rng: random.Random, a_id: str, b_id: str) -> list[tuple[str, str, o
                        n_rows=2, n_logits=rng.randint(0, 2), drafts=tuple(rng.getrandbits(32) for _ in range(rng.randint(0, 3))),
                        temperature=rng.choice([0.0, 1.0, float("nan"), float("inf")]), top_k=rng.randint(-5, 2**31 - 1),
                        top_p=rng.choice([1.0, -1.0, float("nan")]), seed=rng.getrandbits(64),
-                       flags=rng.choice([0, wire.SEG_LANE, wire.SEG_MASKED, wire.logprob_flags(rng.randint(0, 20))]))
+                       flags=rng.choice([0, wire.SEG_LANE, wire.SEG_MASKED, wire.logprob_flags(rng.randint(0, 20))]),
+                       # a bias or penalty counts for tokens past the vocabulary, or many
+                       bias_ids=rng.choice([(), (5,), (2**32 - 1,)]), bias_values=(),
+                       presence=rng.choice([0.0, 2.0]), frequency=rng.choice([0.0, -2.0]),
+                       seen_ids=rng.choice([(), (3, 2**31), tuple(range(0, 200_000, 3))]), seen_counts=())
+    seg = dataclasses.replace(seg, bias_values=(100.0,) * len(seg.bias_ids), seen_counts=(7,) * len(seg.seen_ids))
     act = np.full((2, rng.choice([N_EMBD, 7])), rng.choice([0.0, 1e30, float("nan")]), dtype=np.float32)
     term = rng.choice([0, 1, 2**64 - 1])
     good = wire.encode(wire.Forward(0, rng.getrandbits(64), 0, (seg,), act))

@@ -5,6 +5,7 @@ application at the final stage, and the GrammarMask frame."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -374,21 +375,27 @@ def test_penalties_count_the_drafts_before_each_row():
 
 @settings(max_examples=200, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 8),
-       presence=st.floats(-2, 2), frequency=st.floats(-2, 2))
-def test_a_penalized_window_verifies_what_penalized_one_row_steps_produce(seed, k, presence, frequency):
+       presence=st.floats(-2, 2), frequency=st.floats(-2, 2),
+       before=st.dictionaries(st.integers(0, 5), st.integers(1, 4), max_size=4))
+def test_a_penalized_window_verifies_what_penalized_one_row_steps_produce(seed, k, presence, frequency, before):
     """A fake model whose row t is the logits after t answer tokens: greedy one-row steps,
     counting each token, against one window drafting those same tokens."""
     rng = np.random.default_rng(seed)
     rows = (rng.integers(0, 4, size=(k + 1, 6)) + rng.random((k + 1, 6)) / 8).astype(np.float32)
     sampling = Sampling(presence=presence, frequency=frequency)
-    seen: dict[int, int] = {2: 1}
+    seen = dict(before)
     plain = []
     for t in range(k + 1):
         tok = FinalSampler().finalize(1, rows[t:t + 1], (), sampling, seen=Counts.of(seen)).tokens[0]
         plain.append(tok)
         seen[tok] = seen.get(tok, 0) + 1
-    window = FinalSampler().finalize(1, rows, tuple(plain[:k]), sampling, seen=Counts.of({2: 1}))
+    window = FinalSampler().finalize(1, rows, tuple(plain[:k]), sampling, seen=Counts.of(before))
     assert window.tokens == tuple(plain) and window.n_accepted == k
+    # and bit for bit: each window row is the one-row step's penalized row
+    penalized = apply_penalties(rows, tuple(plain[:k]), Counts.of(before), presence, frequency)
+    for i in range(k + 1):
+        one = apply_penalties(rows[i:i + 1], (), Counts.of(Counter(before) + Counter(plain[:i])), presence, frequency)
+        assert penalized[i].tobytes() == one[0].tobytes()
 
 
 def test_a_draft_the_mask_forbids_is_rejected_and_the_bonus_is_allowed():

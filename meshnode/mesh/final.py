@@ -168,17 +168,22 @@ def apply_penalties(logits: np.ndarray, drafts: tuple[int, ...], seen: Counts,
     a split (which carries the two values as f32) compute the same numbers."""
     rows, vocab = logits.shape
     out = np.array(logits, dtype=np.float32)
-    tally = dict(zip(seen.ids, seen.counts))
     p, f = np.float32(presence), np.float32(frequency)
-    for i in range(rows):
-        if i:
-            tally[drafts[i - 1]] = tally.get(drafts[i - 1], 0) + 1
-        if not tally:
-            continue
-        ids = np.fromiter(tally, dtype=np.intp, count=len(tally))
-        if ids.max() >= vocab:
-            raise ValueError(f"a penalty for token {int(ids.max())}, the vocabulary has {vocab}")
-        out[i, ids] -= f * np.fromiter(tally.values(), dtype=np.float32, count=len(tally)) + p
+    ids = np.asarray(seen.ids, dtype=np.intp)
+    if ids.size:
+        if ids[-1] >= vocab:   # ascending (the wire checks it)
+            raise ValueError(f"a penalty for token {int(ids[-1])}, the vocabulary has {vocab}")
+        counts = np.asarray(seen.counts, dtype=np.float32)
+        out[:, ids] -= f * counts + p   # every row: vectorized, whatever the answer's length
+    # then each row's drafts before it, a few tokens, with the same float32 formula
+    extra: dict[int, int] = {}
+    for i in range(1, rows):
+        tok = drafts[i - 1]
+        extra[tok] = extra.get(tok, 0) + 1
+        for t, n in extra.items():
+            at = int(np.searchsorted(ids, t))
+            c = n + (seen.counts[at] if at < ids.size and ids[at] == t else 0)
+            out[i, t] = np.float32(logits[i, t]) - (f * np.float32(c) + p)
     return out
 
 
