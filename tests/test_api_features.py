@@ -67,6 +67,17 @@ def _observations(port: int, model_path: Path) -> dict:
                                         "max_tokens": 5, "temperature": 0, "logprobs": 2})
     assert r.status_code == 200, r.text
     out["text_logprobs"] = r.json()["choices"][0]["logprobs"]
+    # the same prompt as token ids (as the text path tokenizes it, BOS included)
+    from meshnode.engine.tokenizer import Tokenizer
+
+    ids = Tokenizer(model_path).encode("The capital of France is", add_bos=True)
+    r = _post(port, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 5, "temperature": 0,
+                                        "logprobs": 2})
+    assert r.status_code == 200, r.text
+    out["ids_logprobs"] = r.json()["choices"][0]["logprobs"]
+    out["ids_usage"] = r.json()["usage"]["prompt_tokens"], len(ids)
+    r = _post(port, "/v1/completions", {"model": model, "prompt": [1, 10**9], "max_tokens": 5})
+    out["ids_bad"] = r.status_code, r.json()["error"]["param"], "10000000" in r.json()["error"]["message"]
     # logit_bias: +100 on one token at every step; -100 on the greedy answer's first token
     blue = _token_id(model_path, " blue")
     r = _post(port, "/v1/completions", {"model": model, "prompt": "The capital of France is", "max_tokens": 3,
@@ -139,6 +150,14 @@ def test_logprobs_are_log_softmax_shaped_and_streamed_the_same(single):
     assert len(text["tokens"]) == len(text["token_logprobs"]) == len(text["top_logprobs"]) == 5
     assert all(len(t) == 2 for t in text["top_logprobs"])
     assert text["text_offset"][0] == 0 and text["text_offset"] == sorted(text["text_offset"])
+
+
+def test_a_prompt_of_token_ids_is_the_same_prompt(single):
+    _, obs = single
+    assert obs["ids_logprobs"] == obs["text_logprobs"]
+    n, want = obs["ids_usage"]
+    assert n == want
+    assert obs["ids_bad"] == (400, "prompt", True)
 
 
 def test_logit_bias_forces_and_bans_tokens(single):

@@ -354,8 +354,11 @@ def test_bad_parameters_are_400_with_param(base_url: str, patch: dict[str, objec
 def test_missing_field_is_400(base_url: str) -> None:
     err = _error(_post(base_url, "/chat/completions", {"model": MODEL}), 400)
     assert err["param"] == "messages" and "Missing required parameter" in str(err["message"])
-    err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": [1, 2, 3]}), 400)
-    assert (err["param"], err["code"]) == ("prompt", "unsupported_value")
+    for batched in (["a", "b"], [[1, 2], [3]], [], ["a", 1]):
+        err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": batched}), 400)
+        assert err["param"] == "prompt", batched
+    err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": [1, 2], "suffix": "x"}), 400)
+    assert err["param"] == "suffix"
     err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}), 400)
     assert err["param"] == "suffix"
 

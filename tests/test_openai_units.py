@@ -207,6 +207,10 @@ def test_completion_request_single_prompt_list() -> None:
     body = parse_request(CompletionRequest, b'{"model": "m", "prompt": ["a", "b"]}')
     with pytest.raises(UnsupportedValueError):
         body.to_generation_request("cmpl-2")
+    # token ids, alone or as the one prompt of a list, go to the model as given
+    for raw in (b"[5, 6, 7]", b"[[5, 6, 7]]"):
+        req = parse_request(CompletionRequest, b'{"model": "m", "prompt": ' + raw + b'}').to_generation_request("c")
+        assert (req.prompt_ids, req.prompt) == ((5, 6, 7), None)
 
 
 def test_sse_data() -> None:

@@ -112,8 +112,8 @@ class InfillPrompt:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """What to generate. Exactly one of ``messages`` (chat), ``prompt`` (raw text) and
-    ``infill`` (fill-in-the-middle) is set.
+    """What to generate. Exactly one of ``messages`` (chat), ``prompt`` (raw text),
+    ``prompt_ids`` (token ids, as given) and ``infill`` (fill-in-the-middle) is set.
 
     ``max_tokens`` None means "until the context is full". ``top_k`` None or 0 disables
     top-k. ``stop`` strings are matched on the generated text (not on the prompt).
@@ -138,6 +138,7 @@ class GenerationRequest:
     logprobs: int | None = None
     n: int = 1
     infill: InfillPrompt | None = None
+    prompt_ids: tuple[int, ...] | None = None
     # OpenAI's logit_bias as (token id, bias) pairs, checked against the vocabulary by
     # meshnode.serve.model_server.sampling_for
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -151,8 +152,8 @@ class GenerationRequest:
     prediction: str | None = None
 
     def __post_init__(self) -> None:
-        if sum(x is not None for x in (self.messages, self.prompt, self.infill)) != 1:
-            raise ValueError("GenerationRequest needs exactly one of messages, prompt and infill")
+        if sum(x is not None for x in (self.messages, self.prompt, self.prompt_ids, self.infill)) != 1:
+            raise ValueError("GenerationRequest needs exactly one of messages, prompt, prompt_ids and infill")
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,11 +215,19 @@ class ModelServer:
                 return self.tokenizer.apply_chat_template(msgs, tools)
             msgs = [{"role": m.role, "content": m.content} for m in req.messages]
             return self.tokenizer.apply_chat_template(msgs)
+        if req.prompt_ids is not None:
+            n_vocab = getattr(self.tokenizer, "n_vocab", None)
+            bad = next((t for t in req.prompt_ids if not 0 <= t < (n_vocab or 2**31)), None)
+            if bad is not None:
+                raise InvalidRequestError("prompt", f"Invalid token id in 'prompt': {bad} (the model's "
+                                                    f"vocabulary has {n_vocab} tokens).")
+            return list(req.prompt_ids), []
         return self.tokenizer.encode(req.prompt or "", add_bos=True), []
 
     async def _tokenize(self, req: GenerationRequest) -> tuple[list[int], list[str]]:
         n_chars = (sum(len(m.content) for m in req.messages) if req.messages is not None
-                   else req.infill.n_chars if req.infill is not None else len(req.prompt or ""))
+                   else req.infill.n_chars if req.infill is not None
+                   else len(req.prompt_ids) if req.prompt_ids is not None else len(req.prompt or ""))
         n_ctx = self.settings.n_ctx
         if n_chars > n_ctx * MAX_CHARS_PER_TOKEN:
             raise PromptTooLongError(n_chars // MAX_CHARS_PER_TOKEN, n_ctx, at_least=True)

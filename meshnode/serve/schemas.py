@@ -276,12 +276,17 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of not in (None, 1, self.n):
             raise UnsupportedValueError("best_of", "best_of other than n is not supported.")
         prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]      # one prompt in a list: text, or token ids
         if isinstance(prompt, list):
-            if len(prompt) != 1 or not isinstance(prompt[0], str):
-                raise UnsupportedValueError(
-                    "prompt", "Only a single text prompt is supported (no batches, no token ids)."
-                )
-            prompt = prompt[0]
+            if not prompt or not all(isinstance(t, int) for t in prompt):
+                raise UnsupportedValueError("prompt", "Only a single prompt is supported (text or a "
+                                                      "non-empty list of token ids; no batches).")
+            if self.suffix:
+                raise UnsupportedValueError("suffix", "suffix needs a text prompt.")
+            # token ids as given (no BOS added), checked against the vocabulary with the model
+            return self._generation_request(request_id, self.max_tokens, prompt_ids=tuple(prompt),
+                                            logprobs=self.logprobs)
         if self.suffix:   # fill in the middle: the prompt is what comes before the cursor
             return self._generation_request(request_id, self.max_tokens, logprobs=self.logprobs,
                                             infill=InfillPrompt(prefix=prompt, suffix=self.suffix))
