@@ -12,7 +12,10 @@ It is part of the mesh's data plane: the stage host of a final stage
 A step may carry allowed-token masks, one per logit row (grammar-constrained sampling;
 stage 0 computes them, :mod:`meshnode.serve.structured`): the logits outside a row's
 mask are set to -inf before sampling or verifying, so a forbidden draft is rejected like
-any other mismatch and the bonus token is always allowed.
+any other mismatch and the bonus token is always allowed. Before the masks come the
+request's logit bias and its presence and frequency penalties; a step carries the counts
+of the tokens generated before it (:class:`Counts`), so the final stage keeps no history
+of a session and a route that replaces a lost one needs none.
 
 Sampling is per session, so its failures are too: a session whose logits or sampling
 parameters make it raise (NaN logits, a value the sampler cannot take) fails alone, and
