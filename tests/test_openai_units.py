@@ -4,6 +4,7 @@ keep-alive pump and request conversion."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -211,6 +212,14 @@ def test_completion_request_single_prompt_list() -> None:
     for raw in (b"[5, 6, 7]", b"[[5, 6, 7]]"):
         req = parse_request(CompletionRequest, b'{"model": "m", "prompt": ' + raw + b'}').to_generation_request("c")
         assert (req.prompt_ids, req.prompt) == ((5, 6, 7), None)
+    # bounded while parsing (off the event loop), with a message that says which bound
+    from meshnode.serve.schemas import MAX_PROMPT_IDS, MAX_PROMPTS
+
+    for prompt, why in (([1] * (MAX_PROMPT_IDS + 1), "token ids"), ([[1] * (MAX_PROMPT_IDS + 1)], "token ids"),
+                        (["a"] * (MAX_PROMPTS + 1), "prompts")):
+        with pytest.raises(InvalidRequestError, match=why) as ei:
+            parse_request(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}).encode())
+        assert ei.value.param == "prompt"
 
 
 def test_sse_data() -> None:

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from meshnode.limits import MAX_BIAS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from meshnode.serve.client import ChatMessage, GenerationRequest, InfillPrompt, TimingsJSON, TokenLogprob, ToolCall
@@ -106,6 +106,11 @@ class ChatMessageIn(_Lenient):
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
+
+# A completion prompt of token ids: a context's worth at most (llama.cpp's is < 2^20); and
+# how many prompts a list may hold before the request is refused as a batch.
+MAX_PROMPT_IDS = 1 << 20
+MAX_PROMPTS = 1024
 
 _Bias = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS, allow_inf_nan=False)]
 
@@ -261,7 +266,20 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # (bounded in the parsing thread, so turning ids into a request on the loop stays short)
+    prompt: (str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)]
+             | Annotated[list[Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)]], Field(max_length=MAX_PROMPTS)])
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bounded(cls, v: Any) -> Any:
+        # said here: past the bounds above, the union's error would name its first branch
+        if isinstance(v, list) and (len(v) > MAX_PROMPT_IDS or v and isinstance(v[0], list)
+                                    and len(v[0]) > MAX_PROMPT_IDS):
+            raise ValueError(f"at most {MAX_PROMPT_IDS} token ids")
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts")
+        return v
     suffix: str | None = None
     echo: bool | None = False
     best_of: int | None = None
