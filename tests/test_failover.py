@@ -35,11 +35,11 @@ MAX_TOKENS = 240
 class Stream:
     """One streaming greedy chat request on its own thread: data lines with arrival times."""
 
-    def __init__(self, port: int, model: str, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, port: int, model: str, max_tokens: int = MAX_TOKENS, **params) -> None:
         self.lines: list[tuple[float, str]] = []    # (unix time, data)
         self.error: BaseException | None = None
         self._req = dict(model=model, stream=True, max_tokens=max_tokens, temperature=0,
-                         messages=[{"role": "user", "content": STORY}])
+                         messages=[{"role": "user", "content": STORY}], **params)
         self._url = f"http://127.0.0.1:{port}/v1/chat/completions"
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -129,8 +129,8 @@ def _complete(coord, model: str, max_tokens: int = 24, others=()) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def _kill_mid_stream(coord, victim, model: str) -> Stream:
-    s = Stream(coord.http_port, model)
+def _kill_mid_stream(coord, victim, model: str, **params) -> Stream:
+    s = Stream(coord.http_port, model, **params)
     wait_for(lambda: s.content_chunks() >= 12, 60, 0.005)
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(5)
@@ -160,16 +160,17 @@ def _wait_serving(coord, timeout: float = 60.0) -> None:
 def test_kill_of_the_peer_stage_mid_stream_continues_exactly_with_speculation(smollm2, tmp_path):
     """3 nodes holding the model, a 2-stage split with n-gram speculation on: the stage-1
     node is killed mid-stream; the third node takes its range and the stream completes
-    with the uninterrupted run's text."""
+    with the uninterrupted run's text. The request is penalized: the new final stage has
+    no history of it, and needs none (each step carries the counts)."""
     coord, helpers = _cluster(smollm2, tmp_path, ["a", "b", "c"], "--split", "2", "--spec-mode", "on")
     try:
         model = _model(coord)
-        reference = Stream(coord.http_port, model).join().text
+        reference = Stream(coord.http_port, model, frequency_penalty=0.2, presence_penalty=0.1).join().text
         assert len(reference) > 200, reference
         first = _stage_nodes(coord)
         victim = next(h for h in helpers.values() if h.node_id == first[1])
         spare = next(h for h in helpers.values() if h is not victim)
-        s = _kill_mid_stream(coord, victim, model)
+        s = _kill_mid_stream(coord, victim, model, frequency_penalty=0.2, presence_penalty=0.1)
         s.join()
         _assert_exact(s, reference)
         fo = _failover(coord)
