@@ -17,6 +17,7 @@ import numpy as np
 import openai
 import pytest
 
+from meshnode import wire
 from meshnode.mesh.final import FinalSampler
 from meshnode.serve.app import create_app
 from meshnode.serve.http_guard import HttpSecurity
@@ -378,6 +379,12 @@ def test_every_valid_sampling_request_samples() -> None:
         except InvalidRequestError:
             return
         FinalSampler().finalize(1, logits, (5, 6), sampling)
+        # a split's final stage gets these values through the wire's float32 fields: the
+        # very same ones, so one node and a split sample alike
+        seg = wire.decode(wire.encode(wire.Forward(0, 0, 0, (wire.Segment(
+            1, 0, 1, 1, (), sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, 0),),
+            np.zeros((1, 1), np.float32)))).segments[0]
+        assert (seg.temperature, seg.top_p) == (sampling.temperature, sampling.top_p)
 
     check()
 

@@ -117,6 +117,8 @@ INLINE_DIFF_TOKENS = 512
 # Below this temperature sampling is greedy: logits divided by a denormal overflow to inf
 # and the distribution turns NaN (the final stage would fail the whole batch).
 MIN_TEMPERATURE = 1e-3
+# above OpenAI's 2 (the API's bound), below float32's range (the wire's)
+MAX_TEMPERATURE = 1e6
 MAX_TOP_K = 2**31 - 1          # the wire's i32 (wire/messages.py Segment.top_k)
 SEED_SPACE = 2**64             # the wire's u64 (Segment.seed)
 # At shutdown, how long requests ended after the grace get to hand their error over
@@ -855,12 +857,18 @@ def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling
     at once, so one value that raises there fails every request beside it): seed None or
     -1 is random (llama.cpp's and many clients' spelling), another negative seed is taken
     modulo 2**64; top_k <= 0 or >= the vocabulary is off; top_p <= 0 and temperatures
-    below MIN_TEMPERATURE are greedy."""
+    below MIN_TEMPERATURE are greedy.
+
+    Temperature and top_p are rounded to float32 first: the wire carries them so, and one
+    node sampling with the very values a split's final stage gets draws the same tokens
+    (a top_p of 1e-300 would otherwise reach the final stage as 0, which no sampler takes)."""
     t, p = req.temperature, req.top_p
-    if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
-        raise InvalidRequestError("temperature", f"Invalid value for 'temperature': {t!r} (expected >= 0).")
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):
+        raise InvalidRequestError("temperature", f"Invalid value for 'temperature': {t!r} "
+                                  f"(expected 0..{MAX_TEMPERATURE:g}).")
     if not (isinstance(p, (int, float)) and math.isfinite(p) and p <= 1):
         raise InvalidRequestError("top_p", f"Invalid value for 'top_p': {p!r} (expected 0..1).")
+    t, p = float(np.float32(t)), float(np.float32(p))
     top_k = req.top_k or 0
     if top_k > MAX_TOP_K:
         raise InvalidRequestError("top_k", f"Invalid value for 'top_k': {top_k} (expected at most {MAX_TOP_K}).")
