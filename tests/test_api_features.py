@@ -116,6 +116,13 @@ def _observations(port: int, model_path: Path) -> dict:
         for ch in c["choices"]:
             texts[ch["index"]] += ch["delta"].get("content") or ""
     out["sampled_n2_stream"] = texts
+    # min_p 1 keeps the most probable token only: sampling then gives the greedy answer
+    r = _post(port, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 8,
+                                             "temperature": 1.0, "seed": 3, "min_p": 1.0})
+    out["min_p_1"] = r.json()["choices"][0]["message"]["content"]
+    r = _post(port, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 8,
+                                             "temperature": 1.0, "seed": 3, "min_p": 0.2})
+    out["min_p_02"] = r.json()["choices"][0]["message"]["content"]
     out["sampled_n2_finishes"] = sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"])
     return out
 
@@ -179,6 +186,8 @@ def test_penalties_change_a_repetitive_answer(single):
 
 def test_n_choices(single):
     _, obs = single
+    assert obs["min_p_1"] == obs["greedy_n2"][0]
+    assert obs["min_p_02"]
     a, b = obs["greedy_n2"]
     assert a == b and a
     assert obs["greedy_n2_usage"]["completion_tokens"] >= 2

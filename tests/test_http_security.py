@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from meshnode import wire
-from meshnode.mesh.final import FinalSampler
+from meshnode.mesh.final import Counts, FinalSampler, sampling_of, segment_fields
 from meshnode.serve.app import create_app
 from meshnode.serve.http_guard import HttpSecurity
 from meshnode.serve.model_server import ModelServer, ServeSettings
@@ -370,21 +370,22 @@ def test_every_valid_sampling_request_samples() -> None:
     @settings(max_examples=300, deadline=None)
     @given(t=st.floats(0, 2), p=st.floats(0, 1), k=st.one_of(st.none(), st.integers(-1, 2**31 - 1)),
            seed=st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
-           bias=st.lists(st.tuples(st.integers(-1, VOCAB), st.floats(-100, 100)), max_size=8))
-    def check(t, p, k, seed, bias):
+           bias=st.lists(st.tuples(st.integers(-1, VOCAB), st.floats(-100, 100)), max_size=8),
+           min_p=st.floats(0, 1), presence=st.floats(-2, 2), lp=st.one_of(st.none(), st.integers(0, 20)))
+    def check(t, p, k, seed, bias, min_p, presence, lp):
         req = GenerationRequest("r", MODEL, prompt="x", temperature=t, top_p=p, top_k=k, seed=seed,
-                                logit_bias=tuple(bias))
+                                logit_bias=tuple(bias), min_p=min_p, presence_penalty=presence, logprobs=lp)
         try:
             sampling = sampling_for(req, VOCAB)
         except InvalidRequestError:
             return
-        FinalSampler().finalize(1, logits, (5, 6), sampling)
-        # a split's final stage gets these values through the wire's float32 fields: the
-        # very same ones, so one node and a split sample alike
+        FinalSampler().finalize(1, logits, (5, 6), sampling, seen=Counts((5,), (2,)))
+        # a split's final stage gets the sampling through the wire's float32 fields: the
+        # very same values, so one node and a split sample alike
         seg = wire.decode(wire.encode(wire.Forward(0, 0, 0, (wire.Segment(
-            1, 0, 1, 1, (), sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, 0),),
+            1, 0, 1, 1, (), flags=wire.logprob_flags(sampling.top_logprobs), **segment_fields(sampling)),),
             np.zeros((1, 1), np.float32)))).segments[0]
-        assert (seg.temperature, seg.top_p) == (sampling.temperature, sampling.top_p)
+        assert sampling_of(seg, wire.flags_top_logprobs(seg.flags)) == sampling
 
     check()
 

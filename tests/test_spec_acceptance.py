@@ -80,6 +80,18 @@ def test_top_k_and_top_p():
     assert np.count_nonzero(p_hot) == 3
 
 
+def test_min_p_drops_what_is_less_probable_than_a_share_of_the_best():
+    row = np.log([1.0, 0.5, 0.04, 0.1, 0.2])
+    p = probs(row, 1.0, min_p=0.1)
+    assert p[2] == 0 and (p[[0, 1, 3, 4]] > 0).all()
+    assert p[0] / p[1] == pytest.approx(2.0)           # the rest keep their ratios
+    assert np.flatnonzero(probs(row, 1.0, min_p=1.0)).tolist() == [0]
+    # after top-k (here only two candidates) and before the temperature
+    p = probs(row, 5.0, top_k=2, min_p=0.6)
+    assert np.flatnonzero(p).tolist() == [0]
+    assert np.array_equal(probs(row, 0.7, min_p=0.0), probs(row, 0.7))
+
+
 def test_top_p_large_vocab_head_and_fallback():
     rng = np.random.default_rng(5)
     peaked = rng.normal(size=5000)

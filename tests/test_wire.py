@@ -95,8 +95,9 @@ GOLDEN = [
         "0000003f ffffffff 0000803f 0700000000000000 00"  # temp 0.5, top_k -1, top_p 1.0, seed, flags
         "0000 0000"  # no logit bias (counts of ids and values)
         "00000000 00000000 00000000 00000000"  # no penalties: presence, frequency, no counts
-        "02 01000000 02000000"  # dtype f16, rows 1, width 2  (payload offset 91)
-        "0000000000"  # pad to offset 96
+        "00000000"  # min_p 0
+        "02 01000000 02000000"  # dtype f16, rows 1, width 2  (payload offset 95)
+        "00"  # pad to offset 96
         "003c 00c0",  # 1.0, -2.0 as f16
     ),
 ]
@@ -248,8 +249,8 @@ def _forward(act: np.ndarray, rows: tuple[int, ...] | None = None) -> Forward:
 def _forward_payload_with(dtype_code: int, rows: int, width: int, data: bytes, n_rows: int) -> bytes:
     """A Forward payload with one segment of ``n_rows`` rows and a hand-made array part."""
     body = encode(_forward(np.zeros((n_rows, 1), np.float32)))[HEADER_SIZE:]
-    prefix = body[:78]  # ref 4, batch_id 8, step 4, count 2, one plain segment 60
-    assert body[78] == 1 and body[79:83] == n_rows.to_bytes(4, "little")  # the f32 array head
+    prefix = body[:82]  # ref 4, batch_id 8, step 4, count 2, one plain segment 64
+    assert body[82] == 1 and body[83:87] == n_rows.to_bytes(4, "little")  # the f32 array head
     head = struct.pack("<BII", dtype_code, rows, width)
     return prefix + head + bytes(-(len(prefix) + len(head)) % 8) + data
 
@@ -579,6 +580,6 @@ def test_penalties_round_trip_and_are_checked():
     msg = Forward(0, 0, 0, (seg,), act)
     tr(encode(msg), [msg])
     for bad in [dict(presence=2.5), dict(frequency=float("nan")), dict(seen_counts=(1, 3)),
-                dict(seen_ids=(9, 4, 70000)), dict(seen_counts=(1, 0, 2))]:
+                dict(seen_ids=(9, 4, 70000)), dict(seen_counts=(1, 0, 2)), dict(min_p=1.5), dict(min_p=float("nan"))]:
         with pytest.raises(LocalProtocolError):
             encode(Forward(0, 0, 0, (dataclasses.replace(seg, **bad),), act))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +53,9 @@ class Sampling:
     # every token the answer already holds, once / once per occurrence (Counts)
     presence: float = 0.0
     frequency: float = 0.0
+    # llama.cpp's min_p: tokens less probable than min_p times the most probable one are
+    # not sampled (0: off)
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +64,22 @@ class Sampling:
     @property
     def penalized(self) -> bool:
         return bool(self.presence or self.frequency)
+
+
+# The fields a step carries to the final stage for its sampling: the wire's Segment has
+# fields of the same names (meshnode.wire.messages.Segment); top_logprobs rides in its flags.
+SEGMENT_FIELDS = ("temperature", "top_k", "top_p", "seed", "min_p", "bias_ids", "bias_values",
+                  "presence", "frequency")
+
+
+def segment_fields(s: Sampling) -> dict[str, Any]:
+    """``s`` as the Segment fields of :data:`SEGMENT_FIELDS`."""
+    return {name: getattr(s, name) for name in SEGMENT_FIELDS}
+
+
+def sampling_of(segment: Any, top_logprobs: int | None) -> Sampling:
+    """The :class:`Sampling` a received segment asks for (the inverse of :func:`segment_fields`)."""
+    return Sampling(top_logprobs=top_logprobs, **{name: getattr(segment, name) for name in SEGMENT_FIELDS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +145,7 @@ class FinalSampler:
                 raise ValueError(f"{mask.shape[0]} mask rows for {rows.shape[0]} logit rows")
             rows = apply_mask(rows, mask)
         res = verify_logits(rows, drafts, temperature=sampling.temperature,
-                            top_k=sampling.top_k, top_p=sampling.top_p, rng=rng)
+                            top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, rng=rng)
         lp = None
         if sampling.top_logprobs is not None:
             # row i is what the i-th emitted token (accepted draft or bonus) came from; the

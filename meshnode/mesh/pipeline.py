@@ -45,7 +45,9 @@ from meshnode.engine import EngineError, Segment
 from meshnode.engine.worker import EngineWorker
 from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import Fabric
-from meshnode.mesh.final import GREEDY, NO_COUNTS, Counts, FinalSampler, Finalized, Sampling, SamplingFailed
+from meshnode.mesh.final import (
+    GREEDY, NO_COUNTS, Counts, FinalSampler, Finalized, Sampling, SamplingFailed, segment_fields,
+)
 from meshnode.mesh.logprobs import TokenLogprobs
 from meshnode.wire.messages import WHOLE_BATCH
 
@@ -353,13 +355,9 @@ class MeshPipeline:
         segs = tuple(
             wire.Segment(session=s.session, pos=s.pos, n_rows=int(s.tokens.shape[0]),
                          n_logits=s.n_logits, drafts=tuple(s.drafts),
-                         temperature=s.sampling.temperature, top_k=s.sampling.top_k,
-                         top_p=s.sampling.top_p, seed=s.sampling.seed,
                          flags=flags | wire.logprob_flags(s.sampling.top_logprobs)
                          | (wire.SEG_MASKED if s.mask is not None and s.n_logits else 0),
-                         bias_ids=s.sampling.bias_ids, bias_values=s.sampling.bias_values,
-                         presence=s.sampling.presence, frequency=s.sampling.frequency,
-                         seen_ids=s.seen.ids, seen_counts=s.seen.counts)
+                         seen_ids=s.seen.ids, seen_counts=s.seen.counts, **segment_fields(s.sampling))
             for s in steps)
         return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
 
@@ -401,9 +399,7 @@ class MeshPipeline:
         if t is None:
             t = self._templates[s.session] = wire.DecodeTemplate(
                 s.session, act.shape[1], "f16" if act.dtype == np.float16 else "f32", n_logits=1,
-                temperature=s.sampling.temperature, top_k=s.sampling.top_k,
-                top_p=s.sampling.top_p, seed=s.sampling.seed,
-                bias_ids=s.sampling.bias_ids, bias_values=s.sampling.bias_values)
+                **segment_fields(s.sampling))
         flags = wire.logprob_flags(s.sampling.top_logprobs) | (wire.SEG_LANE if lane else 0)
         return t.encode(batch_id, 0, s.pos, act[0], flags=flags)
 

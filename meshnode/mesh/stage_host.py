@@ -38,7 +38,7 @@ from meshnode import wire
 from meshnode.engine import EngineError, Segment
 from meshnode.engine.worker import EngineWorker
 from meshnode.mesh.fabric_api import Fabric
-from meshnode.mesh.final import Counts, FinalSampler, Sampling, SamplingFailed
+from meshnode.mesh.final import Counts, FinalSampler, SamplingFailed, sampling_of
 from meshnode.wire.messages import WHOLE_BATCH
 
 log = logging.getLogger(__name__)
@@ -309,9 +309,7 @@ class StageHost:
                     fin = SamplingFailed("the grammar mask of a constrained step did not arrive")
                 else:
                     fin = self.sampler.finalize_isolated(s.session, logits, tuple(s.drafts),
-                                                         Sampling(s.temperature, s.top_k, s.top_p, s.seed,
-                                                                  wire.flags_top_logprobs(s.flags),
-                                                                  s.bias_ids, s.bias_values, s.presence, s.frequency),
+                                                         sampling_of(s, wire.flags_top_logprobs(s.flags)),
                                                          mask, Counts(s.seen_ids, s.seen_counts))
                 if isinstance(fin, SamplingFailed):
                     # this session's failure: the others of the batch keep their tokens

@@ -129,6 +129,7 @@ class GenerationRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0          # llama.cpp's min_p (0: off)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     # Tools and structured output (meshnode.serve.tools): the tool definitions shown to

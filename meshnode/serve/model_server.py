@@ -859,9 +859,10 @@ def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling
     modulo 2**64; top_k <= 0 or >= the vocabulary is off; top_p <= 0 and temperatures
     below MIN_TEMPERATURE are greedy.
 
-    Temperature and top_p are rounded to float32 first: the wire carries them so, and one
-    node sampling with the very values a split's final stage gets draws the same tokens
-    (a top_p of 1e-300 would otherwise reach the final stage as 0, which no sampler takes)."""
+    Temperature, top_p, min_p, biases and penalties are rounded to float32: the wire
+    carries them so, and one node sampling with the very values a split's final stage gets
+    draws the same tokens (a top_p of 1e-300 would otherwise reach the final stage as 0,
+    which no sampler takes)."""
     t, p = req.temperature, req.top_p
     if not (isinstance(t, (int, float)) and math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):
         raise InvalidRequestError("temperature", f"Invalid value for 'temperature': {t!r} "
@@ -869,6 +870,9 @@ def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling
     if not (isinstance(p, (int, float)) and math.isfinite(p) and p <= 1):
         raise InvalidRequestError("top_p", f"Invalid value for 'top_p': {p!r} (expected 0..1).")
     t, p = float(np.float32(t)), float(np.float32(p))
+    min_p = req.min_p
+    if not (isinstance(min_p, (int, float)) and 0 <= min_p <= 1):
+        raise InvalidRequestError("min_p", f"Invalid value for 'min_p': {min_p!r} (expected 0..1).")
     top_k = req.top_k or 0
     if top_k > MAX_TOP_K:
         raise InvalidRequestError("top_k", f"Invalid value for 'top_k': {top_k} (expected at most {MAX_TOP_K}).")
@@ -889,11 +893,11 @@ def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling
         if not (isinstance(v, (int, float)) and -MAX_PENALTY <= v <= MAX_PENALTY):
             raise InvalidRequestError(f"{name}_penalty", f"Invalid value for '{name}_penalty': {v!r} "
                                       f"(expected -{MAX_PENALTY:g}..{MAX_PENALTY:g}).")
-        penalties[name] = float(v)
+        penalties[name] = float(np.float32(v))
     common = dict(seed=seed % SEED_SPACE, top_logprobs=lp, bias_ids=ids, bias_values=values, **penalties)
     if t < MIN_TEMPERATURE or p <= 0:
         return Sampling(temperature=0.0, top_k=0, top_p=1.0, **common)
-    return Sampling(temperature=float(t), top_k=top_k, top_p=float(p), **common)
+    return Sampling(temperature=t, top_k=top_k, top_p=p, min_p=float(np.float32(min_p)), **common)
 
 
 def _bias(pairs: tuple[tuple[int, float], ...], n_vocab: int | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -910,6 +914,6 @@ def _bias(pairs: tuple[tuple[int, float], ...], n_vocab: int | None) -> tuple[tu
             raise InvalidRequestError("logit_bias", f"Invalid bias for token {tok}: {v!r} (expected "
                                       f"-{MAX_BIAS:g}..{MAX_BIAS:g}).")
         if v:
-            bias[tok] = v
+            bias[tok] = float(np.float32(v))   # (the wire's precision, as for the rest)
     ids = tuple(sorted(bias))
     return ids, tuple(bias[i] for i in ids)

@@ -136,6 +136,8 @@ class _SamplingRequest(_Lenient):
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # llama.cpp extension; 0 and -1 (vLLM's spelling) turn it off
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
+    # llama.cpp and vLLM extension: 0 (the default here, as OpenAI has none) turns it off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # -1 is llama.cpp's and many clients' "random"; any other int64/uint64 is a seed
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: _StopStr | Annotated[list[_StopStr], Field(max_length=MAX_STOPS)] | None = None
@@ -175,6 +177,7 @@ class _SamplingRequest(_Lenient):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k if self.top_k and self.top_k > 0 else None,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             stop=self._stops(),
             n=self.n or 1,
@@ -335,6 +338,7 @@ class InfillRequest(_Lenient):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: _StopStr | Annotated[list[_StopStr], Field(max_length=MAX_STOPS)] | None = None
     stream: bool | None = False
@@ -350,10 +354,11 @@ class InfillRequest(_Lenient):
                               extra=tuple((c.filename or "", c.text) for c in self.input_extra))
         return GenerationRequest(
             request_id=request_id, model=self.model or model, max_tokens=max_tokens,
-            # llama.cpp's defaults: temperature 0.8, top_k 40, top_p 0.95
+            # llama.cpp's defaults: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05
             temperature=0.8 if self.temperature is None else self.temperature,
             top_p=0.95 if self.top_p is None else self.top_p,
             top_k=40 if self.top_k is None else (self.top_k if self.top_k > 0 else None),
+            min_p=0.05 if self.min_p is None else self.min_p,
             seed=self.seed, stop=stops, infill=infill)
 
 

@@ -94,11 +94,14 @@ def probs(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
 ) -> np.ndarray:
     """The sampling distribution (float64, sums to 1) for one row of logits.
 
     ``temperature <= 0``: one-hot on the argmax (lowest index on ties).
-    ``top_k <= 0`` or ``>= vocab`` and ``top_p >= 1`` disable those filters.
+    ``top_k <= 0`` or ``>= vocab`` and ``top_p >= 1`` disable those filters; ``min_p``
+    (llama.cpp's, after them and before the temperature, as its default sampler chain)
+    drops the tokens less probable than ``min_p`` times the most probable one, 0 is off.
     Raises ``ValueError`` for NaN / +inf / all -inf logits or ``top_p <= 0``.
     """
     row = _as_row(logits_row)
@@ -132,6 +135,10 @@ def probs(
         # smallest prefix whose mass reaches top_p (always at least one token)
         n_keep = int(np.searchsorted(cum, top_p, side="left")) + 1
         keep = cand[order[: min(n_keep, order.size)]]
+    if min_p > 0.0:
+        # p_i >= min_p * p_max  <=>  logit_i >= max logit + log(min_p): the argmax stays
+        floor = row.max() + np.log(min_p)
+        keep = np.flatnonzero(row >= floor) if keep is None else keep[row[keep] >= floor]
     # in place: no new vocabulary-sized temporaries (each is ~0.4 MB of fresh pages for a
     # 49k vocabulary); the same operations in the same order, so the same bits
     if keep is not None:
@@ -198,11 +205,12 @@ def sample(
     top_k: int,
     top_p: float,
     rng: np.random.Generator,
+    min_p: float = 0.0,
 ) -> int:
     """One token id from ``logits_row``; the argmax when ``temperature <= 0`` (rng unused)."""
     if temperature <= 0:
         return int(np.argmax(_as_row(logits_row)))
-    return _draw(probs(logits_row, temperature, top_k, top_p), rng)
+    return _draw(probs(logits_row, temperature, top_k, top_p, min_p), rng)
 
 
 def verify_greedy(target_argmax: Sequence[int], drafts: Sequence[int]) -> int:
@@ -264,6 +272,7 @@ def verify_logits(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     rng: np.random.Generator | None = None,
 ) -> VerifyResult:
     """Verify one window from raw logits ``(k + 1, V)``: greedy or sampled by temperature.
@@ -282,6 +291,6 @@ def verify_logits(
         raise ValueError("rng is required when temperature > 0")
     # Rows are only needed up to the first rejection, but computing them lazily would
     # change how many rng draws happen per row, not the distribution; keep it simple.
-    p = np.stack([probs(rows[i], temperature, top_k, top_p) for i in range(k + 1)])
+    p = np.stack([probs(rows[i], temperature, top_k, top_p, min_p) for i in range(k + 1)])
     acc, bonus = verify_sampled(p, drafts, rng)
     return VerifyResult(tuple(acc), bonus)

@@ -62,7 +62,7 @@ from meshnode.wire.schema import (
 # not, and its successors would never free the session); a stage may fail one session of
 # a Forward with DataError(NO_SUCH_SESSION).
 # 4: Segment carries the request's logit bias (bias_ids, bias_values) and penalties
-# (presence, frequency, and the counts of the tokens generated before it).
+# (presence, frequency, and the counts of the tokens generated before it), and min_p.
 PROTOCOL_VERSION = 4
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
@@ -413,7 +413,7 @@ class Segment:
     to those tokens' logits before sampling; ids unique and ascending, values in -100..100.
     ``presence`` / ``frequency``: OpenAI's penalties (-2..2), applied by ``seen_ids`` /
     ``seen_counts``, the tokens generated before the segment's first logit row and how
-    often each came (ids unique and ascending, counts >= 1).
+    often each came (ids unique and ascending, counts >= 1). ``min_p``: llama.cpp's, 0..1.
     """
 
     session: int = wf(U64)
@@ -432,6 +432,7 @@ class Segment:
     frequency: float = wf(F32, default=0.0)
     seen_ids: tuple[int, ...] = wf(IntList("I", U32, MAX_SEEN), default=())
     seen_counts: tuple[int, ...] = wf(IntList("I", U32, MAX_SEEN), default=())
+    min_p: float = wf(F32, default=0.0)
 
 
 def _ascending(ids: tuple[int, ...]) -> bool:
@@ -467,6 +468,8 @@ def _check_forward(m: Forward) -> None:
             _check_bias(i, s)
         if s.presence or s.frequency or s.seen_ids or s.seen_counts:
             _check_penalties(i, s)
+        if not 0.0 <= s.min_p <= 1.0:   # (NaN fails too)
+            raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: min_p {s.min_p} outside 0..1")
         rows += s.n_rows
         if s.flags >> SEG_TOP_SHIFT > (MAX_TOP_LOGPROBS if s.flags & SEG_LOGPROBS else 0):
             raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: flags {s.flags:#x} ask for too many logprobs")

@@ -16,7 +16,8 @@ the frame header adds 10)::
 from __future__ import annotations
 
 import struct
-from dataclasses import replace
+from dataclasses import fields, replace
+from typing import Any
 
 import numpy as np
 
@@ -32,15 +33,20 @@ _OFF_REF = HEADER_SIZE + 0
 _OFF_BATCH = HEADER_SIZE + 4
 _OFF_STEP = HEADER_SIZE + 12
 _OFF_POS = HEADER_SIZE + 26
+# the Segment fields a template may set: all but where the row goes and what it holds
+_SAMPLING_FIELDS = {f.name for f in fields(Segment)} - {"session", "pos", "n_rows", "n_logits", "drafts", "flags"}
+# what the Segment has no default for: greedy, unless given
+_GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
 
 
 class DecodeTemplate:
     """A reusable one-row ``Forward`` frame for one session.
 
     ``dtype`` is the wire dtype, ``"f32"`` or ``"f16"``; the row given to :meth:`encode`
-    is cast to it (float32 in, f16 out is the negotiated f16 mode). The sampling fields
-    are the :class:`Segment` fields of the same names; ``n_logits`` defaults to 1 (the
-    final stage samples the row). Raises :class:`LocalProtocolError` for values the
+    is cast to it (float32 in, f16 out is the negotiated f16 mode). ``sampling``: any of
+    the :class:`Segment`'s sampling fields (temperature, top_k, top_p, seed, min_p, the
+    logit bias and penalties; the segment's defaults otherwise); ``n_logits`` defaults to 1
+    (the final stage samples the row). Raises :class:`LocalProtocolError` for values the
     protocol cannot carry.
     """
 
@@ -53,20 +59,17 @@ class DecodeTemplate:
         dtype: str = "f32",
         *,
         n_logits: int = 1,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
         flags: int = 0,
-        bias_ids: tuple[int, ...] = (),
-        bias_values: tuple[float, ...] = (),
+        **sampling: Any,
     ) -> None:
         if dtype not in DTYPE_NAMES:
             raise LocalProtocolError(ErrorCode.BAD_DTYPE, f"wire dtype {dtype!r} (only f32/f16)")
         if not isinstance(width, int) or not 1 <= width <= MAX_WIDTH:
             raise LocalProtocolError(ErrorCode.BAD_SHAPE, f"width {width!r}")
         np_dtype = DTYPE_CODES[DTYPE_NAMES[dtype]]
-        seg = Segment(session, 0, 1, n_logits, (), temperature, top_k, top_p, seed, flags, bias_ids, bias_values)
+        if set(sampling) - _SAMPLING_FIELDS:
+            raise TypeError(f"DecodeTemplate: not sampling fields: {sorted(set(sampling) - _SAMPLING_FIELDS)}")
+        seg = Segment(session, 0, 1, n_logits, (), flags=flags, **{**_GREEDY, **sampling})
         proto = encode(Forward(0, 0, 0, (seg,), np.zeros((1, width), np_dtype)))
         # where the segment's flags byte sits: the one byte that differs when it does
         other = encode(Forward(0, 0, 0, (replace(seg, flags=flags ^ 1),), np.zeros((1, width), np_dtype)))
