@@ -869,7 +869,7 @@ def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling
                                   f"(expected 0..{MAX_TEMPERATURE:g}).")
     if not (isinstance(p, (int, float)) and math.isfinite(p) and p <= 1):
         raise InvalidRequestError("top_p", f"Invalid value for 'top_p': {p!r} (expected 0..1).")
-    t, p = float(np.float32(t)), float(np.float32(p))
+    t, p = _f32(t), _f32(p)
     min_p = req.min_p
     if not (isinstance(min_p, (int, float)) and 0 <= min_p <= 1):
         raise InvalidRequestError("min_p", f"Invalid value for 'min_p': {min_p!r} (expected 0..1).")
@@ -893,11 +893,16 @@ def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling
         if not (isinstance(v, (int, float)) and -MAX_PENALTY <= v <= MAX_PENALTY):
             raise InvalidRequestError(f"{name}_penalty", f"Invalid value for '{name}_penalty': {v!r} "
                                       f"(expected -{MAX_PENALTY:g}..{MAX_PENALTY:g}).")
-        penalties[name] = float(np.float32(v))
+        penalties[name] = _f32(v)
     common = dict(seed=seed % SEED_SPACE, top_logprobs=lp, bias_ids=ids, bias_values=values, **penalties)
     if t < MIN_TEMPERATURE or p <= 0:
         return Sampling(temperature=0.0, top_k=0, top_p=1.0, **common)
-    return Sampling(temperature=t, top_k=top_k, top_p=p, min_p=float(np.float32(min_p)), **common)
+    return Sampling(temperature=t, top_k=top_k, top_p=p, min_p=_f32(min_p), **common)
+
+
+def _f32(x: float) -> float:
+    """``x`` at the wire's float32 precision (sampling_for: one node samples as a split does)."""
+    return float(np.float32(x))
 
 
 def _bias(pairs: tuple[tuple[int, float], ...], n_vocab: int | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -914,6 +919,6 @@ def _bias(pairs: tuple[tuple[int, float], ...], n_vocab: int | None) -> tuple[tu
             raise InvalidRequestError("logit_bias", f"Invalid bias for token {tok}: {v!r} (expected "
                                       f"-{MAX_BIAS:g}..{MAX_BIAS:g}).")
         if v:
-            bias[tok] = float(np.float32(v))   # (the wire's precision, as for the rest)
+            bias[tok] = _f32(v)
     ids = tuple(sorted(bias))
     return ids, tuple(bias[i] for i in ids)
