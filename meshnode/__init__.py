@@ -5,4 +5,4 @@ node only through :mod:`meshnode.state` (snapshots, events) and :class:`meshnode
 """
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 4   # = meshnode.wire.messages.PROTOCOL_VERSION (logit bias, penalties)
+PROTOCOL_VERSION = 5   # = meshnode.wire.messages.PROTOCOL_VERSION (prompt scoring)

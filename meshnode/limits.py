@@ -23,6 +23,10 @@ MAX_BIAS = 100.0
 # of a vocabulary (the wire's bound on one, as for grammar masks).
 MAX_PENALTY = 2.0
 MAX_SEEN = 1 << 20
+# Prompt rows one step may ask the final stage to score (OpenAI's ``echo`` with
+# ``logprobs``: each prompt token's logprob given the ones before it; Segment.score). A
+# step's rows are a prefill chunk (--batch), and the frame bounds them well below this.
+MAX_SCORED = 1 << 16
 
 # Choices of one request (``n``): each holds a sequence slot on every stage.
 MAX_CHOICES = 8

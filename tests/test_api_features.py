@@ -124,6 +124,84 @@ def _observations(port: int, model_path: Path) -> dict:
                                              "temperature": 1.0, "seed": 3, "min_p": 0.2})
     out["min_p_02"] = r.json()["choices"][0]["message"]["content"]
     out["sampled_n2_finishes"] = sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"])
+    out.update(_echo_observations(port, model_path))
+    return out
+
+
+LONG_PROMPT = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(12))
+
+
+def _echo_observations(port: int, model_path: Path) -> dict:
+    """OpenAI's echo, as lm-eval's loglikelihood requests send it (token ids, max_tokens
+    0-1, logprobs 1): the prompt's tokens scored on the final stage."""
+    from meshnode.engine.tokenizer import Tokenizer
+
+    model, tok = _model(port), Tokenizer(model_path)
+    out: dict = {}
+    prompt = tok.encode("The capital of France is", add_bos=True)
+    r = _post(port, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                        "logprobs": 2})
+    out["echo_generated"] = gen = r.json()["choices"][0]["logprobs"]
+    answer = [_token_id(model_path, t) for t in gen["tokens"]]
+    # the prompt and its greedy answer, scored: no token generated
+    r = _post(port, "/v1/completions", {"model": model, "prompt": prompt + answer, "max_tokens": 0, "echo": True,
+                                        "temperature": 0, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    out["echo_scored"] = r.json()["choices"][0]
+    out["echo_scored_usage"] = r.json()["usage"]
+    out["echo_n_prompt"] = len(prompt)
+    # a text prompt, echoed with two generated tokens, streamed and not
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 2, "echo": True,
+            "temperature": 0, "logprobs": 1}
+    out["echo_text"] = _post(port, "/v1/completions", body).json()["choices"][0]
+    chunks, done = _sse(_post(port, "/v1/completions", {**body, "stream": True}))
+    assert done
+    out["echo_text_stream"] = [(ch["text"], (ch["logprobs"] or {}).get("token_logprobs")) for c in chunks
+                               for ch in c["choices"]]
+    out["echo_plain"] = _post(port, "/v1/completions", {**body, "echo": False}).json()["choices"][0]["text"]
+    # n = 2: the prompt prefilled (and scored) once for both choices
+    r = _post(port, "/v1/completions", {**body, "n": 2})
+    assert r.status_code == 200, r.text
+    out["echo_n2"] = r.json()["choices"]
+    # a prompt of several prefill chunks (--batch 64); echo without logprobs
+    r = _post(port, "/v1/completions", {"model": model, "prompt": LONG_PROMPT, "max_tokens": 1, "echo": True,
+                                        "temperature": 0, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    out["echo_long"] = r.json()["choices"][0]
+    out["echo_long_usage"] = r.json()["usage"]
+    r = _post(port, "/v1/completions", {"model": model, "prompt": LONG_PROMPT, "max_tokens": 1, "temperature": 0})
+    out["echo_long_plain"] = r.json()["choices"][0]["text"]
+    r = _post(port, "/v1/completions", {"model": model, "prompt": LONG_PROMPT, "max_tokens": 1, "echo": True,
+                                        "temperature": 0})
+    out["echo_long_no_logprobs"] = r.json()["choices"][0]
+    r = _post(port, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 0})
+    out["max_tokens_0"] = r.status_code, r.json()["error"]["param"]
+    # a batch of prompts (as lm-eval sends them: token ids), two choices each, echoed
+    batch = [prompt, tok.encode("Paris is a city in", add_bos=True), prompt + answer[:3]]
+    body = {"model": model, "max_tokens": 2, "echo": True, "temperature": 0, "logprobs": 1, "n": 2}
+    r = _post(port, "/v1/completions", {**body, "prompt": batch})
+    assert r.status_code == 200, r.text
+    out["batch"] = r.json()["choices"], r.json()["usage"]
+    out["batch_each"] = [_post(port, "/v1/completions", {**body, "n": 1, "prompt": p}).json()["choices"][0]
+                         for p in batch]
+    chunks, done = _sse(_post(port, "/v1/completions", {**body, "prompt": batch, "stream": True}))
+    assert done
+    streamed: dict[int, str] = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            streamed[ch["index"]] = streamed.get(ch["index"], "") + ch["text"]
+    out["batch_stream"] = streamed
+    # the tokenizer endpoints (lm-eval's tokenizer_backend=remote: vLLM's shapes)
+    base = f"http://127.0.0.1:{port}"
+    out["tokenizer_info"] = httpx.get(f"{base}/tokenizer_info").json()
+    out["tokenize"] = _post(port, "/tokenize", {"prompt": "The capital of France is", "add_special_tokens": False}
+                            ).json()
+    out["tokenize_llamacpp"] = _post(port, "/tokenize", {"content": "<|im_end|> is"}).json()["tokens"]
+    out["detokenize"] = _post(port, "/detokenize", {"tokens": out["tokenize"]["tokens"] + [tok.eos_id]}).json()
+    r = _post(port, "/detokenize", {"tokens": [1, 10**9]})
+    out["detokenize_bad"] = r.status_code, r.json()["error"]["param"]
+    r = _post(port, "/tokenize", {"model": "nope", "prompt": "x"})
+    out["tokenize_unknown_model"] = r.status_code
     return out
 
 
@@ -196,6 +274,79 @@ def test_n_choices(single):
     assert len(set(first)) > 1              # each choice samples on its own
     assert obs["sampled_n2_stream"] == first
     assert obs["sampled_n2_finishes"] == [0, 1]
+
+
+def test_echo_scores_the_prompt_as_decoding_would(single):
+    """lm-eval's loglikelihood: the scored logprobs of a greedy answer's tokens, given the
+    prompt, are the ones decoding reported (rows of one chunk of at most 32 tokens, which
+    are bit-identical to one-row steps: docs/engine.md), and each is the most likely."""
+    _, obs = single
+    gen, scored, n = obs["echo_generated"], obs["echo_scored"], obs["echo_n_prompt"]
+    lp = scored["logprobs"]
+    assert scored["finish_reason"] == "length"
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + len(gen["tokens"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert lp["tokens"][n:] == gen["tokens"]
+    assert lp["token_logprobs"][n:] == gen["token_logprobs"]
+    assert lp["top_logprobs"][n:] == gen["top_logprobs"]
+    assert scored["text"] == "".join(lp["tokens"])
+    assert obs["echo_scored_usage"]["completion_tokens"] == 0
+    assert obs["echo_scored_usage"]["prompt_tokens"] == n + len(gen["tokens"])
+
+
+def test_echo_returns_the_prompt_then_the_same_answer(single):
+    _, obs = single
+    prompt = "The capital of France is"
+    echo = obs["echo_text"]
+    assert echo["text"] == prompt + obs["echo_plain"]
+    lp = echo["logprobs"]
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    streamed = obs["echo_text_stream"]
+    assert streamed[0][0] == prompt and streamed[0][1][0] is None
+    assert "".join(t for t, _ in streamed) == echo["text"]
+    assert [v for _, lps in streamed for v in lps or []] == lp["token_logprobs"]
+    for choice in obs["echo_n2"]:
+        assert choice["text"] == echo["text"] and choice["logprobs"] == lp
+    long = obs["echo_long"]
+    assert long["text"] == LONG_PROMPT + obs["echo_long_plain"]
+    n = obs["echo_long_usage"]["prompt_tokens"]
+    assert n > 128       # three prefill chunks, each scored
+    assert len(long["logprobs"]["token_logprobs"]) == n + 1
+    assert all(v is not None and v <= 0 for v in long["logprobs"]["token_logprobs"][1:])
+    assert obs["echo_long_no_logprobs"]["text"] == long["text"]
+    assert obs["echo_long_no_logprobs"]["logprobs"] is None
+    assert obs["max_tokens_0"] == (400, "max_tokens")
+
+
+def test_a_batch_of_prompts_answers_each_as_alone(single):
+    _, obs = single
+    choices, usage = obs["batch"]
+    each = obs["batch_each"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for i, alone in enumerate(each):
+        for c in choices[2 * i:2 * i + 2]:      # choice j of prompt i at index i * n + j
+            assert (c["text"], c["logprobs"]) == (alone["text"], alone["logprobs"])
+    assert obs["batch_stream"] == {c["index"]: c["text"] for c in choices}
+    n_prompt = sum(len(c["logprobs"]["tokens"]) - 2 for c in each)
+    assert usage["prompt_tokens"] == n_prompt and usage["completion_tokens"] == 6 * 2
+
+
+def test_tokenizer_endpoints_tokenize_as_the_node_does(single, smollm2):
+    from meshnode.engine.tokenizer import Tokenizer
+
+    _, obs = single
+    tok = Tokenizer(smollm2.path)
+    info = obs["tokenizer_info"]
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 512
+    assert info["chat_template"] and info["vocab_size"] == tok.n_vocab
+    ids = tok.encode("The capital of France is", add_bos=False)
+    assert obs["tokenize"] == {"tokens": ids, "count": len(ids), "max_model_len": 512}
+    # special tokens' texts are parsed (lm-eval reads the EOS id so), and rendered back
+    assert obs["tokenize_llamacpp"][0] == tok.eos_id and len(obs["tokenize_llamacpp"]) == 2
+    assert obs["detokenize"]["prompt"] == obs["detokenize"]["content"] == "The capital of France is<|im_end|>"
+    assert obs["detokenize_bad"] == (400, "tokens")
+    assert obs["tokenize_unknown_model"] == 404
 
 
 def test_models_report_context_and_capabilities(single):

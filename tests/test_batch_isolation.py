@@ -444,3 +444,62 @@ def test_stage0_ends_a_session_through_stage_1_only():
 
     sent = asyncio.run(main())
     assert [(node, type(m).__name__, m.session) for node, m in sent] == [("b", "SessionEnd", 7)]
+
+
+# ---- prompt scoring (echo) ------------------------------------------------------------------
+
+
+def test_a_scored_prompt_chunk_gives_the_same_scores_on_one_node_and_a_split():
+    """Rows scored against the prompt's next tokens, then the last row sampled; or only
+    scored (a chunk before the last). Through real wire frames on the split."""
+    lp = Sampling(top_logprobs=1)
+    steps = [Step(GOOD, 0, _tok(1, 2, 3, 4), n_logits=4, sampling=lp, score=(truth(0), 5, truth(2))),
+             Step(OTHER, 0, _tok(1, 2, 3), n_logits=3, sampling=lp, score=(7, truth(1), 9))]
+
+    async def main():
+        local = await LocalPipeline(_Worker(_Engine())).run(steps)
+        pipe, _, host = await _split(frozenset())
+        split = await pipe.run(steps)
+        await host.close()
+        await pipe.close()
+        return local, split
+
+    local, split = asyncio.run(main())
+    assert local == split
+    sampled, only = local
+    assert sampled.tokens == (truth(3),) and only.tokens == ()
+    best, other = 5 - np.log(np.exp(5) + N_VOCAB - 1), -np.log(np.exp(5) + N_VOCAB - 1)
+    assert np.allclose(sampled.scored.logprobs, (best, other, best))
+    assert sampled.scored.top(1) == [(truth(1), pytest.approx(best))]
+    assert np.allclose(only.scored.logprobs, (other, best, other))
+
+
+def test_stage0_refuses_scores_other_than_the_step_asked_for():
+    """A final stage that answers a scoring step without its scores (or with tokens it
+    did not sample) fails that step: stage 0 never hands a request a short echo."""
+    async def main():
+        pipe, _, host = await _split(frozenset())
+        host.sampler.finalize_isolated = lambda *a, **k: Finalized((5,), 0, 0)
+        res = await pipe.run([Step(GOOD, 0, _tok(1, 2), n_logits=1, sampling=Sampling(top_logprobs=0),
+                                   score=(4,))])
+        await host.close()
+        await pipe.close()
+        return res
+
+    (res,) = asyncio.run(main())
+    assert isinstance(res, StepFailedError) and "others than the step asked for" in str(res)
+
+
+def test_a_scored_token_past_the_vocabulary_fails_its_session_alone():
+    async def main():
+        pipe, _, host = await _split(frozenset())
+        res = await pipe.run([Step(GOOD, 0, _tok(1, 2), n_logits=2, sampling=Sampling(top_logprobs=0),
+                                   score=(N_VOCAB,)),
+                              Step(OTHER, 0, _tok(1))])
+        await host.close()
+        await pipe.close()
+        return res
+
+    bad, good = asyncio.run(main())
+    assert isinstance(bad, StepFailedError) and "vocabulary" in str(bad)
+    assert good == Finalized((truth(0),), 0, 0)

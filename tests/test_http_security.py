@@ -22,6 +22,7 @@ from meshnode.mesh.final import Counts, FinalSampler, sampling_of, segment_field
 from meshnode.serve.app import create_app
 from meshnode.serve.http_guard import HttpSecurity
 from meshnode.serve.model_server import ModelServer, ServeSettings
+import char_tokenizer
 from inproc import serve_app
 
 MODEL = "tiny"
@@ -29,10 +30,9 @@ N_CTX = 512
 VOCAB = 128
 
 
-class CharTokenizer:
+class CharTokenizer(char_tokenizer.CharTokenizer):
     """One token per character (ASCII); pure Python, as slow as a real tokenizer is fast."""
 
-    eog_ids: frozenset[int] = frozenset()
     n_vocab = VOCAB
 
     def encode(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
@@ -41,7 +41,7 @@ class CharTokenizer:
     def decode_bytes(self, tokens: list[int]) -> bytes:
         return bytes(tokens)
 
-    def decode(self, tokens: list[int]) -> str:
+    def decode(self, tokens: list[int], *, special: bool = False) -> str:
         return self.decode_bytes(tokens).decode("utf-8", "replace")
 
     def apply_chat_template(self, messages: list[dict]) -> tuple[list[int], list[str]]:

@@ -354,9 +354,9 @@ def test_bad_parameters_are_400_with_param(base_url: str, patch: dict[str, objec
 def test_missing_field_is_400(base_url: str) -> None:
     err = _error(_post(base_url, "/chat/completions", {"model": MODEL}), 400)
     assert err["param"] == "messages" and "Missing required parameter" in str(err["message"])
-    for batched in (["a", "b"], [[1, 2], [3]], [], ["a", 1]):
-        err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": batched}), 400)
-        assert err["param"] == "prompt", batched
+    for bad in ([], ["a", 1], [[1, 2], "a"]):
+        err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": bad}), 400)
+        assert err["param"] == "prompt", bad
     err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": [1, 2], "suffix": "x"}), 400)
     assert err["param"] == "suffix"
     err = _error(_post(base_url, "/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}), 400)
@@ -452,6 +452,49 @@ def test_client_disconnect_non_streaming_cancels_generation(base_url: str, engin
         httpx.post(base_url + "/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
     req = engine.last_request("slow nonstream")
     assert engine.outcome(req.request_id) in ("cancelled", "closed")
+
+
+def test_a_batch_of_prompts_answers_each_in_order(client: openai.OpenAI, engine: FakeEngine) -> None:
+    """OpenAI's batch: prompt i's choice at index i (n > 1 against a real model:
+    tests/test_api_features.py), usage summed over the prompts, streamed and not; every
+    prompt its own engine request."""
+    prompts = [f"batch prompt {i}" + " word" * i for i in range(6)]
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=3)
+    assert [c.index for c in resp.choices] == list(range(6))
+    assert all(c.text == "Hello world," and c.finish_reason == "length" for c in resp.choices)
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == sum(len(p.split()) for p in prompts)
+    assert resp.usage.completion_tokens == 6 * 3
+    ids = sorted(r.request_id for r in engine.requests if "batch prompt" in _prompt_text(r))[-6:]
+    assert ids == [f"{resp.id}-{i}" for i in range(6)]
+    assert all(engine.outcome(i) == "finished" for i in ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert texts == {i: "Hello world," for i in range(6)}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 18
+    # token ids too
+    r = _post(client.base_url.__str__().rstrip("/"), "/completions",
+              {"model": MODEL, "prompt": [[1, 2], [3]], "max_tokens": 1})
+    assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1]
+
+
+def test_a_batch_fails_whole_and_frees_every_prompt(base_url: str, engine: FakeEngine) -> None:
+    """A failing prompt fails the batch; a client that leaves cancels every prompt running."""
+    r = _post(base_url, "/completions", {"model": MODEL, "prompt": ["fine one", "fail two", "fine three"],
+                                         "max_tokens": 5})
+    assert r.status_code == 500 and "Stage 1 went away" in r.json()["error"]["message"]
+    r = _post(base_url, "/completions", {"model": MODEL, "prompt": ["fine", "offline"], "max_tokens": 5})
+    assert r.status_code == 503
+    body = {"model": MODEL, "prompt": [f"slow batch {i}" for i in range(3)], "max_tokens": 10_000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    for i in range(3):
+        req = engine.last_request(f"slow batch {i}")
+        assert engine.outcome(req.request_id) in ("cancelled", "closed")
 
 
 # --- the real ModelServer: failures of the engine and the mesh ---------------------------

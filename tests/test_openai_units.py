@@ -208,6 +208,26 @@ def test_completion_request_single_prompt_list() -> None:
     body = parse_request(CompletionRequest, b'{"model": "m", "prompt": ["a", "b"]}')
     with pytest.raises(UnsupportedValueError):
         body.to_generation_request("cmpl-2")
+    # a batch: one engine request per prompt, text or token ids
+    reqs = body.to_generation_requests("cmpl-2")
+    assert [(r.request_id, r.prompt) for r in reqs] == [("cmpl-2-0", "a"), ("cmpl-2-1", "b")]
+    reqs = parse_request(CompletionRequest, b'{"model": "m", "prompt": [[1, 2], [3]]}').to_generation_requests("c")
+    assert [r.prompt_ids for r in reqs] == [(1, 2), (3,)]
+    for raw, param in ((b"[]", "prompt"), (b"[[1], []]", "prompt[1]")):
+        with pytest.raises(InvalidRequestError) as ei:
+            parse_request(CompletionRequest, b'{"model": "m", "prompt": ' + raw + b'}').to_generation_requests("c")
+        assert ei.value.param == param
+    with pytest.raises(UnsupportedValueError) as ei:
+        parse_request(CompletionRequest, b'{"model": "m", "prompt": ["a", "b"], "suffix": "x"}'
+                      ).to_generation_requests("c")
+    assert ei.value.param == "suffix"
+    # echo: max_tokens 0 only with it
+    req = parse_request(CompletionRequest, b'{"model": "m", "prompt": "a", "echo": true, "max_tokens": 0}'
+                        ).to_generation_request("c")
+    assert req.echo and req.max_tokens == 0
+    with pytest.raises(InvalidRequestError) as ei:
+        parse_request(CompletionRequest, b'{"model": "m", "prompt": "a", "max_tokens": 0}').to_generation_request("c")
+    assert ei.value.param == "max_tokens"
     # token ids, alone or as the one prompt of a list, go to the model as given
     for raw in (b"[5, 6, 7]", b"[[5, 6, 7]]"):
         req = parse_request(CompletionRequest, b'{"model": "m", "prompt": ' + raw + b'}').to_generation_request("c")

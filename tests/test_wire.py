@@ -13,6 +13,7 @@ from meshnode.wire import (
     HEADER_SIZE,
     MAX_FRAME,
     PROTOCOL_VERSION,
+    SEG_LOGPROBS,
     AuthResult,
     DecodeTemplate,
     DecoderState,
@@ -86,8 +87,8 @@ GOLDEN = [
     ),
     (
         Forward(ref=1, batch_id=2, step=3, segments=(SEG,), act=np.array([[1.0, -2.0]], np.float16)),
-        # kind 0x100, length 100
-        "4d4e 01 00 0001 64000000"
+        # kind 0x100, length 108
+        "4d4e 01 00 0001 6c000000"
         "01000000 0200000000000000 03000000"  # ref, batch_id, step
         "0100"  # one segment
         "0400000000000000 05000000 01000000 0100"  # session, pos, n_rows, n_logits
@@ -96,8 +97,9 @@ GOLDEN = [
         "0000 0000"  # no logit bias (counts of ids and values)
         "00000000 00000000 00000000 00000000"  # no penalties: presence, frequency, no counts
         "00000000"  # min_p 0
-        "02 01000000 02000000"  # dtype f16, rows 1, width 2  (payload offset 95)
-        "00"  # pad to offset 96
+        "00000000"  # no scored prompt tokens
+        "02 01000000 02000000"  # dtype f16, rows 1, width 2 (frame offset 98)
+        "0000000000"  # pad to frame offset 112
         "003c 00c0",  # 1.0, -2.0 as f16
     ),
 ]
@@ -249,8 +251,8 @@ def _forward(act: np.ndarray, rows: tuple[int, ...] | None = None) -> Forward:
 def _forward_payload_with(dtype_code: int, rows: int, width: int, data: bytes, n_rows: int) -> bytes:
     """A Forward payload with one segment of ``n_rows`` rows and a hand-made array part."""
     body = encode(_forward(np.zeros((n_rows, 1), np.float32)))[HEADER_SIZE:]
-    prefix = body[:82]  # ref 4, batch_id 8, step 4, count 2, one plain segment 64
-    assert body[82] == 1 and body[83:87] == n_rows.to_bytes(4, "little")  # the f32 array head
+    prefix = body[:86]  # ref 4, batch_id 8, step 4, count 2, one plain segment 68
+    assert body[86] == 1 and body[87:91] == n_rows.to_bytes(4, "little")  # the f32 array head
     head = struct.pack("<BII", dtype_code, rows, width)
     return prefix + head + bytes(-(len(prefix) + len(head)) % 8) + data
 
@@ -583,3 +585,22 @@ def test_penalties_round_trip_and_are_checked():
                 dict(seen_ids=(9, 4, 70000)), dict(seen_counts=(1, 0, 2)), dict(min_p=1.5), dict(min_p=float("nan"))]:
         with pytest.raises(LocalProtocolError):
             encode(Forward(0, 0, 0, (dataclasses.replace(seg, **bad),), act))
+
+
+def test_scored_prompt_tokens_round_trip_and_are_checked():
+    act = np.zeros((3, 2), np.float32)
+    seg = Segment(1, 0, 3, 3, (), 0.0, 0, 1.0, 0, SEG_LOGPROBS | (2 << 3), score=(7, 70000))
+    msg = Forward(0, 0, 0, (seg,), act)
+    tr(encode(msg), [msg])
+    # more scored tokens than logit rows; scoring without logprobs asked for
+    for bad in [dict(score=(1, 2, 3, 4)), dict(n_logits=1), dict(flags=0)]:
+        with pytest.raises(LocalProtocolError) as ei:
+            encode(Forward(0, 0, 0, (dataclasses.replace(seg, **bad),), act))
+        assert ei.value.code is ErrorCode.BAD_SHAPE
+    ok = SegmentResult(1, (), 0, 0, scored=(-0.5, -1.0), scored_top_ids=(3, 4), scored_top_logprobs=(-0.25, -0.75))
+    tr(encode(TokenReturn(0, 1, (ok,))), [TokenReturn(0, 1, (ok,))])
+    for bad in [dict(scored_top_ids=(3,)), dict(scored_top_ids=(3, 4, 5), scored_top_logprobs=(0.0, 0.0, 0.0)),
+                dict(scored=(), scored_top_ids=(3, 4), scored_top_logprobs=(-0.25, -0.75)),
+                dict(scored=(0.5, -1.0)), dict(scored_top_logprobs=(float("nan"), -0.75))]:
+        with pytest.raises(LocalProtocolError):
+            encode(TokenReturn(0, 1, (dataclasses.replace(ok, **bad),)))

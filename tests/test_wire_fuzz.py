@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import struct
 
 import numpy as np
@@ -111,14 +113,17 @@ def loads(draw: st.DrawFn) -> Load:
 @st.composite
 def forwards(draw: st.DrawFn) -> Forward:
     rows = draw(st.lists(st.integers(0, 4), max_size=4))
-    segs = tuple(
-        Segment(
+    segs = []
+    for n in rows:
+        seg = Segment(
             draw(u64), draw(u32), n, draw(st.integers(0, n)), tuple(draw(st.lists(u32, max_size=32))),
             # any flags the check admits: the logprob count only with SEG_LOGPROBS, <= 20
             draw(f32), draw(i32), draw(f32), draw(u64), draw(u8.filter(lambda f: f >> 3 <= (20 if f & 2 else 0))),
         )  # fmt: skip
-        for n in rows
-    )
+        if seg.flags & 2 and draw(st.booleans()):   # scored prompt tokens: at most n_logits
+            seg = dataclasses.replace(seg, score=tuple(draw(st.lists(u32, max_size=seg.n_logits))))
+        segs.append(seg)
+    segs = tuple(segs)
     dtype = draw(st.sampled_from([np.float32, np.float16]))
     width = draw(st.integers(1, 9))
     # any bit pattern, NaNs and infinities included: the wire must carry them exactly
@@ -131,13 +136,16 @@ def results(draw: st.DrawFn) -> SegmentResult:
     tokens = tuple(draw(st.lists(u32, max_size=33)))
     if not tokens or draw(st.booleans()):
         return SegmentResult(draw(u64), tokens, draw(u32), draw(u32))
-    k = draw(st.integers(0, 20))
     logprob = st.floats(max_value=0.0, width=32)
-    lps = tuple(draw(st.lists(logprob, min_size=len(tokens), max_size=len(tokens))))
-    n = k * len(tokens)
-    return SegmentResult(draw(u64), tokens, draw(u32), draw(u32), lps,
-                         tuple(draw(st.lists(u32, min_size=n, max_size=n))),
-                         tuple(draw(st.lists(logprob, min_size=n, max_size=n))))
+
+    def lists(count: int) -> tuple[tuple, tuple, tuple]:
+        k = draw(st.integers(0, 20))
+        n = k * count
+        return (tuple(draw(st.lists(logprob, min_size=count, max_size=count))),
+                tuple(draw(st.lists(u32, min_size=n, max_size=n))), tuple(draw(st.lists(logprob, min_size=n, max_size=n))))
+
+    scored = lists(draw(st.integers(0, 40))) if draw(st.booleans()) else ((), (), ())
+    return SegmentResult(draw(u64), tokens, draw(u32), draw(u32), *lists(len(tokens)), *scored)
 
 
 messages = st.one_of(

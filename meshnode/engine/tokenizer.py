@@ -52,6 +52,7 @@ class Tokenizer:
         self.bos_id = int(self._llm.token_bos())
         self.n_vocab = int(self._llm.n_vocab())
         template = meta.get("tokenizer.chat_template") or FALLBACK_TEMPLATE
+        self.chat_template = template
         eos = self._piece(self.eos_id)
         bos = self._piece(self.bos_id) if self.bos_id >= 0 else ""
         self._chat = llama_chat_format.Jinja2ChatFormatter(
@@ -72,6 +73,10 @@ class Tokenizer:
     def _piece(self, token: int) -> str:
         return self._llm.detokenize([token], special=True).decode("utf-8", "replace")
 
+    def token_text(self, token: int) -> str:
+        """A token's text, a special token's included (``<|endoftext|>``)."""
+        return self._piece(token)
+
     def encode(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
         return self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
 
@@ -79,8 +84,10 @@ class Tokenizer:
         """Bytes of ``tokens`` (a token may end mid UTF-8 character: join bytes, then decode)."""
         return self._llm.detokenize(tokens)
 
-    def decode(self, tokens: list[int]) -> str:
-        return self.decode_bytes(tokens).decode("utf-8", "replace")
+    def decode(self, tokens: list[int], *, special: bool = False) -> str:
+        """``tokens``' text; with ``special``, special tokens' texts too (``<|im_end|>``)."""
+        raw = self._llm.detokenize(tokens, special=True) if special else self.decode_bytes(tokens)
+        return raw.decode("utf-8", "replace")
 
     def grammar_tokenizer(self):
         """llguidance's tokenizer of this vocabulary (built once, ~0.3 s for 49k tokens):

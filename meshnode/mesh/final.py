@@ -17,6 +17,10 @@ request's logit bias and its presence and frequency penalties; a step carries th
 of the tokens generated before it (:class:`Counts`), so the final stage keeps no history
 of a session and a route that replaces a lost one needs none.
 
+A prefill chunk may ask for its prompt tokens' logprobs (OpenAI's ``echo``): its first
+logit rows are then *scored* against the prompt tokens that follow them (the model's own
+rows, as sampled tokens' logprobs are), and only the rows after those are sampled.
+
 Sampling is per session, so its failures are too: a session whose logits or sampling
 parameters make it raise (NaN logits, a value the sampler cannot take) fails alone, and
 the other sessions of the same engine call keep their tokens (:meth:`FinalSampler.finalize_isolated`,
@@ -110,6 +114,7 @@ class Finalized:
     n_accepted: int
     n_drafted: int
     logprobs: TokenLogprobs | None = None   # when the step's sampling asked for them
+    scored: TokenLogprobs | None = None     # the logprobs of a step's ``score`` tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +131,22 @@ class FinalSampler:
         self._rngs: dict[int, np.random.Generator] = {}
 
     def finalize(self, session: int, logits: np.ndarray, drafts: tuple[int, ...],
-                 sampling: Sampling, mask: np.ndarray | None = None, seen: Counts = NO_COUNTS) -> Finalized:
+                 sampling: Sampling, mask: np.ndarray | None = None, seen: Counts = NO_COUNTS,
+                 score: tuple[int, ...] = ()) -> Finalized:
         """``logits``: ``(len(drafts) + 1, V)`` rows for ``[last, d1..dk]``; ``mask``:
         None, or the allowed tokens of each of those rows (uint32 words, see apply_mask);
-        ``seen``: the tokens generated before ``last``'s row, for the penalties."""
+        ``seen``: the tokens generated before ``last``'s row, for the penalties. With
+        ``score``, ``len(score)`` rows come first, scored against those tokens (with
+        ``sampling.top_logprobs`` alternatives), and when nothing follows them nothing is
+        sampled (a prompt chunk before the last)."""
+        scored = None
+        if score:
+            if sampling.top_logprobs is None:
+                raise ValueError("prompt tokens scored without logprobs asked for")
+            scored = token_logprobs(logits[:len(score)], score, sampling.top_logprobs)
+            if logits.shape[0] == len(score):
+                return Finalized((), 0, 0, None, scored)
+            logits = logits[len(score):]
         rng = None
         if not sampling.greedy:
             rng = self._rngs.get(session)
@@ -152,17 +169,17 @@ class FinalSampler:
             # model's own rows, before a bias or a grammar mask (whose -inf would be no
             # number in JSON), as llama.cpp's server reports them
             lp = token_logprobs(raw, res.tokens, sampling.top_logprobs)
-        return Finalized(res.tokens, res.n_accepted, len(drafts), lp)
+        return Finalized(res.tokens, res.n_accepted, len(drafts), lp, scored)
 
     def finalize_isolated(self, session: int, logits: np.ndarray, drafts: tuple[int, ...],
                           sampling: Sampling, mask: np.ndarray | None = None,
-                          seen: Counts = NO_COUNTS) -> Finalized | SamplingFailed:
+                          seen: Counts = NO_COUNTS, score: tuple[int, ...] = ()) -> Finalized | SamplingFailed:
         """:meth:`finalize`, with a failure returned instead of raised, so that the caller,
         which finalizes every session of one engine call in turn, hands it to this session
         alone. The session's generator is dropped: it may have advanced part way, and the
         request fails anyway."""
         try:
-            return self.finalize(session, logits, drafts, sampling, mask, seen)
+            return self.finalize(session, logits, drafts, sampling, mask, seen, score)
         except Exception as exc:  # noqa: BLE001 - this session's failure, never its batch's
             log.warning("session %x: sampling failed: %s", session, exc, exc_info=not isinstance(exc, ValueError))
             self.forget(session)

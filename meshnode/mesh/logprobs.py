@@ -52,6 +52,8 @@ def token_logprobs(rows: np.ndarray, tokens: Sequence[int], n_top: int) -> Token
     rows = np.asarray(rows)
     if rows.ndim != 2 or rows.shape[0] < len(tokens):
         raise ValueError(f"need {len(tokens)} logits rows, got shape {rows.shape}")
+    if any(not 0 <= t < rows.shape[1] for t in tokens):
+        raise ValueError(f"a token id outside the vocabulary of {rows.shape[1]}")
     lps: list[float] = []
     ids: list[int] = []
     tops: list[float] = []

@@ -102,11 +102,21 @@ class Step:
     mask: np.ndarray | None = None
     # the tokens generated before this step's first logit row (a penalized request's)
     seen: Counts = NO_COUNTS
+    # a prompt chunk's tokens that follow its first len(score) logit rows, whose logprobs
+    # the final stage returns (echo; mesh.final.FinalSampler.finalize); n_logits counts
+    # those rows too
+    score: tuple[int, ...] = ()
 
     @property
     def plain_decode(self) -> bool:
         """One row, one token out, no drafts, no mask: the per-token step (template, fast lane)."""
-        return self.n_logits == 1 and not self.drafts and self.tokens.shape[0] == 1 and self.mask is None
+        return (self.n_logits == 1 and not self.drafts and self.tokens.shape[0] == 1 and self.mask is None
+                and not self.score)
+
+    @property
+    def samples(self) -> bool:
+        """Whether the final stage samples tokens for this step (not only scores its rows)."""
+        return self.n_logits > len(self.score)
 
 
 class Pipeline(Protocol):
@@ -159,7 +169,8 @@ class LocalPipeline:
         return [self._finalize(s, out) if s.n_logits else None for s, out in zip(steps, outs)]
 
     def _finalize(self, step: Step, logits: np.ndarray) -> Finalized | StepFailedError:
-        res = self.sampler.finalize_isolated(step.session, logits, step.drafts, step.sampling, step.mask, step.seen)
+        res = self.sampler.finalize_isolated(step.session, logits, step.drafts, step.sampling, step.mask,
+                                             step.seen, step.score)
         return StepFailedError(step.session, res.reason) if isinstance(res, SamplingFailed) else res
 
     async def run(self, steps: Sequence[Step]) -> list[StepResult]:
@@ -332,11 +343,13 @@ class MeshPipeline:
                 out.append(None)
             elif s.session in waiting.failed:
                 out.append(StepFailedError(s.session, waiting.failed[s.session]))
-            elif r is None or not r.tokens:
-                out.append(StepFailedError(s.session, f"the final stage returned no tokens for session {s.session:x}"))
+            elif r is None or bool(r.tokens) != s.samples or len(r.scored) != len(s.score):
+                out.append(StepFailedError(s.session, f"the final stage returned no tokens or scores for session "
+                                                      f"{s.session:x}, or others than the step asked for"))
             else:
                 lp = TokenLogprobs(r.logprobs, r.top_ids, r.top_logprobs) if r.logprobs else None
-                out.append(Finalized(tuple(r.tokens), r.n_accepted, r.n_drafted, lp))
+                scored = TokenLogprobs(r.scored, r.scored_top_ids, r.scored_top_logprobs) if r.scored else None
+                out.append(Finalized(tuple(r.tokens), r.n_accepted, r.n_drafted, lp, scored))
         return out
 
     # ---- the fast lane ----------------------------------------------------------------
@@ -357,7 +370,8 @@ class MeshPipeline:
                          n_logits=s.n_logits, drafts=tuple(s.drafts),
                          flags=flags | wire.logprob_flags(s.sampling.top_logprobs)
                          | (wire.SEG_MASKED if s.mask is not None and s.n_logits else 0),
-                         seen_ids=s.seen.ids, seen_counts=s.seen.counts, **segment_fields(s.sampling))
+                         seen_ids=s.seen.ids, seen_counts=s.seen.counts, score=s.score,
+                         **segment_fields(s.sampling))
             for s in steps)
         return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)
 

@@ -310,18 +310,20 @@ class StageHost:
                 else:
                     fin = self.sampler.finalize_isolated(s.session, logits, tuple(s.drafts),
                                                          sampling_of(s, wire.flags_top_logprobs(s.flags)),
-                                                         mask, Counts(s.seen_ids, s.seen_counts))
+                                                         mask, Counts(s.seen_ids, s.seen_counts), tuple(s.score))
                 if isinstance(fin, SamplingFailed):
                     # this session's failure: the others of the batch keep their tokens
                     results.append(wire.DataError(ref=0, batch_id=msg.batch_id, session=s.session,
                                                   code=wire.ErrorCode.ENGINE_ERROR, message=fin.reason))
                     self._verified.pop(s.session, None)
                     continue
-                lp = fin.logprobs
+                lp, sc = fin.logprobs, fin.scored
                 results.append(wire.SegmentResult(
                     session=s.session, tokens=fin.tokens, n_accepted=fin.n_accepted,
                     n_drafted=fin.n_drafted, logprobs=lp.logprobs if lp else (),
-                    top_ids=lp.top_ids if lp else (), top_logprobs=lp.top_logprobs if lp else ()))
+                    top_ids=lp.top_ids if lp else (), top_logprobs=lp.top_logprobs if lp else (),
+                    scored=sc.logprobs if sc else (), scored_top_ids=sc.top_ids if sc else (),
+                    scored_top_logprobs=sc.top_logprobs if sc else ()))
                 verified -= fin.n_drafted - fin.n_accepted   # rows holding rejected drafts
             self._verified[s.session] = verified
         return results

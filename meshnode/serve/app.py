@@ -22,9 +22,12 @@ from pydantic.json_schema import models_json_schema
 from meshnode import __version__
 from meshnode.serve.http_guard import HttpGuard, HttpSecurity
 from meshnode.serve.node_routes import PullRequest, RefreshRequest
-from meshnode.serve.schemas import ChatCompletionRequest, CompletionRequest, InfillRequest
+from meshnode.serve.schemas import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest, TokenizeRequest,
+)
 
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, InfillRequest, PullRequest, RefreshRequest)
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, InfillRequest, TokenizeRequest, DetokenizeRequest,
+                  PullRequest, RefreshRequest)
 
 
 def create_app(node: Any, security: HttpSecurity | None = None) -> FastAPI:

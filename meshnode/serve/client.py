@@ -151,6 +151,9 @@ class GenerationRequest:
     client: str = ""
     # the answer as the client expects it (OpenAI's predicted output): drafts only
     prediction: str | None = None
+    # OpenAI's echo (completions): each choice's text starts with the prompt, and with
+    # ``logprobs`` each prompt token's logprob comes first
+    echo: bool = False
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.messages, self.prompt, self.prompt_ids, self.infill)) != 1:
@@ -261,11 +264,12 @@ class TopLogprob:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """One generated token's logprob and its most likely alternatives (OpenAI's shape)."""
+    """One token's logprob and its most likely alternatives (OpenAI's shape): a generated
+    token's, or an echoed prompt token's (None for the first, which nothing precedes)."""
 
     token: str
     bytes: tuple[int, ...]
-    logprob: float
+    logprob: float | None
     top: tuple[TopLogprob, ...] = ()
 
 

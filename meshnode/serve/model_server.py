@@ -202,6 +202,36 @@ class ModelServer:
         return [ModelCard(id=self.settings.name, created=self.created, n_ctx=self.settings.n_ctx,
                           **model_capabilities(self.tokenizer))]
 
+    # ---- the tokenizer endpoints (meshnode.serve.tokenize_routes) ------------------------
+
+    async def tokenize(self, model: str | None, text: str, add_bos: bool) -> list[int]:
+        """``text``'s tokens (special tokens' texts parsed, as HF tokenizers do; a BOS
+        first when ``add_bos`` and the model adds one)."""
+        self._check_model(model or self.settings.name)
+        encode = functools.partial(self.tokenizer.encode, text, add_bos=add_bos and self.tokenizer.add_bos,
+                                   special=True)
+        return list(await self._text_work(len(text) <= INLINE_TOKENIZE_CHARS, encode))
+
+    async def detokenize(self, model: str | None, tokens: list[int]) -> str:
+        self._check_model(model or self.settings.name)
+        n_vocab = self.tokenizer.n_vocab
+        if (bad := next((t for t in tokens if not 0 <= t < n_vocab), None)) is not None:
+            raise InvalidRequestError("tokens", f"Invalid token id {bad} (the model's vocabulary has {n_vocab} "
+                                                "tokens).")
+        # special tokens' texts included, as vLLM's and llama.cpp's servers give them
+        decode = functools.partial(self.tokenizer.decode, tokens, special=True)
+        return await self._text_work(len(tokens) <= INLINE_DIFF_TOKENS, decode)
+
+    def tokenizer_info(self, model: str | None) -> dict:
+        """What a client needs to tokenize as the node does (vLLM's ``/tokenizer_info``)."""
+        self._check_model(model or self.settings.name)
+        t = self.tokenizer
+        return {"model": self.settings.name, "tokenizer_class": "GGUF (llama.cpp)",
+                "eos_token": t.token_text(t.eos_id) if t.eos_id >= 0 else None,
+                "bos_token": t.token_text(t.bos_id) if t.bos_id >= 0 else None,
+                "pad_token": None, "add_bos_token": t.add_bos, "model_max_length": self.settings.n_ctx,
+                "vocab_size": t.n_vocab, "chat_template": t.chat_template}
+
     def _check_model(self, name: str) -> None:
         s = self.settings
         if name.lower() not in {n.lower() for n in (s.name, *s.aliases)}:
@@ -319,6 +349,10 @@ class ModelServer:
             raise EngineUnavailableError(SHUTTING_DOWN)
         budget = n_ctx - len(prompt)
         max_tokens = budget if req.max_tokens is None else min(req.max_tokens, budget)
+        echo = None
+        if req.echo:   # the prompt as given (token ids: as the model reads them back)
+            echo = req.prompt if req.prompt is not None else self.tokenizer.decode_bytes(prompt).decode(
+                "utf-8", "replace")
         ars: list[ActiveRequest] = []
         for i in range(n):
             # choice i samples with seed + i: different choices, each reproducible
@@ -328,7 +362,8 @@ class ModelServer:
             ar = ActiveRequest(rid, new_session_id(self._sessions), prompt,
                                replace(sampling, seed=(sampling.seed + i) % SEED_SPACE), max_tokens,
                                StopMatcher(tuple(req.stop) + tuple(template_stops)), info, index=i,
-                               constraint=constraints[i], client=req.client, prediction=prediction)
+                               constraint=constraints[i], client=req.client, prediction=prediction,
+                               echo=echo)
             self._active[rid] = ar
             self._update(ar)
             ars.append(ar)
@@ -390,7 +425,10 @@ class ModelServer:
             self._waiting -= 1
 
     def _lookup(self, ar: ActiveRequest | None) -> tuple[Retained, int] | None:
-        return self.prefix.lookup(ar.prompt, self.route.epoch) if ar is not None and self.route.up else None
+        # (a scored prompt is computed whole: a copied prefix has no logits to score)
+        if ar is None or ar.scoring or not self.route.up:
+            return None
+        return self.prefix.lookup(ar.prompt, self.route.epoch)
 
     async def _take_slot_for(self, ar: ActiveRequest | None) -> tuple[Retained, int] | None:
         """One slot and the prefix hit for ``ar``'s prompt (pinned), if any. The entry
@@ -533,6 +571,8 @@ class ModelServer:
         ar.first_token_t = time.perf_counter()
         first_token = first.tokens[-1]
         ar.pos = len(ar.prompt)
+        if ar.echo is not None:
+            events.put_nowait(ar.echo_delta(self.tokenizer))
         pending, lps = [first_token], first.logprobs
         t_decode = time.perf_counter()
         self.scheduler.enter(ar.session)
@@ -588,12 +628,17 @@ class ModelServer:
                 await self.pipeline.copy_session(hit[0].session, ar.session, hit[1])
             self.prefix.used(*hit)
             begin = ar.cached = hit[1]
+        ar.scores = []
         for start in range(begin, len(arr), nb):
             chunk = arr[start:start + nb]
             last = start + nb >= len(arr)
             mask = ar.constraint.masks() if last and ar.constraint is not None else None
-            result = await self.scheduler.submit(Step(ar.session, start, chunk, 1 if last else 0,
-                                                      (), ar.sampling, mask), ar.epoch)
+            score = _score(ar, start, start + nb)
+            result = await self.scheduler.submit(Step(ar.session, start, chunk, len(score) + last,
+                                                      (), ar.sampling, mask, score=score), ar.epoch)
+            if score:
+                assert result is not None and result.scored is not None
+                ar.scores.append(result.scored)
         assert result is not None
         return result
 
@@ -606,9 +651,16 @@ class ModelServer:
         for ar in ars:
             ar.epoch = self.route.epoch
         head = np.asarray(ars[0].prompt[:-1], dtype=np.int32)
+        scores = []
         for start in range(0, len(head), nb):
-            await self.scheduler.submit(Step(ars[0].session, start, head[start:start + nb], 0, (),
-                                             ars[0].sampling), ars[0].epoch)
+            score = _score(ars[0], start, min(start + nb, len(head)))
+            r = await self.scheduler.submit(Step(ars[0].session, start, head[start:start + nb], len(score), (),
+                                                 ars[0].sampling, score=score), ars[0].epoch)
+            if score:
+                assert r is not None and r.scored is not None
+                scores.append(r.scored)
+        for ar in ars:
+            ar.scores = list(scores)
         if len(head):
             for ar in ars[1:]:
                 await self.pipeline.copy_session(ars[0].session, ar.session, len(head))
@@ -922,3 +974,9 @@ def _bias(pairs: tuple[tuple[int, float], ...], n_vocab: int | None) -> tuple[tu
             bias[tok] = _f32(v)
     ids = tuple(sorted(bias))
     return ids, tuple(bias[i] for i in ids)
+
+
+def _score(ar: ActiveRequest, start: int, end: int) -> tuple[int, ...]:
+    """The prompt tokens a chunk of ``ar``'s prompt at [start, end) is scored against:
+    those after each of its rows, when the request scores its prompt (echo)."""
+    return tuple(ar.prompt[start + 1:end + 1]) if ar.scoring else ()

@@ -62,12 +62,14 @@ from meshnode.serve.client import (
 )
 from meshnode.serve.errors import (
     EngineFailedError,
+    EngineUnavailableError,
     InvalidRequestError,
     PromptTooLongError,
     UnknownModelError,
     error_body,
     error_spec,
 )
+from meshnode.serve.batched import batched_events
 from meshnode.serve.http_guard import error_headers
 from meshnode.serve.schemas import (
     ChatChoice,
@@ -84,6 +86,8 @@ from meshnode.serve.schemas import (
     CompletionRequest,
     CompletionResponse,
     CompletionTokensDetails,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     FunctionCallDelta,
     FunctionCallOut,
@@ -92,6 +96,8 @@ from meshnode.serve.schemas import (
     ModelList,
     ModelObject,
     PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
     ToolCallDelta,
     ToolCallOut,
     UsageInfo,
@@ -155,7 +161,7 @@ def _post_docs(request_model: type, response_model: type) -> dict[str, Any]:
     )
 
 
-async def _parse(model: type[_M], request: Request) -> _M:
+async def _parse(model: type[Any], request: Request) -> Any:
     body = await request.body()
     if len(body) <= INLINE_PARSE_BYTES:
         return parse_request(model, body)
@@ -225,13 +231,13 @@ def make_openai_router(
     async def chat_completions(request: Request) -> Response:
         body = await _parse(ChatCompletionRequest, request)
         chunks = _ChatChunks(body.model, body.include_usage, body.tool_names())
-        return await _serve(request, body, body.to_generation_request(chunks.id), chunks, "messages")
+        return await _serve(request, body, [body.to_generation_request(chunks.id)], chunks, "messages")
 
     @router.post("/completions", response_model=None, **_post_docs(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         body = await _parse(CompletionRequest, request)
         chunks = _TextChunks(body.model, body.include_usage)
-        return await _serve(request, body, body.to_generation_request(chunks.id), chunks, "prompt")
+        return await _serve(request, body, body.to_generation_requests(chunks.id), chunks, "prompt")
 
     @infill_router.post("/infill", response_model=None, **_post_docs(InfillRequest, InfillResponse))
     async def infill(request: Request) -> Response:
@@ -240,25 +246,32 @@ def make_openai_router(
         if body.model is None and not cards:
             raise UnknownModelError("(none)", [])
         chunks = _InfillChunks(body.model or cards[0].id)
-        return await _serve(request, body, body.to_generation_request(chunks.id, chunks.model), chunks,
+        return await _serve(request, body, [body.to_generation_request(chunks.id, chunks.model)], chunks,
                             "input_prefix")
 
     async def _serve(
         request: Request, body: ChatCompletionRequest | CompletionRequest | InfillRequest,
-        gen_request: GenerationRequest, chunks: _Chunks, prompt_param: str
+        gen_requests: list[GenerationRequest], chunks: _Chunks, prompt_param: str
     ) -> Response:
-        gen_request = replace(gen_request, client=_caller(request))
-        chunks.n = gen_request.n
-        chunks.logprobs = gen_request.logprobs is not None
+        """``gen_requests``: one, or the prompts of a batch (completions), whose choices
+        are numbered prompt by prompt."""
+        caller = _caller(request)
+        gen_requests = [replace(g, client=caller) for g in gen_requests]
+        first_request = gen_requests[0]
+        chunks.per_prompt = first_request.n
+        chunks.n = first_request.n * len(gen_requests)
+        chunks.logprobs = first_request.logprobs is not None
         client = get_client()
         # The engine client decides which names it serves (ids, aliases, file names) and
         # raises UnknownModelError before its first event.
-        log.debug("%s: model=%s stream=%s", chunks.id, gen_request.model, bool(body.stream))
-        pump: EventPump[GenerationEvent] = EventPump(client.generate(gen_request), keepalive_s)
+        log.debug("%s: model=%s stream=%s prompts=%d", chunks.id, first_request.model, bool(body.stream),
+                  len(gen_requests))
+        events = client.generate(first_request) if len(gen_requests) == 1 else batched_events(client, gen_requests)
+        pump: EventPump[GenerationEvent] = EventPump(events, keepalive_s)
         handed_over = False
         try:
             if not body.stream:
-                choices = await _unless_disconnected(request, _collect(pump, gen_request.n))
+                choices = await _unless_disconnected(request, _collect(pump, chunks.n))
                 return _json(chunks.full_response(choices))
             first = await _unless_disconnected(request, _first_event(pump))
             handed_over = True
@@ -282,7 +295,43 @@ def make_openai_router(
     outer = APIRouter()
     outer.include_router(router)
     outer.include_router(infill_router)
+    outer.include_router(_tokenizer_router(get_client))
     return outer
+
+
+def _tokenizer_router(get_client: Callable[[], EngineClient]) -> APIRouter:
+    """vLLM's (and llama.cpp server's) tokenizer endpoints, at the server's root, for the
+    node's own model (``model`` optional): what an evaluation harness needs to tokenize
+    as the node does (lm-evaluation-harness's ``tokenizer_backend=remote``)."""
+    router = APIRouter(route_class=OpenAIRoute, tags=["tokenizer"])
+
+    def engine() -> Any:
+        client = get_client()
+        local = getattr(client, "local", client)     # the mesh client's own model server
+        if not hasattr(local, "tokenize"):
+            raise EngineUnavailableError("No model of this node is ready (the tokenizer endpoints serve the "
+                                         "model this node coordinates).")
+        return local
+
+    @router.post("/tokenize", response_model=None, **_post_docs(TokenizeRequest, TokenizeResponse))
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await _parse(TokenizeRequest, request)
+        text, add_bos = body.text_and_bos()
+        local = engine()
+        tokens = await local.tokenize(body.model, text, add_bos)
+        return _json(TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=local.settings.n_ctx))
+
+    @router.post("/detokenize", response_model=None, **_post_docs(DetokenizeRequest, DetokenizeResponse))
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await _parse(DetokenizeRequest, request)
+        text = await engine().detokenize(body.model, body.tokens)
+        return _json(DetokenizeResponse(prompt=text, content=text))
+
+    @router.get("/tokenizer_info", response_model=None, responses=error_responses(GET_ERRORS))
+    async def tokenizer_info(model: str | None = None) -> JSONResponse:
+        return JSONResponse(engine().tokenizer_info(model))
+
+    return router
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -474,11 +523,13 @@ async def _stream(
 # --- response bodies -------------------------------------------------------------------
 
 
-def _total_usage(finished: list[Finished]) -> UsageInfo:
-    """The prompt once (it was prefilled once), every choice's completion tokens; the
-    prompt tokens whose KV a kept session supplied as ``cached_tokens``."""
-    prompt = finished[0].usage.prompt_tokens if finished else 0
-    cached = finished[0].timings.cache_n if finished else 0
+def _total_usage(finished: list[Finished], per_prompt: int = 1) -> UsageInfo:
+    """Each prompt once (it was prefilled once for its ``per_prompt`` choices), every
+    choice's completion tokens; the prompt tokens whose KV a kept session supplied as
+    ``cached_tokens``."""
+    firsts = [f for f in finished if f.index % per_prompt == 0]     # a prompt's first choice
+    prompt = sum(f.usage.prompt_tokens for f in firsts)
+    cached = sum(f.timings.cache_n for f in firsts)
     completion = sum(f.usage.completion_tokens for f in finished)
     details = None
     if finished and finished[0].usage.accepted_prediction_tokens is not None:
@@ -502,7 +553,8 @@ class _Chunks:
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
-        self.n = 1
+        self.n = 1              # choices in all
+        self.per_prompt = 1     # ... of each prompt (a batch of prompts: completions)
         self.logprobs = False
 
     def head(self) -> list[dict[str, Any]]:
@@ -531,11 +583,12 @@ class _Chunks:
         timings = event.timings.to_json() if last else None
         if not self.include_usage or not last:
             return [self.finish(event, timings)]
-        return [self.finish(event, None), self.usage_chunk(_total_usage(finished), event.timings.to_json())]
+        return [self.finish(event, None),
+                self.usage_chunk(_total_usage(finished, self.per_prompt), event.timings.to_json())]
 
     def _parts(self, choices: list[_Choice]) -> tuple[list[Finished], UsageInfo, TimingsJSON]:
         finished = [c.finished for c in choices if c.finished is not None]
-        return finished, _total_usage(finished), finished[-1].timings.to_json()
+        return finished, _total_usage(finished, self.per_prompt), finished[-1].timings.to_json()
 
 
 class _ChatChunks(_Chunks):

@@ -154,6 +154,30 @@ class ActiveRequest:
     # generated[:_tallied], counted (seen_before: a penalized request's steps)
     _tally: Counter[int] = field(default_factory=Counter, repr=False)
     _tallied: int = 0
+    # OpenAI's echo: the prompt's text, which the answer starts with (None: no echo); with
+    # logprobs, the prefill's chunks score the prompt's tokens (one TokenLogprobs a chunk)
+    echo: str | None = None
+    scores: list[TokenLogprobs] = field(default_factory=list, repr=False)
+
+    @property
+    def scoring(self) -> bool:
+        """Whether the prefill scores the prompt's tokens (echo with logprobs)."""
+        return self.echo is not None and self.sampling.top_logprobs is not None
+
+    def echo_delta(self, tokenizer: Tokenizer) -> TextDelta:
+        """The prompt as the answer's first delta; with logprobs an entry per prompt token
+        (the first has no logprob: nothing precedes it)."""
+        entries: list[TokenLogprob] = []
+        if self.scoring:
+            raws = [tokenizer.decode_bytes([t]) for t in self.prompt]
+            entries.append(TokenLogprob(*_piece(tokenizer, raws[0]), None))
+            i = 1
+            for lp in self.scores:
+                entries += [_entry(tokenizer, raws[i + j], lp, j) for j in range(len(lp.logprobs))]
+                i += len(lp.logprobs)
+            if len(entries) != len(self.prompt):
+                raise ValueError(f"{len(entries)} scored prompt tokens of {len(self.prompt)}")
+        return TextDelta(self.echo or "", tuple(self.prompt), self.index, tuple(entries))
 
     def seen_before(self, pos: int, pending: Sequence[int] = ()) -> Counts:
         """The generated tokens a step of ``last`` at ``pos`` is penalized by: those at
@@ -185,6 +209,9 @@ class ActiveRequest:
         ``max_tokens``; the tokens after that one are not taken. ``logprobs`` (the
         step's, one per token) ride on the delta that releases each token's text."""
         deltas: list[TextDelta] = []
+        if self.remaining <= 0:   # max_tokens 0 (echo only): the prefill's token is not taken
+            self.finish, self.done = "length", True
+            return deltas
         for i, tok in enumerate(tokens):
             self.generated.append(tok)
             if tok in tokenizer.eog_ids:

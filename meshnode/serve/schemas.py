@@ -5,7 +5,7 @@ malformed JSON and validation failures into :class:`~meshnode.serve.errors.
 InvalidRequestError` (param = the offending field, e.g. ``messages[0].content``). The
 request model then converts itself with ``to_generation_request(request_id)``, raising
 :class:`~meshnode.serve.errors.UnsupportedValueError` for valid OpenAI features this
-server does not implement (images, token-id prompts, ``echo``, ``best_of``).
+server does not implement (images, ``best_of`` other than ``n``).
 
 Unknown fields are accepted (editors send vendor extras such as ``min_p``,
 ``cache_prompt``) and logged at debug level: they are
@@ -38,7 +38,11 @@ __all__ = [
     "CompletionResponse",
     "ErrorObject",
     "ErrorResponse",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
     "InfillRequest",
+    "TokenizeRequest",
+    "TokenizeResponse",
     "ModelList",
     "ModelObject",
     "UsageInfo",
@@ -284,34 +288,54 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(f"at most {MAX_PROMPTS} prompts")
         return v
     suffix: str | None = None
+    # the prompt comes back first (with logprobs: scored); max_tokens 0 then only scores it
     echo: bool | None = False
+    max_tokens: int | None = Field(default=None, ge=0)
     best_of: int | None = None
     # the sampled tokens' logprobs and this many alternatives each (OpenAI allows 5)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    def to_generation_request(self, request_id: str) -> GenerationRequest:
-        """The engine request; raises UnsupportedValueError / InvalidRequestError."""
+    def to_generation_requests(self, request_id: str) -> list[GenerationRequest]:
+        """One engine request per prompt (a batch: ids ``request_id-i``); raises
+        UnsupportedValueError / InvalidRequestError."""
         self._common_checks()
-        if self.echo:
-            raise UnsupportedValueError("echo", "echo is not supported.")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens", "max_tokens 0 generates nothing; it needs 'echo': true.")
+        if self.echo and self.suffix:
+            raise UnsupportedValueError("echo", "echo and suffix cannot be used together.")
         if self.best_of not in (None, 1, self.n):
             raise UnsupportedValueError("best_of", "best_of other than n is not supported.")
         prompt = self.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]      # one prompt in a list: text, or token ids
+        # one prompt: text, or token ids; a batch: a list of either
+        prompts = [prompt] if isinstance(prompt, str) or prompt and isinstance(prompt[0], int) else list(prompt)
+        if not prompts:
+            raise InvalidRequestError("prompt", "'prompt' is an empty list.")
+        if self.suffix and (len(prompts) > 1 or not isinstance(prompts[0], str)):
+            raise UnsupportedValueError("suffix", "suffix needs a single text prompt.")
+        if len(prompts) == 1:
+            return [self._one(request_id, prompts[0], "prompt")]
+        return [self._one(f"{request_id}-{i}", p, f"prompt[{i}]") for i, p in enumerate(prompts)]
+
+    def to_generation_request(self, request_id: str) -> GenerationRequest:
+        """The engine request of a request with one prompt (raises UnsupportedValueError
+        for a batch)."""
+        reqs = self.to_generation_requests(request_id)
+        if len(reqs) != 1:
+            raise UnsupportedValueError("prompt", "A batch of prompts needs to_generation_requests.")
+        return reqs[0]
+
+    def _one(self, request_id: str, prompt: str | list[int], param: str) -> GenerationRequest:
         if isinstance(prompt, list):
-            if not prompt or not all(isinstance(t, int) for t in prompt):
-                raise UnsupportedValueError("prompt", "Only a single prompt is supported (text or a "
-                                                      "non-empty list of token ids; no batches).")
-            if self.suffix:
-                raise UnsupportedValueError("suffix", "suffix needs a text prompt.")
+            if not prompt:
+                raise InvalidRequestError(param, f"'{param}' is an empty list of token ids.")
             # token ids as given (no BOS added), checked against the vocabulary with the model
             return self._generation_request(request_id, self.max_tokens, prompt_ids=tuple(prompt),
-                                            logprobs=self.logprobs)
+                                            logprobs=self.logprobs, echo=bool(self.echo))
         if self.suffix:   # fill in the middle: the prompt is what comes before the cursor
             return self._generation_request(request_id, self.max_tokens, logprobs=self.logprobs,
                                             infill=InfillPrompt(prefix=prompt, suffix=self.suffix))
-        return self._generation_request(request_id, self.max_tokens, prompt=prompt, logprobs=self.logprobs)
+        return self._generation_request(request_id, self.max_tokens, prompt=prompt, logprobs=self.logprobs,
+                                        echo=bool(self.echo))
 
 
 MAX_EXTRA_CHUNKS = 1_000
@@ -360,6 +384,44 @@ class InfillRequest(_Lenient):
             top_k=40 if self.top_k is None else (self.top_k if self.top_k > 0 else None),
             min_p=0.05 if self.min_p is None else self.min_p,
             seed=self.seed, stop=stops, infill=infill)
+
+
+class TokenizeRequest(_Lenient):
+    """``POST /tokenize``: vLLM's body (``prompt``, ``add_special_tokens``, default true)
+    or llama.cpp server's (``content``, ``add_special``, default false); ``model``
+    optional (the node's model)."""
+
+    model: str | None = Field(default=None, min_length=1)
+    prompt: str | None = None
+    content: str | None = None
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+
+    def text_and_bos(self) -> tuple[str, bool]:
+        """The text, and whether a BOS token goes first (when the model adds one)."""
+        if (self.prompt is None) == (self.content is None):
+            raise InvalidRequestError("prompt", "Give the text to tokenize as 'prompt' (or 'content'), once.")
+        if self.prompt is not None:
+            return self.prompt, self.add_special_tokens is not False
+        return self.content or "", bool(self.add_special)
+
+
+class DetokenizeRequest(_Lenient):
+    """``POST /detokenize`` (vLLM's and llama.cpp server's body)."""
+
+    model: str | None = Field(default=None, min_length=1)
+    tokens: Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str     # vLLM's name
+    content: str    # llama.cpp server's
 
 
 def _flatten_message(index: int, m: ChatMessageIn, param: str | None = None) -> ChatMessage:
@@ -505,8 +567,9 @@ class CompletionLogprobs(BaseModel):
     characters from the start of the choice's text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # None for an echoed prompt's first token (nothing precedes it)
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
     @classmethod
@@ -516,7 +579,8 @@ class CompletionLogprobs(BaseModel):
             offsets.append(offset)
             offset += len(e.token)
         return cls(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
-                   top_logprobs=[{t.token: t.logprob for t in e.top} for e in entries], text_offset=offsets)
+                   top_logprobs=[None if e.logprob is None else {t.token: t.logprob for t in e.top}
+                                 for e in entries], text_offset=offsets)
 
 
 class ChatChoice(BaseModel):

@@ -26,6 +26,7 @@ from meshnode.limits import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
+    MAX_SCORED,
     MAX_SEEN,
     MAX_TOP_LOGPROBS,
     MAX_VERIFY_WINDOW,
@@ -63,7 +64,9 @@ from meshnode.wire.schema import (
 # a Forward with DataError(NO_SUCH_SESSION).
 # 4: Segment carries the request's logit bias (bias_ids, bias_values) and penalties
 # (presence, frequency, and the counts of the tokens generated before it), and min_p.
-PROTOCOL_VERSION = 4
+# 5: Segment.score asks the final stage for the logprobs of prompt tokens (OpenAI's echo),
+# which SegmentResult returns (scored, scored_top_ids, scored_top_logprobs).
+PROTOCOL_VERSION = 5
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
 # (meshnode.net.lane); stage 0 resends it over the stream, without the bit, if it is lost.
@@ -414,6 +417,10 @@ class Segment:
     ``presence`` / ``frequency``: OpenAI's penalties (-2..2), applied by ``seen_ids`` /
     ``seen_counts``, the tokens generated before the segment's first logit row and how
     often each came (ids unique and ascending, counts >= 1). ``min_p``: llama.cpp's, 0..1.
+    ``score``: the prompt tokens that follow the segment's first ``len(score)`` logit rows
+    (OpenAI's ``echo`` with logprobs): the final stage returns each one's logprob in its row,
+    and samples only the logit rows after them (none when ``n_logits == len(score)``).
+    Needs SEG_LOGPROBS (the alternatives per row, as for sampled tokens).
     """
 
     session: int = wf(U64)
@@ -433,6 +440,7 @@ class Segment:
     seen_ids: tuple[int, ...] = wf(IntList("I", U32, MAX_SEEN), default=())
     seen_counts: tuple[int, ...] = wf(IntList("I", U32, MAX_SEEN), default=())
     min_p: float = wf(F32, default=0.0)
+    score: tuple[int, ...] = wf(IntList("I", U32, MAX_SCORED), default=())
 
 
 def _ascending(ids: tuple[int, ...]) -> bool:
@@ -470,6 +478,9 @@ def _check_forward(m: Forward) -> None:
             _check_penalties(i, s)
         if not 0.0 <= s.min_p <= 1.0:   # (NaN fails too)
             raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: min_p {s.min_p} outside 0..1")
+        if s.score and (len(s.score) > s.n_logits or not s.flags & SEG_LOGPROBS):
+            raise Invalid(ErrorCode.BAD_SHAPE, f"segments[{i}]: {len(s.score)} scored rows of "
+                                               f"{s.n_logits} logit rows, or without SEG_LOGPROBS")
         rows += s.n_rows
         if s.flags >> SEG_TOP_SHIFT > (MAX_TOP_LOGPROBS if s.flags & SEG_LOGPROBS else 0):
             raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: flags {s.flags:#x} ask for too many logprobs")
@@ -515,6 +526,8 @@ class SegmentResult:
 
     With SEG_LOGPROBS: ``logprobs`` has one value per token, and ``top_ids`` /
     ``top_logprobs`` the same number of alternatives per token, flattened (else all empty).
+    ``scored`` (``scored_top_ids``, ``scored_top_logprobs``): the same for the segment's
+    ``score`` tokens, one value per scored row; ``tokens`` is empty when no row was sampled.
     """
 
     session: int = wf(U64)
@@ -525,21 +538,31 @@ class SegmentResult:
     top_ids: tuple[int, ...] = wf(IntList("H", U32, (MAX_VERIFY_WINDOW + 1) * MAX_TOP_LOGPROBS), default=())
     top_logprobs: tuple[float, ...] = wf(IntList("H", F32, (MAX_VERIFY_WINDOW + 1) * MAX_TOP_LOGPROBS),
                                          default=())
+    scored: tuple[float, ...] = wf(IntList("I", F32, MAX_SCORED), default=())
+    scored_top_ids: tuple[int, ...] = wf(IntList("I", U32, MAX_SCORED * MAX_TOP_LOGPROBS), default=())
+    scored_top_logprobs: tuple[float, ...] = wf(IntList("I", F32, MAX_SCORED * MAX_TOP_LOGPROBS), default=())
+
+
+def _check_logprobs(i: int, what: str, n: int, lps: tuple[float, ...], top_ids: tuple[int, ...],
+                    top_lps: tuple[float, ...]) -> None:
+    """``lps``: none, or one logprob per one of ``n`` tokens with as many alternatives each."""
+    if not lps:
+        if top_ids or top_lps:
+            raise Invalid(ErrorCode.BAD_SHAPE, f"results[{i}]: alternatives without {what}")
+        return
+    k = len(lps)
+    if k != n or len(top_ids) != len(top_lps) or len(top_ids) % k or len(top_ids) // k > MAX_TOP_LOGPROBS:
+        raise Invalid(ErrorCode.BAD_SHAPE, f"results[{i}]: {what} do not match its {n} tokens")
+    # a log-probability is <= 0 (-inf allowed: a token the model rules out)
+    if not all(v <= 0.0 for v in lps) or not all(v <= 0.0 for v in top_lps):
+        raise Invalid(ErrorCode.BAD_FIELD, f"results[{i}]: a logprob is NaN or positive")
 
 
 def _check_token_return(m: TokenReturn) -> None:
     for i, r in enumerate(m.results):
-        n = len(r.logprobs)
-        if n == 0:
-            if r.top_ids or r.top_logprobs:
-                raise Invalid(ErrorCode.BAD_SHAPE, f"results[{i}]: alternatives without logprobs")
-            continue
-        if n != len(r.tokens) or len(r.top_ids) != len(r.top_logprobs) or len(r.top_ids) % n \
-                or len(r.top_ids) // n > MAX_TOP_LOGPROBS:
-            raise Invalid(ErrorCode.BAD_SHAPE, f"results[{i}]: logprobs do not match its {len(r.tokens)} tokens")
-        # a log-probability is <= 0 (-inf allowed: a token the model rules out)
-        if not all(v <= 0.0 for v in r.logprobs) or not all(v <= 0.0 for v in r.top_logprobs):
-            raise Invalid(ErrorCode.BAD_FIELD, f"results[{i}]: a logprob is NaN or positive")
+        _check_logprobs(i, "logprobs", len(r.tokens), r.logprobs, r.top_ids, r.top_logprobs)
+        # (the number of scored rows is the step's: stage 0 checks it against what it sent)
+        _check_logprobs(i, "scored", len(r.scored), r.scored, r.scored_top_ids, r.scored_top_logprobs)
 
 
 @message(MessageKind.TOKEN_RETURN, _check_token_return)
