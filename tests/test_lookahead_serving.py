@@ -41,6 +41,7 @@ class OraclePipeline:
         self.delay = delay
         self.kv: dict[int, list[int]] = {}          # session -> token at each position
         self.steps: list[tuple[int, int, int]] = []   # (pos, rows, drafts)
+        self.drafted: list[int] = []                   # every draft token sent
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -56,6 +57,7 @@ class OraclePipeline:
                 del kv[s.pos:]                              # rewinds past rejected rows
                 kv.extend(int(t) for t in s.tokens)
                 self.steps.append((s.pos, rows, k))
+                self.drafted += s.drafts
 
                 def predict(q: int) -> int:
                     # like a model: right only when everything up to q is the true text
@@ -135,6 +137,26 @@ def test_exact_under_random_edits():
         assert text == answer, seed
         sent, used = sent + fin.timings.draft_lookahead, used + fin.timings.draft_lookahead_used
     assert 0 < used < sent
+
+
+def test_drafts_stop_before_a_token_the_request_bans():
+    """logit_bias -100 on a token: no window spends a row on it (it would be rejected),
+    the others still draft. (The oracle ignores the bias: the text keeps its x's.)"""
+    x = ord("x")
+
+    async def main():
+        pipe = OraclePipeline(CharTokenizer().encode(CODE) + CharTokenizer().encode(ANSWER))
+        server = _server(pipe, _spec())
+        text, fin = await answer(server, GenerationRequest("r1", "m", messages=(ChatMessage("user", CODE),),
+                                                           max_tokens=len(ANSWER), temperature=0.0,
+                                                           logit_bias=((x, -100.0), (ord(" "), -10.0))))
+        await server.scheduler.close()
+        return pipe, text, fin
+
+    pipe, text, fin = asyncio.run(main())
+    assert text == ANSWER
+    assert x not in pipe.drafted and ord(" ") in pipe.drafted    # (a bias of -10 is no ban)
+    assert fin.timings.draft_n_accepted > 20
 
 
 def test_no_lookahead_when_sampling_or_on_one_node():

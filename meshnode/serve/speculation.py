@@ -60,6 +60,23 @@ from meshnode.state import DraftVerified, SpecStats
 log = logging.getLogger(__name__)
 
 MAX_DRAFT = 16          # rows per verify stay well inside batch invariance (<= 32)
+# A token whose logit_bias is at most this is all but never sampled (its odds times
+# e^-30): drafts stop before it rather than spend verify rows on a sure rejection.
+BANNED_BIAS = -30.0
+
+
+@functools.lru_cache(maxsize=64)
+def _banned(bias_ids: tuple[int, ...], bias_values: tuple[float, ...]) -> frozenset[int]:
+    return frozenset(t for t, v in zip(bias_ids, bias_values) if v <= BANNED_BIAS)
+
+
+def until_banned(drafts: Sequence[int], sampling) -> list[int]:
+    """``drafts`` up to the first token the request's logit_bias bans (mesh.final.Sampling)."""
+    drafts = list(drafts)
+    if not sampling.bias_ids:
+        return drafts
+    banned = _banned(sampling.bias_ids, sampling.bias_values)
+    return next((drafts[:i] for i, t in enumerate(drafts) if t in banned), drafts)
 
 
 class SpeculativeDecoder:
@@ -344,7 +361,7 @@ class SpeculativeDecoder:
             if draft is not None:
                 drafts = await self._draft_call(draft.propose, [], k)
                 by_model = bool(drafts)
-            drafts = [int(t) for t in drafts[:k]]
+            drafts = until_banned([int(t) for t in drafts[:k]], req.sampling)
             self.telemetry.set_window(k)
         return self._send(req, pos, last, drafts, t0=t0, by_model=by_model, pending=pending)
 
@@ -394,7 +411,7 @@ class SpeculativeDecoder:
             return None
         k2 = min(self.window.next_window(), room)
         # the proposer's context ends at step.last: guess what follows the drafts in flight
-        cont = ngram.propose(1 + k2, min_match=self.min_match, after=step.drafts)
+        cont = until_banned(ngram.propose(1 + k2, min_match=self.min_match, after=step.drafts), req.sampling)
         if not cont:
             return None
         return self._send(req, pos2, cont[0], cont[1:], lookahead=True)
