@@ -191,6 +191,15 @@ def _echo_observations(port: int, model_path: Path) -> dict:
         for ch in c["choices"]:
             streamed[ch["index"]] = streamed.get(ch["index"], "") + ch["text"]
     out["batch_stream"] = streamed
+    # a prompt that fills the context (512) gets its one token, scored as lm-eval's
+    # log-likelihood of a window as long as the context asks; one more token is too long
+    full = (tok.encode(LONG_PROMPT, add_bos=True) * 8)[:512]
+    r = _post(port, "/v1/completions", {"model": model, "prompt": full, "max_tokens": 1, "echo": True,
+                                        "temperature": 0, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    out["full_context"] = len(r.json()["choices"][0]["logprobs"]["tokens"]), r.json()["usage"]
+    r = _post(port, "/v1/completions", {"model": model, "prompt": full + [full[1]], "max_tokens": 1})
+    out["past_context"] = r.status_code, r.json()["error"]["code"]
     # the tokenizer endpoints (lm-eval's tokenizer_backend=remote: vLLM's shapes)
     base = f"http://127.0.0.1:{port}"
     out["tokenizer_info"] = httpx.get(f"{base}/tokenizer_info").json()
@@ -317,6 +326,9 @@ def test_echo_returns_the_prompt_then_the_same_answer(single):
     assert obs["echo_long_no_logprobs"]["text"] == long["text"]
     assert obs["echo_long_no_logprobs"]["logprobs"] is None
     assert obs["max_tokens_0"] == (400, "max_tokens")
+    n, usage = obs["full_context"]
+    assert n == 513 and (usage["prompt_tokens"], usage["completion_tokens"]) == (512, 1)
+    assert obs["past_context"] == (400, "context_length_exceeded")
 
 
 def test_a_batch_of_prompts_answers_each_as_alone(single):

@@ -561,7 +561,7 @@ def test_engine_context_overflow_is_400_with_a_clear_message(served_url: str) ->
 
 
 def test_prompt_longer_than_the_served_context_is_400_before_prefill(served_url: str) -> None:
-    long = "x" * SERVED_CTX
+    long = "x" * (SERVED_CTX + 1)    # (a prompt of SERVED_CTX tokens fits: it gets one token)
     for stream in (False, True):
         err = _error(_post(served_url, "/chat/completions",
                            {"model": MODEL, "messages": _user(long), "stream": stream}), 400)

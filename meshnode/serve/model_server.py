@@ -341,13 +341,17 @@ class ModelServer:
             self._release(n)
             raise
         n_ctx = self.settings.n_ctx
-        if len(prompt) >= n_ctx:
+        if len(prompt) > n_ctx:
             self._release(n)
             raise PromptTooLongError(len(prompt), n_ctx)
         if self._closing:   # shutdown began while the prompt was tokenized
             self._release(n)
             raise EngineUnavailableError(SHUTTING_DOWN)
-        budget = n_ctx - len(prompt)
+        # The prompt holds positions [0, P); each generated token but the last is fed
+        # back at the next position, so a context of n_ctx gives n_ctx - P + 1 tokens (a
+        # prompt that fills the context still gets its one: what lm-eval's log-likelihood
+        # of a window as long as the context asks for).
+        budget = n_ctx - len(prompt) + 1
         max_tokens = budget if req.max_tokens is None else min(req.max_tokens, budget)
         echo = None
         if req.echo:   # the prompt as given (token ids: as the model reads them back)
