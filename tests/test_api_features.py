@@ -200,6 +200,17 @@ def _echo_observations(port: int, model_path: Path) -> dict:
     out["full_context"] = len(r.json()["choices"][0]["logprobs"]["tokens"]), r.json()["usage"]
     r = _post(port, "/v1/completions", {"model": model, "prompt": full + [full[1]], "max_tokens": 1})
     out["past_context"] = r.status_code, r.json()["error"]["code"]
+    # llama.cpp server's /completion (Continue's "llama.cpp" provider): the same greedy text
+    # as /v1/completions, streamed and not, for text and token ids
+    native = {"prompt": "The capital of France is", "n_predict": 6, "temperature": 0}
+    out["native"] = [_check_llamacpp(_post(port, "/completion", {**native, "stream": st}), st) for st in (False, True)]
+    out["native_ids"] = _check_llamacpp(_post(port, "/completion", {**native, "prompt": prompt}), False)
+    out["native_v1"] = _post(port, "/v1/completions", {"model": model, "prompt": "The capital of France is",
+                                                       "max_tokens": 6, "temperature": 0}).json()["choices"][0]["text"]
+    # an empty text: SmolLM2 adds no BOS, so no tokens at all
+    out["empty_prompt"] = [(r.status_code, r.json()["error"]["param"]) for r in (
+        _post(port, "/v1/completions", {"model": model, "prompt": "", "max_tokens": 2}),
+        _post(port, "/completion", {"prompt": "", "n_predict": 2}))]
     # the tokenizer endpoints (lm-eval's tokenizer_backend=remote: vLLM's shapes)
     base = f"http://127.0.0.1:{port}"
     out["tokenizer_info"] = httpx.get(f"{base}/tokenizer_info").json()
@@ -344,6 +355,13 @@ def test_a_batch_of_prompts_answers_each_as_alone(single):
     assert usage["prompt_tokens"] == n_prompt and usage["completion_tokens"] == 6 * 2
 
 
+def test_llamacpp_completion_endpoint_answers_as_v1_does(single):
+    _, obs = single
+    assert obs["native"] == [obs["native_v1"]] * 2 and obs["native_ids"] == obs["native_v1"]
+    assert obs["native_v1"]
+    assert obs["empty_prompt"] == [(400, "prompt")] * 2
+
+
 def test_tokenizer_endpoints_tokenize_as_the_node_does(single, smollm2):
     from meshnode.engine.tokenizer import Tokenizer
 
@@ -444,6 +462,9 @@ def _replay(port: int, case: dict, *, force: bool) -> None:
         return
     assert r.status_code == 200, r.text
     obj = expect.get("object", "chat.completion")
+    if obj == "llama.cpp":      # llama.cpp server's own shape: {"content", "stop"} objects, no [DONE]
+        _check_llamacpp(r, bool(body.get("stream")))
+        return
     forced = force or bool(expect.get("forced"))
     if body.get("stream"):
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -469,6 +490,20 @@ def _replay(port: int, case: dict, *, force: bool) -> None:
         assert choice["finish_reason"] == "tool_calls"
         assert all(c["id"].startswith("call_") for c in calls.values())
     _check_calls(calls, choice["finish_reason"], body.get("tools") or [], forced)
+
+
+def _check_llamacpp(r: httpx.Response, stream: bool) -> str:
+    """llama.cpp's /completion answer; its text."""
+    if not stream:
+        obj = r.json()
+        assert obj["stop"] is True and obj["tokens_predicted"] >= 1 and obj["timings"]["predicted_n"] >= 1
+        return obj["content"]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks, done = _sse(r)
+    assert not done and chunks
+    assert all(c["stop"] is False for c in chunks[:-1]) and chunks[-1]["stop"] is True
+    assert chunks[-1]["stop_type"] in ("eos", "limit") and chunks[-1]["tokens_predicted"] >= 1
+    return "".join(c["content"] for c in chunks)
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)

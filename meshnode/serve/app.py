@@ -23,11 +23,12 @@ from meshnode import __version__
 from meshnode.serve.http_guard import HttpGuard, HttpSecurity
 from meshnode.serve.node_routes import PullRequest, RefreshRequest
 from meshnode.serve.schemas import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest, TokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest, NativeCompletionRequest,
+    TokenizeRequest,
 )
 
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, InfillRequest, TokenizeRequest, DetokenizeRequest,
-                  PullRequest, RefreshRequest)
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, InfillRequest, NativeCompletionRequest, TokenizeRequest,
+                  DetokenizeRequest, PullRequest, RefreshRequest)
 
 
 def create_app(node: Any, security: HttpSecurity | None = None) -> FastAPI:

@@ -344,6 +344,10 @@ class ModelServer:
         if len(prompt) > n_ctx:
             self._release(n)
             raise PromptTooLongError(len(prompt), n_ctx)
+        if not prompt:   # an empty text on a model that adds no BOS: nothing to continue from
+            self._release(n)
+            raise InvalidRequestError("prompt", "The prompt has no tokens (this model adds no BOS token to "
+                                                "an empty text): give it some text.")
         if self._closing:   # shutdown began while the prompt was tokenized
             self._release(n)
             raise EngineUnavailableError(SHUTTING_DOWN)

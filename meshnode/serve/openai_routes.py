@@ -93,6 +93,7 @@ from meshnode.serve.schemas import (
     FunctionCallOut,
     InfillRequest,
     InfillResponse,
+    NativeCompletionRequest,
     ModelList,
     ModelObject,
     PromptTokensDetails,
@@ -210,8 +211,8 @@ def make_openai_router(
     """Build the ``/v1`` router. ``get_client`` is called once per request; it may raise
     ``EngineUnavailableError`` (-> 503). Include it with ``app.include_router(router)``."""
     router = APIRouter(prefix="/v1", route_class=OpenAIRoute, tags=["openai"])
-    # llama.cpp server's fill-in-the-middle endpoint, at its own path
-    infill_router = APIRouter(route_class=OpenAIRoute, tags=["llama.cpp"])
+    # llama.cpp server's own endpoints, at their paths
+    llamacpp_router = APIRouter(route_class=OpenAIRoute, tags=["llama.cpp"])
 
     @router.get("/models", response_model=None, responses={200: {"model": ModelList}, **error_responses(GET_ERRORS)})
     async def list_models() -> JSONResponse:
@@ -239,18 +240,27 @@ def make_openai_router(
         chunks = _TextChunks(body.model, body.include_usage)
         return await _serve(request, body, body.to_generation_requests(chunks.id), chunks, "prompt")
 
-    @infill_router.post("/infill", response_model=None, **_post_docs(InfillRequest, InfillResponse))
+    @llamacpp_router.post("/infill", response_model=None, **_post_docs(InfillRequest, InfillResponse))
     async def infill(request: Request) -> Response:
-        body = await _parse(InfillRequest, request)
+        return await _serve_llamacpp(request, await _parse(InfillRequest, request), "input_prefix")
+
+    @llamacpp_router.post("/completion", response_model=None,
+                          **_post_docs(NativeCompletionRequest, InfillResponse))
+    async def completion(request: Request) -> Response:
+        return await _serve_llamacpp(request, await _parse(NativeCompletionRequest, request), "prompt")
+
+    async def _serve_llamacpp(request: Request, body: InfillRequest | NativeCompletionRequest,
+                              prompt_param: str) -> Response:
+        """A llama.cpp-shaped body: for ``model``, or the node's first model."""
         cards = get_client().models()
         if body.model is None and not cards:
             raise UnknownModelError("(none)", [])
-        chunks = _InfillChunks(body.model or cards[0].id)
+        chunks = _LlamaCppChunks(body.model or cards[0].id)
         return await _serve(request, body, [body.to_generation_request(chunks.id, chunks.model)], chunks,
-                            "input_prefix")
+                            prompt_param)
 
     async def _serve(
-        request: Request, body: ChatCompletionRequest | CompletionRequest | InfillRequest,
+        request: Request, body: ChatCompletionRequest | CompletionRequest | InfillRequest | NativeCompletionRequest,
         gen_requests: list[GenerationRequest], chunks: _Chunks, prompt_param: str
     ) -> Response:
         """``gen_requests``: one, or the prompts of a batch (completions), whose choices
@@ -294,7 +304,7 @@ def make_openai_router(
 
     outer = APIRouter()
     outer.include_router(router)
-    outer.include_router(infill_router)
+    outer.include_router(llamacpp_router)
     outer.include_router(_tokenizer_router(get_client))
     return outer
 
@@ -735,11 +745,11 @@ class _TextChunks(_Chunks):
         )
 
 
-class _InfillChunks(_Chunks):
-    """llama.cpp server's ``/infill`` shape: ``{"content", "stop"}`` objects; its
-    stream has no ``[DONE]``."""
+class _LlamaCppChunks(_Chunks):
+    """llama.cpp server's ``/completion`` and ``/infill`` shape: ``{"content", "stop"}``
+    objects; its stream has no ``[DONE]``."""
 
-    prefix = "infill"
+    prefix = "llamacpp"
     done_marker = False
 
     def _obj(self, content: str, stop: bool, **extra: Any) -> InfillResponse:

@@ -41,6 +41,7 @@ __all__ = [
     "DetokenizeRequest",
     "DetokenizeResponse",
     "InfillRequest",
+    "NativeCompletionRequest",
     "TokenizeRequest",
     "TokenizeResponse",
     "ModelList",
@@ -346,17 +347,12 @@ class InfillChunk(_Lenient):
     text: str = ""
 
 
-class InfillRequest(_Lenient):
-    """llama.cpp server's ``/infill`` body (what llama.vim and llama.vscode send).
-
-    ``model`` is optional (llama.cpp serves one model): without it, the node's first
-    model. ``n_predict`` -1 (or absent) generates until the context is full."""
+class _LlamaCppRequest(_Lenient):
+    """The fields of llama.cpp server's own bodies (``/completion``, ``/infill``), with its
+    defaults. ``model`` is optional (llama.cpp serves one model): without it, the node's
+    first model. ``n_predict`` -1 (or absent) generates until the context is full."""
 
     model: str | None = Field(default=None, min_length=1)
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: Annotated[list[InfillChunk], Field(max_length=MAX_EXTRA_CHUNKS)] = []
-    prompt: str = ""
     n_predict: int | None = Field(default=None, ge=-1)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -366,16 +362,16 @@ class InfillRequest(_Lenient):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: _StopStr | Annotated[list[_StopStr], Field(max_length=MAX_STOPS)] | None = None
     stream: bool | None = False
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
 
-    def to_generation_request(self, request_id: str, model: str) -> GenerationRequest:
+    def _generation_request(self, request_id: str, model: str, **prompt: Any) -> GenerationRequest:
         stops = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not s for s in stops):
             raise InvalidRequestError("stop", "Stop strings must be non-empty.")
         max_tokens = self.max_tokens
         if max_tokens is None and self.n_predict is not None and self.n_predict > 0:
             max_tokens = self.n_predict
-        infill = InfillPrompt(prefix=self.input_prefix, suffix=self.input_suffix, prompt=self.prompt,
-                              extra=tuple((c.filename or "", c.text) for c in self.input_extra))
         return GenerationRequest(
             request_id=request_id, model=self.model or model, max_tokens=max_tokens,
             # llama.cpp's defaults: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05
@@ -383,7 +379,37 @@ class InfillRequest(_Lenient):
             top_p=0.95 if self.top_p is None else self.top_p,
             top_k=40 if self.top_k is None else (self.top_k if self.top_k > 0 else None),
             min_p=0.05 if self.min_p is None else self.min_p,
-            seed=self.seed, stop=stops, infill=infill)
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed, stop=stops, **prompt)
+
+
+class InfillRequest(_LlamaCppRequest):
+    """llama.cpp server's ``/infill`` body (what llama.vim and llama.vscode send)."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: Annotated[list[InfillChunk], Field(max_length=MAX_EXTRA_CHUNKS)] = []
+    prompt: str = ""
+
+    def to_generation_request(self, request_id: str, model: str) -> GenerationRequest:
+        return self._generation_request(request_id, model, infill=InfillPrompt(
+            prefix=self.input_prefix, suffix=self.input_suffix, prompt=self.prompt,
+            extra=tuple((c.filename or "", c.text) for c in self.input_extra)))
+
+
+class NativeCompletionRequest(_LlamaCppRequest):
+    """llama.cpp server's ``/completion`` body (what Continue's ``llama.cpp`` provider and
+    scripts written for llama.cpp's server send): a text prompt (a BOS first where the
+    model adds one, as llama.cpp does) or token ids (as given)."""
+
+    prompt: str | Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)]
+
+    def to_generation_request(self, request_id: str, model: str) -> GenerationRequest:
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise InvalidRequestError("prompt", "'prompt' is an empty list of token ids.")
+            return self._generation_request(request_id, model, prompt_ids=tuple(self.prompt))
+        return self._generation_request(request_id, model, prompt=self.prompt)
 
 
 class TokenizeRequest(_Lenient):
