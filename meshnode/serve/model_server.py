@@ -202,7 +202,7 @@ class ModelServer:
         return [ModelCard(id=self.settings.name, created=self.created, n_ctx=self.settings.n_ctx,
                           **model_capabilities(self.tokenizer))]
 
-    # ---- the tokenizer endpoints (meshnode.serve.tokenize_routes) ------------------------
+    # ---- the tokenizer endpoints (openai_routes: /tokenize, /detokenize, /tokenizer_info) --
 
     async def tokenize(self, model: str | None, text: str, add_bos: bool) -> list[int]:
         """``text``'s tokens (special tokens' texts parsed, as HF tokenizers do; a BOS

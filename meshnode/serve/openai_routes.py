@@ -1,4 +1,6 @@
-"""OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``;
+llama.cpp server's ``/completion`` and ``/infill``; the tokenizer endpoints ``/tokenize``,
+``/detokenize`` and ``/tokenizer_info`` (vLLM's shapes).
 
 Theory of operation: :func:`make_openai_router` builds an ``APIRouter`` whose handlers
 depend only on an :class:`~meshnode.serve.client.EngineClient` (fetched per request from
@@ -10,8 +12,9 @@ the getter, so the node can swap engines). A handler
    :mod:`meshnode.serve.http_guard` (size cap, content type, key); since FastAPI cannot
    see a body parsed by hand, each route declares its request body and its error
    responses for the OpenAPI document itself;
-2. converts it to a :class:`GenerationRequest`, checks the model id against
-   ``models()``, and calls ``generate``;
+2. converts it to a :class:`GenerationRequest` (a batch of prompts: one each, merged by
+   :mod:`meshnode.serve.batched`), checks the model id against ``models()``, and calls
+   ``generate``;
 3. pulls the *first* event before answering, so request errors the engine raises up front
    (context overflow, unknown model, no route) are real 4xx/503 responses even when
    ``stream`` is true;
@@ -116,7 +119,6 @@ DEFAULT_KEEPALIVE_S = 10.0
 # thread, so the Python parts of validation yield the loop to the mesh's heartbeats.
 INLINE_PARSE_BYTES = 64 * 1024
 _T = TypeVar("_T")
-_M = TypeVar("_M", ChatCompletionRequest, CompletionRequest)
 
 # What the OpenAPI document declares (the handlers parse bodies by hand, so FastAPI cannot
 # see them): every error status a route can answer, in OpenAI's error shape.
