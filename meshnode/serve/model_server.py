@@ -638,16 +638,23 @@ class ModelServer:
             begin = ar.cached = hit[1]
         ar.scores = []
         for start in range(begin, len(arr), nb):
-            chunk = arr[start:start + nb]
             last = start + nb >= len(arr)
             mask = ar.constraint.masks() if last and ar.constraint is not None else None
-            score = _score(ar, start, start + nb)
-            result = await self.scheduler.submit(Step(ar.session, start, chunk, len(score) + last,
-                                                      (), ar.sampling, mask, score=score), ar.epoch)
-            if score:
-                assert result is not None and result.scored is not None
-                ar.scores.append(result.scored)
+            result = await self._prefill_chunk(ar, start, arr[start:start + nb], last, mask)
         assert result is not None
+        return result
+
+    async def _prefill_chunk(self, ar: ActiveRequest, start: int, tokens: np.ndarray, sample: bool,
+                             mask: np.ndarray | None = None) -> Finalized | None:
+        """One chunk of ``ar``'s prompt, from ``start``; with ``sample`` its last row samples
+        the first token. When ``ar`` scores its prompt (echo), the rows are scored against
+        the prompt's next tokens and the scores go to ``ar.scores``."""
+        score = _score(ar, start, start + len(tokens))
+        result = await self.scheduler.submit(Step(ar.session, start, tokens, len(score) + sample, (),
+                                                  ar.sampling, mask, score=score), ar.epoch)
+        if score:
+            assert result is not None and result.scored is not None
+            ar.scores.append(result.scored)
         return result
 
     async def _prefill_shared(self, ars: list[ActiveRequest]) -> list[Finalized]:
@@ -659,16 +666,11 @@ class ModelServer:
         for ar in ars:
             ar.epoch = self.route.epoch
         head = np.asarray(ars[0].prompt[:-1], dtype=np.int32)
-        scores = []
+        ars[0].scores = []
         for start in range(0, len(head), nb):
-            score = _score(ars[0], start, min(start + nb, len(head)))
-            r = await self.scheduler.submit(Step(ars[0].session, start, head[start:start + nb], len(score), (),
-                                                 ars[0].sampling, score=score), ars[0].epoch)
-            if score:
-                assert r is not None and r.scored is not None
-                scores.append(r.scored)
-        for ar in ars:
-            ar.scores = list(scores)
+            await self._prefill_chunk(ars[0], start, head[start:start + nb], False)
+        for ar in ars[1:]:
+            ar.scores = list(ars[0].scores)
         if len(head):
             for ar in ars[1:]:
                 await self.pipeline.copy_session(ars[0].session, ar.session, len(head))
