@@ -207,24 +207,21 @@ class ModelServer:
     async def tokenize(self, model: str | None, text: str, add_bos: bool) -> list[int]:
         """``text``'s tokens (special tokens' texts parsed, as HF tokenizers do; a BOS
         first when ``add_bos`` and the model adds one)."""
-        self._check_model(model or self.settings.name)
+        self._check_model(model)
         encode = functools.partial(self.tokenizer.encode, text, add_bos=add_bos and self.tokenizer.add_bos,
                                    special=True)
         return list(await self._text_work(len(text) <= INLINE_TOKENIZE_CHARS, encode))
 
     async def detokenize(self, model: str | None, tokens: list[int]) -> str:
-        self._check_model(model or self.settings.name)
-        n_vocab = self.tokenizer.n_vocab
-        if (bad := next((t for t in tokens if not 0 <= t < n_vocab), None)) is not None:
-            raise InvalidRequestError("tokens", f"Invalid token id {bad} (the model's vocabulary has {n_vocab} "
-                                                "tokens).")
+        self._check_model(model)
+        self._check_ids(tokens, "tokens")
         # special tokens' texts included, as vLLM's and llama.cpp's servers give them
         decode = functools.partial(self.tokenizer.decode, tokens, special=True)
         return await self._text_work(len(tokens) <= INLINE_DIFF_TOKENS, decode)
 
     def tokenizer_info(self, model: str | None) -> dict:
         """What a client needs to tokenize as the node does (vLLM's ``/tokenizer_info``)."""
-        self._check_model(model or self.settings.name)
+        self._check_model(model)
         t = self.tokenizer
         return {"model": self.settings.name, "tokenizer_class": "GGUF (llama.cpp)",
                 "eos_token": t.token_text(t.eos_id) if t.eos_id >= 0 else None,
@@ -232,9 +229,10 @@ class ModelServer:
                 "pad_token": None, "add_bos_token": t.add_bos, "model_max_length": self.settings.n_ctx,
                 "vocab_size": t.n_vocab, "chat_template": t.chat_template}
 
-    def _check_model(self, name: str) -> None:
+    def _check_model(self, name: str | None) -> None:
+        """Raises UnknownModelError unless ``name`` is this model's (None: no name given)."""
         s = self.settings
-        if name.lower() not in {n.lower() for n in (s.name, *s.aliases)}:
+        if name is not None and name.lower() not in {n.lower() for n in (s.name, *s.aliases)}:
             raise UnknownModelError(name)
 
     def _prompt_tokens(self, req: GenerationRequest) -> tuple[list[int], list[str]]:
@@ -248,13 +246,21 @@ class ModelServer:
             msgs = [{"role": m.role, "content": m.content} for m in req.messages]
             return self.tokenizer.apply_chat_template(msgs)
         if req.prompt_ids is not None:
-            n_vocab = getattr(self.tokenizer, "n_vocab", None)
-            bad = next((t for t in req.prompt_ids if not 0 <= t < (n_vocab or 2**31)), None)
-            if bad is not None:
-                raise InvalidRequestError("prompt", f"Invalid token id in 'prompt': {bad} (the model's "
-                                                    f"vocabulary has {n_vocab} tokens).")
+            self._check_ids(req.prompt_ids, "prompt")
             return list(req.prompt_ids), []
-        return self.tokenizer.encode(req.prompt or "", add_bos=True), []
+        tokens = self.tokenizer.encode(req.prompt or "", add_bos=True)
+        if not tokens:   # an empty text on a model that adds no BOS: nothing to continue from
+            raise InvalidRequestError("prompt", "The prompt has no tokens (this model adds no BOS token to "
+                                                "an empty text): give it some text.")
+        return tokens, []
+
+    def _check_ids(self, ids: Sequence[int], param: str) -> None:
+        """Raises InvalidRequestError (``param``) for a token id outside the vocabulary."""
+        n_vocab = getattr(self.tokenizer, "n_vocab", None)
+        bad = next((t for t in ids if not 0 <= t < (n_vocab or 2**31)), None)
+        if bad is not None:
+            raise InvalidRequestError(param, f"Invalid token id in '{param}': {bad} (the model's "
+                                             f"vocabulary has {n_vocab} tokens).")
 
     async def _tokenize(self, req: GenerationRequest) -> tuple[list[int], list[str]]:
         n_chars = (sum(len(m.content) for m in req.messages) if req.messages is not None
@@ -344,10 +350,6 @@ class ModelServer:
         if len(prompt) > n_ctx:
             self._release(n)
             raise PromptTooLongError(len(prompt), n_ctx)
-        if not prompt:   # an empty text on a model that adds no BOS: nothing to continue from
-            self._release(n)
-            raise InvalidRequestError("prompt", "The prompt has no tokens (this model adds no BOS token to "
-                                                "an empty text): give it some text.")
         if self._closing:   # shutdown began while the prompt was tokenized
             self._release(n)
             raise EngineUnavailableError(SHUTTING_DOWN)
@@ -359,8 +361,7 @@ class ModelServer:
         max_tokens = budget if req.max_tokens is None else min(req.max_tokens, budget)
         echo = None
         if req.echo:   # the prompt as given (token ids: as the model reads them back)
-            echo = req.prompt if req.prompt is not None else self.tokenizer.decode_bytes(prompt).decode(
-                "utf-8", "replace")
+            echo = req.prompt if req.prompt is not None else self.tokenizer.decode(prompt)
         ars: list[ActiveRequest] = []
         for i in range(n):
             # choice i samples with seed + i: different choices, each reproducible

@@ -166,13 +166,7 @@ class _SamplingRequest(_Lenient):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _common_checks(self) -> None:
-        if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
-            raise InvalidRequestError("stop", "Stop strings must be non-empty.")
-
-    def _stops(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _stop_strings(self.stop)
 
     def _generation_request(self, request_id: str, max_tokens: int | None, **prompt: Any) -> GenerationRequest:
         return GenerationRequest(
@@ -184,7 +178,7 @@ class _SamplingRequest(_Lenient):
             top_k=self.top_k if self.top_k and self.top_k > 0 else None,
             min_p=self.min_p or 0.0,
             seed=self.seed,
-            stop=self._stops(),
+            stop=_stop_strings(self.stop),
             n=self.n or 1,
             logit_bias=_logit_bias(self.logit_bias),
             presence_penalty=self.presence_penalty or 0.0,
@@ -326,17 +320,11 @@ class CompletionRequest(_SamplingRequest):
         return reqs[0]
 
     def _one(self, request_id: str, prompt: str | list[int], param: str) -> GenerationRequest:
-        if isinstance(prompt, list):
-            if not prompt:
-                raise InvalidRequestError(param, f"'{param}' is an empty list of token ids.")
-            # token ids as given (no BOS added), checked against the vocabulary with the model
-            return self._generation_request(request_id, self.max_tokens, prompt_ids=tuple(prompt),
-                                            logprobs=self.logprobs, echo=bool(self.echo))
-        if self.suffix:   # fill in the middle: the prompt is what comes before the cursor
+        if self.suffix:   # fill in the middle: the prompt (text) is what comes before the cursor
             return self._generation_request(request_id, self.max_tokens, logprobs=self.logprobs,
-                                            infill=InfillPrompt(prefix=prompt, suffix=self.suffix))
-        return self._generation_request(request_id, self.max_tokens, prompt=prompt, logprobs=self.logprobs,
-                                        echo=bool(self.echo))
+                                            infill=InfillPrompt(prefix=str(prompt), suffix=self.suffix))
+        return self._generation_request(request_id, self.max_tokens, logprobs=self.logprobs, echo=bool(self.echo),
+                                        **_prompt_fields(prompt, param))
 
 
 MAX_EXTRA_CHUNKS = 1_000
@@ -366,9 +354,7 @@ class _LlamaCppRequest(_Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
 
     def _generation_request(self, request_id: str, model: str, **prompt: Any) -> GenerationRequest:
-        stops = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if any(not s for s in stops):
-            raise InvalidRequestError("stop", "Stop strings must be non-empty.")
+        stops = _stop_strings(self.stop)
         max_tokens = self.max_tokens
         if max_tokens is None and self.n_predict is not None and self.n_predict > 0:
             max_tokens = self.n_predict
@@ -405,11 +391,25 @@ class NativeCompletionRequest(_LlamaCppRequest):
     prompt: str | Annotated[list[int], Field(max_length=MAX_PROMPT_IDS)]
 
     def to_generation_request(self, request_id: str, model: str) -> GenerationRequest:
-        if isinstance(self.prompt, list):
-            if not self.prompt:
-                raise InvalidRequestError("prompt", "'prompt' is an empty list of token ids.")
-            return self._generation_request(request_id, model, prompt_ids=tuple(self.prompt))
-        return self._generation_request(request_id, model, prompt=self.prompt)
+        return self._generation_request(request_id, model, **_prompt_fields(self.prompt, "prompt"))
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """A request's ``stop`` as a tuple; raises InvalidRequestError for an empty string."""
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not s for s in stops):
+        raise InvalidRequestError("stop", "Stop strings must be non-empty.")
+    return stops
+
+
+def _prompt_fields(prompt: str | list[int], param: str) -> dict[str, Any]:
+    """A completion prompt as GenerationRequest fields: text, or token ids as given (no
+    BOS added; checked against the vocabulary with the model)."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if not prompt:
+        raise InvalidRequestError(param, f"'{param}' is an empty list of token ids.")
+    return {"prompt_ids": tuple(prompt)}
 
 
 class TokenizeRequest(_Lenient):

@@ -360,8 +360,8 @@ class SpeculativeDecoder:
                     t0 = time.perf_counter()
             if draft is not None:
                 drafts = await self._draft_call(draft.propose, [], k)
-                by_model = bool(drafts)
             drafts = until_banned([int(t) for t in drafts[:k]], req.sampling)
+            by_model = draft is not None and bool(drafts)
             self.telemetry.set_window(k)
         return self._send(req, pos, last, drafts, t0=t0, by_model=by_model, pending=pending)
 
