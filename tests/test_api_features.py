@@ -222,6 +222,17 @@ def _echo_observations(port: int, model_path: Path) -> dict:
     out["detokenize_bad"] = r.status_code, r.json()["error"]["param"]
     r = _post(port, "/tokenize", {"model": "nope", "prompt": "x"})
     out["tokenize_unknown_model"] = r.status_code
+    # a conversation, laid out as a chat completion lays it out (vLLM's chat /tokenize)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    tool = {"type": "function", "function": {"name": "paint", "parameters": {"type": "object"}}}
+    out["tokenize_chat"] = [_post(port, "/tokenize", {"messages": chat, **extra}).json()["count"]
+                            for extra in ({}, {"add_generation_prompt": False}, {"tools": [tool]})]
+    out["chat_prompt_tokens"] = [_post(port, "/v1/chat/completions", {"model": model, "messages": chat, "max_tokens": 1,
+                                                                      **extra}).json()["usage"]["prompt_tokens"]
+                                 for extra in ({}, {"tools": [tool]})]
+    out["tokenize_chat_bad"] = [(r.status_code, r.json()["error"]["param"]) for r in (
+        _post(port, "/tokenize", {"messages": chat, "prompt": "x"}), _post(port, "/tokenize", {"tools": [tool],
+                                                                                               "prompt": "x"}))]
     return out
 
 
@@ -377,6 +388,12 @@ def test_tokenizer_endpoints_tokenize_as_the_node_does(single, smollm2):
     assert obs["detokenize"]["prompt"] == obs["detokenize"]["content"] == "The capital of France is<|im_end|>"
     assert obs["detokenize_bad"] == (400, "tokens")
     assert obs["tokenize_unknown_model"] == 404
+    # messages: exactly the chat completion's prompt; without the assistant turn's opening
+    # (ChatML's "<|im_start|>assistant\n"), shorter by it
+    with_turn, without_turn, with_tools = obs["tokenize_chat"]
+    assert [with_turn, with_tools] == obs["chat_prompt_tokens"] and with_tools > with_turn
+    assert without_turn == with_turn - len(tok.encode("<|im_start|>assistant\n", add_bos=False))
+    assert obs["tokenize_chat_bad"] == [(400, "messages"), (400, "tools")]
 
 
 def test_models_report_context_and_capabilities(single):

@@ -44,6 +44,8 @@ import pytest
     ["bench", "spec", "--draft-max", "33"],
     ["bench", "spec", "--delay-ms", "nan"],
     ["bench", "prefix", "--delay-ms", "inf"],
+    ["bench", "score", "--prompts", "0"],
+    ["bench", "score", "--delay-ms", "-2"],
     ["bench", "soak", "--minutes", "nan"],
     ["bench", "soak", "--down", "-5"],
     ["bench", "soak", "--spare", "-1"],

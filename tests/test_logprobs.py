@@ -53,3 +53,18 @@ def test_bad_tokens_and_shapes_are_refused():
     for tokens, n_top, what in (([8], 0, "vocabulary"), ([1, 2, 3], 0, "rows"), ([1], 21, "top_logprobs")):
         with pytest.raises(ValueError, match=what):
             token_logprobs(rows, tokens, n_top)
+
+
+def test_head_and_concat_give_what_fewer_rows_and_alternatives_compute():
+    rng = np.random.default_rng(7)
+    rows = rng.normal(size=(6, 300)).astype(np.float32)
+    toks = [int(t) for t in rng.integers(0, 300, 6)]
+    full = token_logprobs(rows, toks, 5)
+    for n, k in [(0, 0), (3, 0), (4, 2), (6, 5)]:
+        assert full.head(n, k) == token_logprobs(rows[:n], toks[:n], k)
+    parts = [token_logprobs(rows[:2], toks[:2], 5), token_logprobs(rows[2:], toks[2:], 5)]
+    assert type(full).concat(parts) == full
+    with pytest.raises(ValueError):
+        full.head(7, 5)      # more entries than it has
+    with pytest.raises(ValueError):
+        full.head(2, 6)      # more alternatives than it has

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshnode.mesh.logprobs import TokenLogprobs
 from meshnode.serve.prefix_cache import MIN_PREFIX, PrefixCache, common_prefix
 
 FILE = list(range(1000, 1100))          # 100 tokens: "the file"
@@ -118,3 +119,43 @@ def test_a_taken_entry_leaves_without_being_freed():
     c.take(e)
     assert e.removed and c.sessions() == [2] and c.lookup(FILE + [1], 0) is None
     assert c.stats.taken == 1 and c.stats.evicted == 0
+
+
+def _scores(n: int, top: int) -> TokenLogprobs:
+    """Scores of tokens 1..n with ``top`` alternatives each (values: the token's position)."""
+    return TokenLogprobs(tuple(float(-i) for i in range(1, n + 1)), tuple(range(n * top)),
+                         tuple(float(-i) for i in range(n * top)))
+
+
+def test_a_scored_prompt_matches_only_entries_with_enough_scores():
+    c = PrefixCache(3)
+    c.put(1, FILE + [1, 2], 0)                               # generated text: no scores
+    assert c.lookup(FILE + [5], 0, scored=2) is None
+    c.put(2, FILE[:60] + [7], 0, _scores(60, 1), 1)          # one alternative each
+    assert c.lookup(FILE + [5], 0, scored=2) is None
+    c.put(3, FILE[:80] + [8], 0, _scores(80, 2), 2)
+    e, n = c.lookup(FILE + [5], 0, scored=2)
+    # 80 tokens shared: position 79's score is the entry's own, so 79 positions come over
+    assert e.session == 3 and n == 79
+    c.unpin(e)
+    # a plain prompt takes any entry, as far as it shares the tokens
+    e, n = c.lookup(FILE + [5], 0)
+    assert e.session == 1 and n == len(FILE)
+    c.unpin(e)
+
+
+def test_a_scored_match_stops_at_the_entrys_scores():
+    c = PrefixCache(3)
+    # the entry's KV holds 100 tokens, its scores only its 40-token prompt's (tokens 1..39)
+    c.put(1, FILE, 0, _scores(39, 0), 0)
+    e, n = c.lookup(FILE + [5], 0, scored=0)
+    assert n == 39
+
+
+def test_an_entry_with_scores_is_not_made_useless_by_one_without():
+    c = PrefixCache(3)
+    c.put(1, FILE[:50], 0, _scores(49, 2), 2)
+    assert c.put(2, FILE, 0) == []                           # no scores: both kept
+    assert sorted(c.sessions()) == [1, 2]
+    freed = c.put(3, FILE + [4], 0, _scores(100, 2), 2)      # covers both
+    assert sorted(f.session for f in freed) == [1, 2]

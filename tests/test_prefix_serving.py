@@ -113,3 +113,30 @@ def test_two_clients_at_once_evict_and_stay_exact(split, cold):
     stats = split.sessions_settle()
     # one kept session for two clients: they take it from each other
     assert stats["capacity"] == 1 and stats["sessions"] == 1 and stats["evicted"] >= 1
+
+
+def _scored_batch(split) -> tuple[list[dict], dict]:
+    """lm-eval's multiple choice as one batch: a long shared context, one prompt per
+    answer choice, each scored (echo, logprobs) with one token generated. The choices
+    (text, logprobs) and the prefix cache's counters."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{split.coord.info['http_port']}/v1", api_key="none", max_retries=0)
+    context = SEQUENCES["editor-users"][0][-1]["content"][:1500] + "\nWhich letter names the change?\nAnswer:"
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=[context + c for c in " ABCD"[1:]],
+                                  echo=True, logprobs=2, max_tokens=1, temperature=0)
+    return [c.model_dump() for c in r.choices], split.coord.status()["prefix_cache"]
+
+
+def test_a_scored_batch_computes_its_shared_context_once(split):
+    split.start("--prefix-cache", "0", "--spec-mode", "off")
+    cold, _ = _scored_batch(split)
+    assert len(cold) == 4 and all(len(c["logprobs"]["token_logprobs"]) > 300 for c in cold)
+    split.start("--spec-mode", "off")
+    warm, stats = _scored_batch(split)
+    # the first prompt leads, the other three copy the context's KV and its scores
+    assert warm == cold
+    assert stats["hits"] == 3 and stats["tokens_reused"] >= 3 * 300, stats
+    # the same batch again: its leader too finds the context kept
+    again, stats2 = _scored_batch(split)
+    assert again == cold and stats2["hits"] >= stats["hits"] + 2, stats2

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "net": "net_bench",
     "prefix": "prefix_bench",
     "replay": "replay_bench",
+    "score": "score_bench",
     "report": "report",
     "sample": "sample_bench",
     "serve": "serve_bench",

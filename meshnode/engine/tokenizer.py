@@ -57,6 +57,7 @@ class Tokenizer:
         bos = self._piece(self.bos_id) if self.bos_id >= 0 else ""
         self._chat = llama_chat_format.Jinja2ChatFormatter(
             template=template, eos_token=eos, bos_token=bos, stop_token_ids=[self.eos_id])
+        self._chat_no_turn: llama_chat_format.Jinja2ChatFormatter | None = None
         self._lltok = None          # grammar_tokenizer(), built on first use
         self._tools_native: bool | None = None
         vocab = self._vocab()
@@ -112,16 +113,27 @@ class Tokenizer:
             self._tools_native = probe in text
         return self._tools_native
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[str]]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
+                            add_generation_prompt: bool = True) -> tuple[list[int], list[str]]:
         """Prompt tokens for ``messages`` (and ``tools``, for a template that renders
-        them) and the template's extra stop strings."""
-        result = self._chat(messages=messages, tools=tools) if tools else self._chat(messages=messages)
+        them; with ``add_generation_prompt``, what opens the assistant's turn) and the
+        template's extra stop strings."""
+        chat = self._chat if add_generation_prompt else self._chat_as_is()
+        result = chat(messages=messages, tools=tools) if tools else chat(messages=messages)
         prompt = result.prompt
         # The template already writes BOS when the model wants it; don't add a second.
         add_bos = not (self.bos_id >= 0 and prompt.startswith(self._piece(self.bos_id)))
         tokens = self.encode(prompt, add_bos=add_bos, special=True)
         stops = result.stop if isinstance(result.stop, list) else ([result.stop] if result.stop else [])
         return tokens, [s for s in stops if s]
+
+    def _chat_as_is(self) -> llama_chat_format.Jinja2ChatFormatter:
+        """The chat template without the assistant turn's opening (built on first use)."""
+        if self._chat_no_turn is None:
+            self._chat_no_turn = llama_chat_format.Jinja2ChatFormatter(
+                template=self.chat_template, eos_token=self._chat.eos_token, bos_token=self._chat.bos_token,
+                stop_token_ids=[self.eos_id], add_generation_prompt=False)
+        return self._chat_no_turn
 
     def close(self) -> None:
         self._llm.close()

@@ -40,6 +40,23 @@ class TokenLogprobs:
         k = self.n_top
         return list(zip(self.top_ids[i * k:(i + 1) * k], self.top_logprobs[i * k:(i + 1) * k]))
 
+    def head(self, n: int, n_top: int) -> TokenLogprobs:
+        """The first ``n`` tokens' entries with ``n_top`` of their alternatives (at most
+        :attr:`n_top`). Alternatives are sorted (best first, ties by lower id), so these
+        are the entries ``n_top`` alternatives would have given."""
+        k = self.n_top
+        if n > len(self.logprobs) or n_top > k and n:
+            raise ValueError(f"{n} entries with {n_top} alternatives asked of {len(self.logprobs)} with {k}")
+        keep = [i * k + j for i in range(n) for j in range(n_top)]
+        return TokenLogprobs(self.logprobs[:n], tuple(self.top_ids[x] for x in keep),
+                             tuple(self.top_logprobs[x] for x in keep))
+
+    @staticmethod
+    def concat(parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
+        """``parts`` (each with the same number of alternatives) one after the other."""
+        return TokenLogprobs(tuple(x for p in parts for x in p.logprobs), tuple(x for p in parts for x in p.top_ids),
+                             tuple(x for p in parts for x in p.top_logprobs))
+
 
 def _f32(x: np.ndarray) -> tuple[float, ...]:
     return tuple(float(v) for v in np.asarray(x, dtype=np.float32))

@@ -75,6 +75,7 @@ from meshnode.serve.client import (
 )
 from meshnode.limits import MAX_BIAS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
 from meshnode.mesh.final import Finalized, Sampling
+from meshnode.mesh.logprobs import TokenLogprobs
 from meshnode.mesh.pipeline import (
     Pipeline, PipelineFailedError, PipelineUnavailableError, Step, StepFailedError,
 )
@@ -212,6 +213,12 @@ class ModelServer:
                                    special=True)
         return list(await self._text_work(len(text) <= INLINE_TOKENIZE_CHARS, encode))
 
+    async def tokenize_chat(self, req: GenerationRequest, add_generation_prompt: bool) -> list[int]:
+        """The prompt tokens of chat request ``req`` (its messages and tools through the
+        chat template, as a chat completion lays them out)."""
+        self._check_model(req.model or None)
+        return (await self._tokenize(req, add_generation_prompt))[0]
+
     async def detokenize(self, model: str | None, tokens: list[int]) -> str:
         self._check_model(model)
         self._check_ids(tokens, "tokens")
@@ -235,16 +242,19 @@ class ModelServer:
         if name is not None and name.lower() not in {n.lower() for n in (s.name, *s.aliases)}:
             raise UnknownModelError(name)
 
-    def _prompt_tokens(self, req: GenerationRequest) -> tuple[list[int], list[str]]:
+    def _prompt_tokens(self, req: GenerationRequest, turn: bool = True) -> tuple[list[int], list[str]]:
+        """``req``'s prompt tokens and its chat template's stop strings; ``turn``: a chat
+        prompt ends with the assistant turn's opening."""
         if req.infill is not None:
             n_predict = -1 if req.max_tokens is None else req.max_tokens
             return infill_tokens(self.tokenizer, req.infill, n_ctx=self.settings.n_ctx, n_predict=n_predict), []
         if req.messages is not None:
+            opts = {} if turn else {"add_generation_prompt": False}
             if req.tools or any(m.tool_calls or m.role == "tool" for m in req.messages):
                 msgs, tools = render_messages(req.messages, req.tools, native=self.tokenizer.supports_tools)
-                return self.tokenizer.apply_chat_template(msgs, tools)
+                return self.tokenizer.apply_chat_template(msgs, tools, **opts)
             msgs = [{"role": m.role, "content": m.content} for m in req.messages]
-            return self.tokenizer.apply_chat_template(msgs)
+            return self.tokenizer.apply_chat_template(msgs, **opts)
         if req.prompt_ids is not None:
             self._check_ids(req.prompt_ids, "prompt")
             return list(req.prompt_ids), []
@@ -262,14 +272,14 @@ class ModelServer:
             raise InvalidRequestError(param, f"Invalid token id in '{param}': {bad} (the model's "
                                              f"vocabulary has {n_vocab} tokens).")
 
-    async def _tokenize(self, req: GenerationRequest) -> tuple[list[int], list[str]]:
+    async def _tokenize(self, req: GenerationRequest, turn: bool = True) -> tuple[list[int], list[str]]:
         n_chars = (sum(len(m.content) for m in req.messages) if req.messages is not None
                    else req.infill.n_chars if req.infill is not None
                    else len(req.prompt_ids) if req.prompt_ids is not None else len(req.prompt or ""))
         n_ctx = self.settings.n_ctx
         if n_chars > n_ctx * MAX_CHARS_PER_TOKEN:
             raise PromptTooLongError(n_chars // MAX_CHARS_PER_TOKEN, n_ctx, at_least=True)
-        return await self._text_work(n_chars <= INLINE_TOKENIZE_CHARS, self._prompt_tokens, req)
+        return await self._text_work(n_chars <= INLINE_TOKENIZE_CHARS, self._prompt_tokens, req, turn)
 
     async def _text_work(self, inline: bool, fn, *args):
         """``fn(*args)``: here when ``inline`` (small: well under a millisecond), else on
@@ -434,10 +444,10 @@ class ModelServer:
             self._waiting -= 1
 
     def _lookup(self, ar: ActiveRequest | None) -> tuple[Retained, int] | None:
-        # (a scored prompt is computed whole: a copied prefix has no logits to score)
-        if ar is None or ar.scoring or not self.route.up:
+        if ar is None or not self.route.up:
             return None
-        return self.prefix.lookup(ar.prompt, self.route.epoch)
+        # (a scored prompt takes the copied prefix's scores from the entry: prefix_cache.py)
+        return self.prefix.lookup(ar.prompt, self.route.epoch, ar.sampling.top_logprobs if ar.scoring else None)
 
     async def _take_slot_for(self, ar: ActiveRequest | None) -> tuple[Retained, int] | None:
         """One slot and the prefix hit for ``ar``'s prompt (pinned), if any. The entry
@@ -558,7 +568,10 @@ class ModelServer:
         history = [*ar.prompt, *ar.generated][:ar.pos]
         if len(history) != ar.pos:
             return False
-        freed = self.prefix.put(ar.session, history, ar.epoch)
+        scores, top = None, 0
+        if ar.scoring and sum(len(s.logprobs) for s in ar.scores) == len(ar.prompt) - 1:
+            scores, top = TokenLogprobs.concat(ar.scores), ar.sampling.top_logprobs or 0
+        freed = self.prefix.put(ar.session, history, ar.epoch, scores, top)
         kept = all(e.session != ar.session for e in freed)
         self._free_later([e for e in freed if e.session != ar.session])
         return kept
@@ -624,36 +637,63 @@ class ModelServer:
         """The prompt in chunks of n_batch; with ``hit`` (a retained session and how
         many of its positions match the prompt) those positions are copied into
         ``ar``'s session on every stage first and only the rest is computed."""
-        nb = self.settings.n_batch
         arr = np.asarray(ar.prompt, dtype=np.int32)
-        result = None
         ar.epoch = self.route.epoch
         begin = 0
+        ar.scores = []
         taken = hit is not None and hit[0].session == ar.session
         if hit is not None and hit[0].epoch == ar.epoch and (taken or not hit[0].removed):
             # A session taken over whole needs no copy: every stage cuts its KV past the
             # shared prefix when the first chunk starts before it (forward(rewind=True)).
+            entry, n = hit
             if not taken:
-                await self.pipeline.copy_session(hit[0].session, ar.session, hit[1])
+                await self.pipeline.copy_session(entry.session, ar.session, n)
             self.prefix.used(*hit)
-            begin = ar.cached = hit[1]
-        ar.scores = []
-        for start in range(begin, len(arr), nb):
-            last = start + nb >= len(arr)
-            mask = ar.constraint.masks() if last and ar.constraint is not None else None
-            result = await self._prefill_chunk(ar, start, arr[start:start + nb], last, mask)
+            begin = ar.cached = n
+            if ar.scoring:   # (lookup gave an entry with these scores)
+                assert entry.scores is not None
+                ar.scores = [entry.scores.head(n, ar.sampling.top_logprobs or 0)]
+        mask = ar.constraint.masks() if ar.constraint is not None else None
+        result = await self._prefill_chunks(ar, arr, begin, len(arr), mask)
         assert result is not None
         return result
 
-    async def _prefill_chunk(self, ar: ActiveRequest, start: int, tokens: np.ndarray, sample: bool,
-                             mask: np.ndarray | None = None) -> Finalized | None:
-        """One chunk of ``ar``'s prompt, from ``start``; with ``sample`` its last row samples
-        the first token. When ``ar`` scores its prompt (echo), the rows are scored against
-        the prompt's next tokens and the scores go to ``ar.scores``."""
-        score = _score(ar, start, start + len(tokens))
-        result = await self.scheduler.submit(Step(ar.session, start, tokens, len(score) + sample, (),
-                                                  ar.sampling, mask, score=score), ar.epoch)
-        if score:
+    async def _prefill_chunks(self, ar: ActiveRequest, arr: np.ndarray, begin: int, end: int,
+                              mask: np.ndarray | None = None) -> Finalized | None:
+        """``ar``'s prompt positions [begin, end) in chunks of n_batch; the last row of
+        the prompt (when ``end`` reaches it) samples the first token, with ``mask``. When
+        ``ar`` scores its prompt (echo), each chunk's rows are scored against the
+        prompt's next tokens and the scores go to ``ar.scores`` in order.
+
+        A chunk without logits returns once stage 0 has sent it, so the stages of a split
+        work on consecutive chunks at once; a scored chunk returns with its scores from
+        the final stage, so up to one scored chunk per stage is queued ahead of the one
+        awaited, to keep that overlap (no more: other requests' steps queue behind them)."""
+        nb = self.settings.n_batch
+        depth = max(1, self.pipeline.n_stages) if ar.scoring else 1
+        ahead: deque[tuple[asyncio.Future, bool]] = deque()
+        result = None
+        try:
+            for start in range(begin, end, nb):
+                tokens = arr[start:min(start + nb, end)]
+                sample = start + len(tokens) == len(ar.prompt)
+                score = _score(ar, start, start + len(tokens))
+                step = Step(ar.session, start, tokens, len(score) + sample, (), ar.sampling,
+                            mask if sample else None, score=score)
+                ahead.append((self.scheduler.enqueue(step, ar.epoch), bool(score)))
+                while len(ahead) >= depth:
+                    result = await self._chunk_done(ar, *ahead.popleft())
+            while ahead:
+                result = await self._chunk_done(ar, *ahead.popleft())
+        finally:
+            for fut, _ in ahead:   # withdrawn (those not sent yet are never run)
+                fut.cancel()
+        return result
+
+    @staticmethod
+    async def _chunk_done(ar: ActiveRequest, fut: asyncio.Future, scored: bool) -> Finalized | None:
+        result = await fut
+        if scored:
             assert result is not None and result.scored is not None
             ar.scores.append(result.scored)
         return result
@@ -663,13 +703,11 @@ class ModelServer:
         (the first choice's session) and its KV shared with the other choices' sessions
         on every stage; then each choice feeds the last token itself and samples its
         first token with its own generator."""
-        nb = self.settings.n_batch
         for ar in ars:
             ar.epoch = self.route.epoch
         head = np.asarray(ars[0].prompt[:-1], dtype=np.int32)
         ars[0].scores = []
-        for start in range(0, len(head), nb):
-            await self._prefill_chunk(ars[0], start, head[start:start + nb], False)
+        await self._prefill_chunks(ars[0], head, 0, len(head))
         for ar in ars[1:]:
             ar.scores = list(ars[0].scores)
         if len(head):

@@ -328,9 +328,13 @@ def _tokenizer_router(get_client: Callable[[], EngineClient]) -> APIRouter:
     @router.post("/tokenize", response_model=None, **_post_docs(TokenizeRequest, TokenizeResponse))
     async def tokenize(request: Request) -> JSONResponse:
         body = await _parse(TokenizeRequest, request)
-        text, add_bos = body.text_and_bos()
         local = engine()
-        tokens = await local.tokenize(body.model, text, add_bos)
+        chat = body.chat_request()
+        if chat is not None:
+            tokens = await local.tokenize_chat(chat, body.add_generation_prompt)
+        else:
+            text, add_bos = body.text_and_bos()
+            tokens = await local.tokenize(body.model, text, add_bos)
         return _json(TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=local.settings.n_ctx))
 
     @router.post("/detokenize", response_model=None, **_post_docs(DetokenizeRequest, DetokenizeResponse))

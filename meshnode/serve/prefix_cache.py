@@ -12,6 +12,16 @@ new session on every stage (``Pipeline.copy_session``) and prefills only the res
 engine is batch-invariant, so the copied KV equals what a cold prefill would compute and
 the answer is exactly a cold run's.
 
+A prompt that is *scored* (OpenAI's ``echo`` with logprobs: what an evaluation harness
+sends, the same context once per answer choice) needs the logprob of each of its tokens,
+and a copied prefix computes no logits. So a scored request's session is retained with
+its prompt's scores (tokens 1..P-1, with the alternatives it asked for), and a scored
+request takes an entry's scores with its KV. Copying ``n`` positions takes the scores
+of tokens 1..n; token ``n``'s score came from the row before it, computed for the
+entry's own token ``n``, so ``n`` stays below the number of tokens both prompts share
+(and within the entry's scores). An entry kept without scores, or with fewer
+alternatives than asked for, is no use to a scored request.
+
 A retained session costs a sequence slot on every stage, so the cache holds at most
 ``capacity`` sessions (the model server sets it below its ``parallel`` slots, so a match
 can always be copied into a free slot), evicts the least recently used one first, and
@@ -34,6 +44,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from meshnode.mesh.logprobs import TokenLogprobs
+
 # Shorter shared prefixes are not worth a session copy (a whole KV stream on each stage)
 # and would keep sessions for chat templates' common headers alone.
 MIN_PREFIX = 32
@@ -47,6 +59,9 @@ class Retained:
     tokens: np.ndarray          # int32, exactly the tokens whose KV the session holds
     epoch: int                  # the route it was computed on (RouteGate.epoch)
     pins: int = 0               # requests copying from it now
+    # a scored prompt's tokens 1..k (k < len(tokens)), with score_top alternatives each
+    scores: TokenLogprobs | None = None
+    score_top: int = 0
     removed: bool = False       # handed back to be freed: never copy from it again
 
 
@@ -85,10 +100,13 @@ class PrefixCache:
     def sessions(self) -> list[int]:
         return list(self._entries)
 
-    def lookup(self, prompt: Sequence[int] | np.ndarray, epoch: int) -> tuple[Retained, int] | None:
+    def lookup(self, prompt: Sequence[int] | np.ndarray, epoch: int,
+               scored: int | None = None) -> tuple[Retained, int] | None:
         """The entry sharing the longest prefix with ``prompt`` (at least ``min_prefix``
         tokens, at most ``len(prompt) - 1``: one token is left to prefill for the first
-        token's logits) and that length, the entry pinned; None when none qualifies."""
+        token's logits) and that length, the entry pinned; None when none qualifies.
+        ``scored``: the prompt is scored with that many alternatives, so only entries
+        with scores for as many alternatives qualify, up to the tokens they scored."""
         if self.capacity <= 0:
             return None
         self.stats.lookups += 1
@@ -97,7 +115,13 @@ class PrefixCache:
         for e in self._entries.values():
             if e.epoch != epoch:
                 continue
-            n = min(common_prefix(arr, e.tokens), len(arr) - 1)
+            common = common_prefix(arr, e.tokens)
+            n = min(common, len(arr) - 1)
+            if scored is not None:
+                if e.scores is None or e.score_top < scored:
+                    continue
+                # the last copied token's score is the entry's: that token must be shared
+                n = min(n, len(e.scores.logprobs), common - 1)
             if n >= self.min_prefix and (best is None or n > best[1]):
                 best = (e, n)
         if best is not None:
@@ -121,17 +145,20 @@ class PrefixCache:
                 return self._remove(e)
         return None
 
-    def put(self, session: int, tokens: Sequence[int] | np.ndarray, epoch: int) -> list[Retained]:
-        """Retain ``session`` holding KV of ``tokens``. Returns the entries to free: those
-        the new one makes useless (unpinned, their tokens a prefix of the new ones: every
-        match they would give, it gives as long), then the least recently used beyond
-        ``capacity`` -- the new one itself when it cannot be kept (too short, no room)."""
+    def put(self, session: int, tokens: Sequence[int] | np.ndarray, epoch: int,
+            scores: TokenLogprobs | None = None, score_top: int = 0) -> list[Retained]:
+        """Retain ``session`` holding KV of ``tokens`` (with ``scores``: its first tokens'
+        scores, ``score_top`` alternatives each). Returns the entries to free: those
+        the new one makes useless (unpinned, their tokens a prefix of the new ones and
+        their scores no more than the new ones': every match they would give, it gives
+        as long), then the least recently used beyond ``capacity`` -- the new one itself
+        when it cannot be kept (too short, no room)."""
         arr = np.array(tokens, dtype=np.int32)
-        new = Retained(session, arr, epoch)
+        new = Retained(session, arr, epoch, scores=scores, score_top=score_top)
         if self.capacity <= 0 or len(arr) < self.min_prefix:
             return [new]
         out = [self._remove(e) for e in list(self._entries.values())
-               if e.pins == 0 and len(e.tokens) <= len(arr) and common_prefix(e.tokens, arr) == len(e.tokens)]
+               if e.pins == 0 and _covers(new, e)]
         while len(self._entries) >= self.capacity:
             e = self.evict_one()
             if e is None:
@@ -162,3 +189,13 @@ class PrefixCache:
         e.removed = True
         self.stats.evicted += 1
         return e
+
+
+def _covers(new: Retained, old: Retained) -> bool:
+    """Whether every match ``old`` gives, ``new`` gives as long (so ``old`` is no use)."""
+    if len(old.tokens) > len(new.tokens) or common_prefix(old.tokens, new.tokens) != len(old.tokens):
+        return False
+    if old.scores is None:
+        return True
+    return (new.scores is not None and new.score_top >= old.score_top
+            and len(new.scores.logprobs) >= len(old.scores.logprobs))

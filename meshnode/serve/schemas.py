@@ -413,20 +413,36 @@ def _prompt_fields(prompt: str | list[int], param: str) -> dict[str, Any]:
 
 
 class TokenizeRequest(_Lenient):
-    """``POST /tokenize``: vLLM's body (``prompt``, ``add_special_tokens``, default true)
-    or llama.cpp server's (``content``, ``add_special``, default false); ``model``
-    optional (the node's model)."""
+    """``POST /tokenize``: vLLM's body (``prompt``, ``add_special_tokens``, default true;
+    or ``messages`` with ``tools`` and ``add_generation_prompt``, default true, laid out
+    by the chat template as a chat completion's prompt is) or llama.cpp server's
+    (``content``, ``add_special``, default false); ``model`` optional (the node's model)."""
 
     model: str | None = Field(default=None, min_length=1)
     prompt: str | None = None
     content: str | None = None
     add_special_tokens: bool | None = None
     add_special: bool | None = None
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    add_generation_prompt: bool = True
+
+    def chat_request(self) -> GenerationRequest | None:
+        """With ``messages``, the chat request whose prompt is tokenized (None: a text)."""
+        if self.messages is None:
+            if self.tools is not None:
+                raise InvalidRequestError("tools", "'tools' are tokenized with 'messages'.")
+            return None
+        if self.prompt is not None or self.content is not None:
+            raise InvalidRequestError("messages", "Give 'messages' or a text ('prompt' or 'content'), not both.")
+        return GenerationRequest("tokenize", self.model or "", tools=tool_specs(self.tools or []),
+                                 messages=tuple(_flatten_message(i, m) for i, m in enumerate(self.messages)))
 
     def text_and_bos(self) -> tuple[str, bool]:
         """The text, and whether a BOS token goes first (when the model adds one)."""
         if (self.prompt is None) == (self.content is None):
-            raise InvalidRequestError("prompt", "Give the text to tokenize as 'prompt' (or 'content'), once.")
+            raise InvalidRequestError("prompt", "Give the text to tokenize as 'prompt' (or 'content'), once, "
+                                                "or a conversation as 'messages'.")
         if self.prompt is not None:
             return self.prompt, self.add_special_tokens is not False
         return self.content or "", bool(self.add_special)

@@ -1,0 +1,108 @@
+"""Scored prompts (echo with logprobs) in the model server, with a fake pipeline (pure
+logic): their chunks overlap across a split's stages, and a prompt sharing a kept
+scored prompt's context takes that context's KV and scores, exactly what it would have
+computed. The fake "model" scores a token by the whole KV before it, so a copied KV or a
+copied score with one wrong position shows. Real llama.cpp: tests/test_prefix_serving.py
+and tests/test_api_features.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+from meshnode.mesh.final import Finalized
+from meshnode.mesh.logprobs import TokenLogprobs
+from meshnode.serve.client import GenerationRequest, TextDelta
+from meshnode.serve.model_server import ModelServer, ServeSettings
+from char_tokenizer import CharTokenizer
+from test_lookahead_serving import CODE, OraclePipeline
+
+CONTEXT = CODE + "Which line adds?\nAnswer:"
+
+
+def _score(kv: list[int], tok: int) -> float:
+    """The fake model's logprob of ``tok`` after the KV ``kv``: a function of all of it."""
+    return -float((sum((i + 1) * t for i, t in enumerate(kv)) + 7 * tok) % 1009) / 64
+
+
+class ScoringPipeline(OraclePipeline):
+    """The oracle pipeline, scoring a step's ``score`` tokens from the KV before each."""
+
+    def __init__(self) -> None:
+        super().__init__(CharTokenizer().encode(CONTEXT), delay=0.003)
+        self.copies: list[int] = []
+
+    async def run(self, steps):
+        scored = []
+        for s in steps:
+            kv = self.kv.get(s.session, [])[:s.pos] + [int(t) for t in s.tokens]
+            scored.append(TokenLogprobs(tuple(_score(kv[:s.pos + i + 1], t) for i, t in enumerate(s.score)))
+                          if s.score else None)
+        out = await super().run(steps)
+        return [Finalized(r.tokens if s.samples else (), r.n_accepted, r.n_drafted, None, sc)
+                if r is not None else (Finalized((), 0, 0, None, sc) if sc is not None else None)
+                for s, r, sc in zip(steps, out, scored)]
+
+    async def copy_session(self, src: int, dst: int, n_pos: int) -> None:
+        self.copies.append(n_pos)
+        await super().copy_session(src, dst, n_pos)
+
+
+def _server(pipe: ScoringPipeline, **kw) -> ModelServer:
+    return ModelServer(ServeSettings("m", n_ctx=1024, n_batch=16, parallel=2, **kw), CharTokenizer(), pipe)
+
+
+async def _scores(server: ModelServer, rid: str, prompt: str) -> tuple[list[float | None], object]:
+    """The prompt tokens' logprobs an echo request reports, and its Finished event."""
+    lps: list[float | None] = []
+    fin = None
+    async for ev in server.generate(GenerationRequest(rid, "m", prompt=prompt, echo=True, logprobs=0, max_tokens=1,
+                                                      temperature=0.0)):
+        if isinstance(ev, TextDelta) and ev.logprobs:
+            lps += [e.logprob for e in ev.logprobs]
+        elif hasattr(ev, "finish_reason"):
+            fin = ev
+    return lps, fin
+
+
+def _expected(prompt: str) -> list[float | None]:
+    toks = CharTokenizer().encode(prompt)
+    return [None] + [_score(toks[:i], t) for i, t in enumerate(toks) if i]
+
+
+def test_scored_chunks_overlap_across_the_stages_and_score_every_token():
+    async def main():
+        pipe = ScoringPipeline()
+        server = _server(pipe, prefix_cache=0)
+        got = await _scores(server, "a", CONTEXT + " B")
+        await server.scheduler.close()
+        return pipe, got
+
+    pipe, (lps, fin) = asyncio.run(main())
+    n = len(CONTEXT) + 2
+    assert lps[:n] == _expected(CONTEXT + " B") and fin.usage.prompt_tokens == n
+    # one chunk per stage in flight, as a plain prompt's chunks are (they return at once)
+    assert pipe.max_in_flight == 2
+
+
+def test_a_prompt_sharing_a_scored_context_takes_its_kv_and_scores():
+    async def main():
+        pipe = ScoringPipeline()
+        server = _server(pipe)
+        first = await _scores(server, "a", CONTEXT + " A")
+        second = await _scores(server, "b", CONTEXT + " B")
+        # asking for more alternatives than were kept: computed again in full
+        more = []
+        async for ev in server.generate(GenerationRequest("c", "m", prompt=CONTEXT + " C", echo=True, logprobs=2,
+                                                          max_tokens=1, temperature=0.0)):
+            more.append(ev)
+        await server.scheduler.close()
+        return pipe, first, second, more
+
+    pipe, (lps_a, fin_a), (lps_b, fin_b), more = asyncio.run(main())
+    n = len(CONTEXT) + 2
+    assert lps_a[:n] == _expected(CONTEXT + " A") and lps_b[:n] == _expected(CONTEXT + " B")
+    # the shared context but its last character (" A" and " B" share the space): its
+    # score came with the KV; the space and the letter were scored anew
+    assert fin_a.timings.cache_n == 0 and fin_b.timings.cache_n == len(CONTEXT)
+    assert pipe.copies == [len(CONTEXT)]
+    assert more[-1].timings.cache_n == 0
