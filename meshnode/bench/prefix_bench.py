@@ -25,7 +25,8 @@ import statistics
 import sys
 import time
 
-from meshnode.argtypes import non_negative_float, positive_int
+from meshnode.argtypes import positive_int
+from meshnode.bench.spec_bench import add_split_arguments
 
 HELP = "prefix reuse: time to first token on editor-like sequences, cache off vs on, on a 2-stage split"
 
@@ -33,11 +34,8 @@ SPLITS = ("cold", "warm")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF or store name (default: the default model)")
-    p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads per stage (default 1)")
-    p.add_argument("--delay-ms", type=non_negative_float, default=5.0, help="latency added by the relay, each way (default 5 ms)")
+    add_split_arguments(p)
     p.add_argument("--tokens", type=positive_int, default=32, help="max tokens per completion (default 32)")
-    p.add_argument("--ctx", type=positive_int, default=4096, help="context per request (default 4096)")
     p.add_argument("--rounds", type=positive_int, default=2, help="passes over the sequences (default 2)")
     p.add_argument("--set", dest="split", choices=("tune", "heldout", "all"), default="all",
                    help="which half of the prompt set's editor sequences (default all)")

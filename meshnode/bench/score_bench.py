@@ -28,7 +28,8 @@ import statistics
 import sys
 import time
 
-from meshnode.argtypes import non_negative_float, positive_int
+from meshnode.argtypes import positive_int
+from meshnode.bench.spec_bench import add_split_arguments
 
 HELP = "scored prompts (echo, logprobs): prefill with and without scores, multiple choice with the prefix cache off vs on"
 
@@ -38,10 +39,7 @@ QUESTION = "\n\nWhich letter names the kind of change this code needs?\nAnswer:"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF or store name (default: the default model)")
-    p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads per stage (default 1)")
-    p.add_argument("--delay-ms", type=non_negative_float, default=5.0, help="latency added by the relay, each way (default 5 ms)")
-    p.add_argument("--ctx", type=positive_int, default=4096, help="context per request (default 4096)")
+    add_split_arguments(p)
     p.add_argument("--prompts", type=positive_int, default=4, help="questions (prompt-set files) to send (default 4)")
     p.add_argument("--chars", type=positive_int, default=2400,
                    help="characters of each file the question follows (default 2400, ~600 tokens)")

@@ -289,6 +289,15 @@ def _strategy_flags(name: str, draft_path) -> tuple[str, ...]:
     raise ValueError(f"unknown strategy {name!r}")
 
 
+def add_split_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that runs its splits as :func:`_start_split` does
+    (``bench prefix``, ``bench score``)."""
+    p.add_argument("--model", default=None, help="GGUF or store name (default: the default model)")
+    p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads per stage (default 1)")
+    p.add_argument("--delay-ms", type=non_negative_float, default=5.0, help="latency added by the relay, each way (default 5 ms)")
+    p.add_argument("--ctx", type=positive_int, default=4096, help="context per request (default 4096)")
+
+
 def _start_split(stack: contextlib.ExitStack, strategy: str, target, draft_path, common: tuple,
                  args: argparse.Namespace, net=None) -> tuple[str, str, _RelayThread, object]:
     """One 2-stage split serving ``strategy``: stage 1, the relay in front of it, and a
