@@ -12,7 +12,7 @@ import jsonschema_rs
 import pytest
 
 from tests.nodeproc import start_node
-from tests.test_split_serving import NODE_FLAGS, _home_with_model, _same_mesh, _wait_ready
+from tests.test_split_serving import NODE_FLAGS, _home_with_model, _same_mesh, _wait_ready, solo_node
 
 pytestmark = pytest.mark.slow
 
@@ -238,15 +238,8 @@ def _echo_observations(port: int, model_path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def single(smollm2, tmp_path_factory):
-    root = tmp_path_factory.mktemp("api-single")
-    node = start_node(_home_with_model(root, "solo", smollm2.path), "solo", "--model", str(smollm2.path),
-                      *NODE_FLAGS)
-    try:
-        node.wait_up(30)
-        _wait_ready(node)
+    with solo_node(tmp_path_factory.mktemp("api-single"), smollm2.path) as node:
         yield node, _observations(node.info["http_port"], smollm2.path)
-    finally:
-        node.stop()
 
 
 def test_logprobs_are_log_softmax_shaped_and_streamed_the_same(single):

@@ -106,8 +106,13 @@ def test_requests_through_an_empty_node_give_the_coordinators_greedy_text(mesh, 
     comp = dict(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
     assert (_client(empty).completions.create(**comp).choices[0].text
             == _client(coord).completions.create(**comp).choices[0].text)
-    assert coord.status()["mesh_requests"]["served_for_members"] >= 3
-    assert empty.status()["mesh_requests"]["forwarded"] >= 3
+    # and the Responses API, streamed: the events are the coordinator's
+    resp = dict(model=model, input=PROMPT, max_output_tokens=24, temperature=0)
+    events = list(_client(empty).responses.create(**resp, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == direct.choices[0].message.content
+    assert coord.status()["mesh_requests"]["served_for_members"] >= 4
+    assert empty.status()["mesh_requests"]["forwarded"] >= 4
 
 
 def test_errors_come_back_with_the_coordinators_status_and_body(mesh, smollm2):

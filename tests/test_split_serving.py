@@ -3,6 +3,7 @@ the official openai client, greedy output compared token for token with one node
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -46,6 +47,18 @@ def _wait_ready(node, timeout: float = 120.0) -> None:
     wait_for(ready, timeout, interval=0.25)
 
 
+@contextlib.contextmanager
+def solo_node(root: Path, model: Path, *flags: str):
+    """One node serving ``model`` whole (``NODE_FLAGS``, ``flags``), ready; stopped after."""
+    node = start_node(_home_with_model(root, "solo", model), "solo", "--model", str(model), *NODE_FLAGS, *flags)
+    try:
+        node.wait_up(30)
+        _wait_ready(node)
+        yield node
+    finally:
+        node.stop()
+
+
 def _asker(port: int):
     """A function that asks the node on ``port`` one prompt (greedy) and returns the text."""
     from openai import OpenAI
@@ -76,15 +89,8 @@ def _complete_all_at_once(port: int) -> list[str]:
 @pytest.fixture(scope="module")
 def single_node_outputs(smollm2, tmp_path_factory) -> list[str]:
     """The reference: the same prompts on one node (whole model, same batch schedule)."""
-    root = tmp_path_factory.mktemp("single")
-    home = _home_with_model(root, "solo", smollm2.path)
-    node = start_node(home, "solo", "--model", str(smollm2.path), *NODE_FLAGS)
-    try:
-        node.wait_up(30)
-        _wait_ready(node)
+    with solo_node(tmp_path_factory.mktemp("single"), smollm2.path) as node:
         return _complete_all(node.info["http_port"])
-    finally:
-        node.stop()
 
 
 def _run_split(smollm2, root: Path, n_stages: int, wire: str = "f32"):
@@ -199,3 +205,18 @@ def test_concurrent_requests_and_disconnect_free_every_stage(smollm2, single_nod
     finally:
         for n in [coord, *helpers]:
             n.stop()
+
+
+def test_a_context_above_the_trained_one_is_served_as_the_trained_one(smollm2, tmp_path):
+    """``--ctx`` past the model's trained context (SmolLM2: 8192): the stages load with
+    8192, and the endpoint says so and refuses a longer prompt up front (a 400, not an
+    overflow in the middle of the answer)."""
+    import httpx
+
+    with solo_node(tmp_path, smollm2.path, "--ctx", "16384") as node:
+        base = f"http://127.0.0.1:{node.info['http_port']}"
+        [card] = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
+        assert card["context_length"] == 8192
+        r = httpx.post(f"{base}/v1/completions", json={"model": card["id"], "prompt": [1] * 8200, "max_tokens": 1},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

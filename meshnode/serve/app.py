@@ -26,9 +26,10 @@ from meshnode.serve.schemas import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest, NativeCompletionRequest,
     TokenizeRequest,
 )
+from meshnode.serve.responses_api import ResponsesRequest
 
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, InfillRequest, NativeCompletionRequest, TokenizeRequest,
-                  DetokenizeRequest, PullRequest, RefreshRequest)
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, InfillRequest, NativeCompletionRequest,
+                  TokenizeRequest, DetokenizeRequest, PullRequest, RefreshRequest)
 
 
 def create_app(node: Any, security: HttpSecurity | None = None) -> FastAPI:

@@ -25,7 +25,7 @@ authenticated links of the fabric; the coordinator's HTTP port is never involved
   ``http.disconnect`` to the app, the path a local client's disconnect takes: the request
   is cancelled and its KV freed on every stage. Such a request is never forwarded again.
 
-Bounds, against a member that misbehaves: the wire lets only the two generation routes be
+Bounds, against a member that misbehaves: the wire lets only the three generation routes be
 named (``API_PATHS``), bodies up to ``MAX_API_BODY``, response chunks up to
 ``MAX_API_CHUNK``, 16 headers, 16 models a coordinator; at most
 ``MAX_FORWARDED_PER_PEER`` requests of one member run at once (more get a 429); response

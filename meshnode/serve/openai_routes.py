@@ -108,7 +108,8 @@ from meshnode.serve.schemas import (
     parse_request,
 )
 from meshnode.serve.tools import CallDelta, ToolCallParser, split_tool_calls
-from meshnode.serve.sse import DONE, KEEP_ALIVE, EventPump, KeepAliveTick, sse_data
+from meshnode.serve.responses_api import ResponseEvents, ResponseObject, ResponsesRequest, usage_object
+from meshnode.serve.sse import DONE, KEEP_ALIVE, EventPump, KeepAliveTick, sse_data, sse_event
 
 log = logging.getLogger("meshnode.serve.openai")
 
@@ -236,6 +237,13 @@ def make_openai_router(
         chunks = _ChatChunks(body.model, body.include_usage, body.tool_names())
         return await _serve(request, body, [body.to_generation_request(chunks.id)], chunks, "messages")
 
+    @router.post("/responses", response_model=None, **_post_docs(ResponsesRequest, ResponseObject))
+    async def responses(request: Request) -> Response:
+        body = await _parse(ResponsesRequest, request)
+        chat = body.to_chat()
+        chunks = _ResponsesChunks(body, chat.tool_names())
+        return await _serve(request, body, [chat.to_generation_request(chunks.id)], chunks, "input")
+
     @router.post("/completions", response_model=None, **_post_docs(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         body = await _parse(CompletionRequest, request)
@@ -262,7 +270,8 @@ def make_openai_router(
                             prompt_param)
 
     async def _serve(
-        request: Request, body: ChatCompletionRequest | CompletionRequest | InfillRequest | NativeCompletionRequest,
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest | InfillRequest | NativeCompletionRequest | ResponsesRequest,
         gen_requests: list[GenerationRequest], chunks: _Chunks, prompt_param: str
     ) -> Response:
         """``gen_requests``: one, or the prompts of a batch (completions), whose choices
@@ -495,7 +504,7 @@ async def _stream(
     """The SSE body. Owns ``pump`` and closes it on every exit path."""
     try:
         for head in chunks.head():
-            yield sse_data(head)
+            yield chunks.encode(head)
         event: GenerationEvent | KeepAliveTick = first
         finished: list[Finished] = []
         while True:
@@ -510,11 +519,11 @@ async def _stream(
                 case TextDelta():
                     if event.text or event.logprobs:
                         for chunk in chunks.deltas(event):
-                            yield sse_data(chunk)
+                            yield chunks.encode(chunk)
                 case Finished():
                     finished.append(event)
                     for tail in chunks.tail(event, finished):
-                        yield sse_data(tail)
+                        yield chunks.encode(tail)
                     if len(finished) == chunks.n:
                         if chunks.done_marker:
                             yield DONE
@@ -575,6 +584,10 @@ class _Chunks:
 
     def head(self) -> list[dict[str, Any]]:
         return []
+
+    def encode(self, chunk: dict[str, Any]) -> bytes:
+        """One chunk as the stream's bytes."""
+        return sse_data(chunk)
 
     def delta(self, event: TextDelta) -> dict[str, Any]:
         raise NotImplementedError
@@ -749,6 +762,66 @@ class _TextChunks(_Chunks):
             usage=usage,
             timings=timings,
         )
+
+
+class _ResponsesChunks(_Chunks):
+    """The Responses API's objects and typed events (:class:`~meshnode.serve.responses_api.ResponseEvents`);
+    with ``tool_names`` the answer is read for tool calls as a chat answer is, each call a
+    ``function_call`` item."""
+
+    prefix = "resp"
+    done_marker = False
+
+    def __init__(self, body: ResponsesRequest, tool_names: list[str] | None) -> None:
+        super().__init__(body.model)
+        self.events = ResponseEvents(body, body.model, self.id)
+        self.tool_names = tool_names
+        self._parser = ToolCallParser(tool_names) if tool_names else None
+
+    def encode(self, chunk: dict[str, Any]) -> bytes:
+        return sse_event(chunk["type"], chunk)
+
+    def head(self) -> list[dict[str, Any]]:
+        return self.events.start()
+
+    def deltas(self, event: TextDelta) -> list[dict[str, Any]]:
+        if self._parser is None:
+            return self.events.text(event.text) if event.text else []
+        return self._emit(*self._parser.feed(event.text))
+
+    def _emit(self, content: str, calls: list[CallDelta]) -> list[dict[str, Any]]:
+        out = self.events.text(content) if content else []
+        for c in calls:
+            out += self.events.call(c)
+        return out
+
+    def tail(self, event: Finished, finished: list[Finished]) -> list[dict[str, Any]]:
+        out = []
+        if self._parser is not None:
+            out = self._emit(*self._parser.finish())
+            self.events.set_calls(self._parser.calls)
+        return out + self.events.finish(_responses_usage(finished), _incomplete(event))
+
+    def full_response(self, choices: list[_Choice]) -> ResponseObject:
+        c = choices[0]
+        content, calls = split_tool_calls(c.text, self.tool_names) if self.tool_names else (c.text, [])
+        self.events.set_calls(calls)
+        self.events.set_text(content)
+        finished = [x.finished for x in choices if x.finished is not None]
+        reason = _incomplete(finished[0]) if finished else None
+        return ResponseObject.model_validate(self.events.response("incomplete" if reason else "completed",
+                                                                  _responses_usage(finished), reason))
+
+
+def _incomplete(event: Finished) -> str | None:
+    """Why a Responses answer is incomplete (None: it is complete)."""
+    return "max_output_tokens" if event.finish_reason == "length" else None
+
+
+def _responses_usage(finished: list[Finished]) -> dict[str, Any]:
+    u = _total_usage(finished)
+    return usage_object(u.prompt_tokens, u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0,
+                        u.completion_tokens)
 
 
 class _LlamaCppChunks(_Chunks):

@@ -167,7 +167,8 @@ class ModelService:
             self.serving = serving
             self._first_plan = serving.plan
             self.server = ModelServer(
-                ServeSettings(ref.name, n_ctx=o.n_ctx, n_batch=o.n_batch, parallel=o.parallel, max_queue=o.max_queue,
+                # (the context the stages were loaded with: --ctx, at most the model's trained context)
+                ServeSettings(ref.name, n_ctx=serving.options.n_ctx, n_batch=o.n_batch, parallel=o.parallel, max_queue=o.max_queue,
                               prefix_cache=o.prefix_cache,
                               aliases=tuple(o.aliases) + (ref.path.name, ref.path.stem), spec=spec),
                 tokenizer, serving.pipeline, publish=self.node.publish, draft=draft)

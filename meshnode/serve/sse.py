@@ -34,6 +34,11 @@ def sse_data(payload: dict[str, Any] | str) -> bytes:
     return b"data: " + text.encode() + b"\n\n"
 
 
+def sse_event(name: str, payload: dict[str, Any]) -> bytes:
+    """One SSE event of type ``name`` (an ``event:`` line) carrying ``payload`` as JSON."""
+    return b"event: " + name.encode() + b"\n" + sse_data(payload)
+
+
 class KeepAliveTick:
     """Returned by :meth:`EventPump.next` when no event came within the interval."""
 

@@ -1,0 +1,395 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat machinery.
+
+Theory of operation. A Responses body is a conversation in another shape: ``input`` (a
+text, or items: messages, the function calls an earlier answer made and their outputs),
+``instructions``, flat function ``tools`` and ``text.format``. :meth:`ResponsesRequest.to_chat`
+turns it into the :class:`~meshnode.serve.schemas.ChatCompletionRequest` it means, so the
+prompt, the tool calls read back from the answer and structured output are exactly a
+chat completion's. :class:`ResponseEvents` (sans-IO) builds what goes back: the
+``response`` object, and for a stream the typed events (``response.created``, the
+message's ``response.output_text.delta`` s, each call's ``function_call`` item with its
+arguments, ``response.completed``), each numbered by ``sequence_number``.
+
+The server keeps no responses: ``previous_response_id`` and ``background`` are refused
+(send the whole conversation as ``input``); ``store`` is answered ``false``. Function
+tools may come grouped in ``namespace`` tools (Codex CLI sends its sub-agent tools so): a
+call of one is a ``function_call`` item naming its namespace. Tools that OpenAI's
+servers run themselves (web search, file search, code interpreter, ...) and custom
+tools are not offered to the model: it answers without them (an agent that sends them
+among its function tools still works; the log says which were left out).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from meshnode.serve.client import ToolCall
+from meshnode.serve.errors import InvalidRequestError, UnsupportedValueError
+from meshnode.serve.schemas import (
+    MAX_CONTENT_PARTS, MAX_MESSAGES, SEED_MAX, SEED_MIN, ChatCompletionRequest, _Lenient,
+)
+from meshnode.serve.tools import MAX_TOOLS, CallDelta
+
+log = logging.getLogger(__name__)
+
+# the text parts of a message item: what a user or system wrote, what the assistant said
+TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+
+
+class InputPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class InputItem(_Lenient):
+    """One item of ``input``: a message (``type`` "message", or absent with a ``role``), a
+    ``function_call`` an earlier answer made, or its ``function_call_output``."""
+
+    type: str | None = None
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | Annotated[list[InputPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    call_id: str | None = Field(default=None, max_length=256)
+    name: str | None = Field(default=None, max_length=256)
+    arguments: str | None = None
+    output: str | Annotated[list[InputPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+
+
+class ResponsesTool(_Lenient):
+    type: str
+    name: str | None = Field(default=None, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None   # a namespace's
+
+    def functions(self, param: str) -> list[tuple[str, ResponsesTool, str | None]]:
+        """The function tools this one offers the model: (param, tool, namespace)."""
+        if self.type == "function":
+            return [(param, self, None)]
+        if self.type == "namespace":
+            return [(f"{param}.tools[{j}]", t, self.name) for j, t in enumerate(self.tools or [])
+                    if t.type == "function"]
+        return []
+
+
+class FunctionChoice(_Lenient):
+    type: Literal["function"]
+    name: str = Field(max_length=256)
+
+
+class TextFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(_Lenient):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Lenient):
+    model: str = Field(min_length=1)
+    input: str | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)   # (not OpenAI's: chat's)
+    stream: bool | None = False
+    tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _not_empty(cls, v: Any) -> Any:
+        # said here: past the bound, the union's error would name its first branch
+        if isinstance(v, list) and not v:
+            raise ValueError("an empty list of input items")
+        if isinstance(v, list) and len(v) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} input items")
+        return v
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The chat completion this body asks for; raises InvalidRequestError or
+        UnsupportedValueError (naming this body's fields) for what it cannot be."""
+        if self.previous_response_id is not None:
+            raise UnsupportedValueError("previous_response_id", "This server keeps no responses: send the whole "
+                                        "conversation as 'input'.")
+        if self.background:
+            raise UnsupportedValueError("background", "Background responses are not supported.")
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": bool(self.stream)}
+        for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
+                             ("top_p", "top_p"), ("seed", "seed"), ("parallel_tool_calls", "parallel_tool_calls"),
+                             ("user", "user")):
+            if getattr(self, ours) is not None:
+                body[theirs] = getattr(self, ours)
+        functions = self.functions()
+        left_out = sorted({t.type for t in self.tools or [] if t.type not in ("function", "namespace")})
+        if left_out:
+            log.info("responses: tools not offered to the model (this node runs no hosted tools): %s",
+                     ", ".join(left_out))
+        if functions:
+            body["tools"] = [_chat_tool(param, t) for param, t, _ in functions]
+        if isinstance(self.tool_choice, FunctionChoice):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}}
+        elif fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise InvalidRequestError("input", f"Invalid conversation: {e.errors(include_url=False)[0]['msg']}.") \
+                from None
+
+    def functions(self) -> list[tuple[str, ResponsesTool, str | None]]:
+        """The function tools offered to the model, namespaces' included: (param, tool,
+        namespace); at most MAX_TOOLS of them."""
+        out = [f for i, t in enumerate(self.tools or []) for f in t.functions(f"tools[{i}]")]
+        if len(out) > MAX_TOOLS:
+            raise InvalidRequestError("tools", f"{len(out)} function tools (namespaces' included); at most "
+                                      f"{MAX_TOOLS}.")
+        return out
+
+    def namespaces(self) -> dict[str, str]:
+        """Function name -> the namespace it came in, for the calls' items."""
+        return {t.name: ns for _, t, ns in self.functions() if ns is not None and t.name}
+
+    def _messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if self.instructions:
+            out.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*out, {"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.type or ("message" if item.role is not None else None)
+            if kind == "message":
+                if item.role is None:
+                    raise InvalidRequestError(f"input[{i}].role", "A message item needs a 'role'.")
+                out.append({"role": item.role, "content": _text(item.content, f"input[{i}].content")})
+            elif kind == "function_call":
+                if not item.call_id or not item.name:
+                    raise InvalidRequestError(f"input[{i}]", "A function_call item needs 'call_id' and 'name'.")
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments or ""}}
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant":   # one turn's calls: one message
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                if not item.call_id:
+                    raise InvalidRequestError(f"input[{i}].call_id", "A function_call_output item needs 'call_id'.")
+                out.append({"role": "tool", "tool_call_id": item.call_id,
+                            "content": _text(item.output, f"input[{i}].output")})
+            elif kind == "reasoning":
+                continue    # another model's reasoning: nothing this one reads
+            else:
+                raise UnsupportedValueError(f"input[{i}].type", f"Input items of type {kind!r} are not supported; "
+                                            "messages, function_call and function_call_output are.")
+        return out
+
+
+def _text(content: str | list[InputPart] | None, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in TEXT_PARTS or part.text is None:
+            raise UnsupportedValueError(f"{param}[{j}].type", f"Content part type {part.type!r} is not supported; "
+                                        "only text parts are.")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _chat_tool(param: str, t: ResponsesTool) -> dict[str, Any]:
+    if not t.name:
+        raise InvalidRequestError(f"{param}.name", "A function tool needs a 'name'.")
+    return {"type": "function", "function": {"name": t.name, "description": t.description,
+                                             "parameters": t.parameters, "strict": t.strict}}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseEvents:
+    """The ``response`` object and the stream's events of one answer (sans-IO): feed it
+    content text (:meth:`text`) and call pieces (:meth:`call`) in order, then
+    :meth:`finish`."""
+
+    def __init__(self, request: ResponsesRequest, model: str, response_id: str | None = None) -> None:
+        self.request = request
+        self.model = model
+        self.id = response_id or _new_id("resp")
+        self.created_at = int(time.time())
+        self._seq = 0
+        self._message_id: str | None = None      # the message item, once content came
+        self._content: list[str] = []
+        self._calls: dict[int, dict[str, Any]] = {}   # call index -> its function_call item
+        self._namespaces = request.namespaces()
+
+    # -- the response object --------------------------------------------------------------
+
+    def response(self, status: str = "in_progress", usage: dict[str, Any] | None = None,
+                 incomplete: str | None = None) -> dict[str, Any]:
+        r = self.request
+        fmt = r.text.format if r.text is not None and r.text.format is not None else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "error": None, "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
+            "output": self.output() if status != "in_progress" else [],
+            "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "temperature": 1.0 if r.temperature is None else r.temperature,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, FunctionChoice)
+                            else r.tool_choice or "auto"),
+            "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
+            "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": "disabled",
+            "usage": usage, "user": r.user, "metadata": r.metadata or {},
+        }
+
+    def output(self) -> list[dict[str, Any]]:
+        items = []
+        if "".join(self._content) or not self._calls:
+            items.append(self._message("completed"))
+        items += [dict(c, status="completed") for c in self._calls.values()]
+        return items
+
+    def _message(self, status: str) -> dict[str, Any]:
+        content = [] if status == "in_progress" else [self._part("".join(self._content))]
+        if self._message_id is None:
+            self._message_id = _new_id("msg")
+        return {"type": "message", "id": self._message_id, "status": status, "role": "assistant",
+                "content": content}
+
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    # -- the stream -----------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self._seq += 1
+        return {"type": kind, "sequence_number": self._seq - 1, **fields}
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        if self._message_id is not None:
+            return []
+        self._message_id = _new_id("msg")
+        return [self._event("response.output_item.added", output_index=0, item=self._message("in_progress")),
+                self._event("response.content_part.added", item_id=self._message_id, output_index=0,
+                            content_index=0, part=self._part(""))]
+
+    def text(self, delta: str) -> list[dict[str, Any]]:
+        self._content.append(delta)
+        if self._calls:     # text after a call (the message is done): in the response only
+            return []
+        out = self._open_message()
+        out.append(self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
+                               content_index=0, delta=delta, logprobs=[]))
+        return out
+
+    def _close_message(self) -> list[dict[str, Any]]:
+        if self._message_id is None:
+            return []
+        text = "".join(self._content)
+        return [self._event("response.output_text.done", item_id=self._message_id, output_index=0,
+                            content_index=0, text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=self._message_id, output_index=0,
+                            content_index=0, part=self._part(text)),
+                self._event("response.output_item.done", output_index=0, item=self._message("completed"))]
+
+    def _index(self, call: int) -> int:
+        """A call's place in ``output``: after the message, when the answer had text first."""
+        return (self._message_id is not None) + list(self._calls).index(call)
+
+    def call(self, d: CallDelta) -> list[dict[str, Any]]:
+        out = []
+        if d.index not in self._calls:
+            # calls come after the content: the message (if any) is done by now
+            if not self._calls:
+                out += self._close_message()
+            self._calls[d.index] = self._item(d.id or _new_id("call"), d.name or "", "")
+            out.append(self._event("response.output_item.added", output_index=self._index(d.index),
+                                   item=dict(self._calls[d.index], status="in_progress")))
+        item = self._calls[d.index]
+        if d.arguments:
+            item["arguments"] += d.arguments
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=self._index(d.index), delta=d.arguments))
+        return out
+
+    def set_calls(self, calls: list[ToolCall]) -> None:
+        """The calls of the answer as read back whole: for a streamed answer, the
+        arguments its ``.done`` events and the response carry (the deltas were the text
+        as it came)."""
+        for i, c in enumerate(calls):
+            item = self._calls.setdefault(i, self._item(c.id, c.name, c.arguments))
+            item.update(call_id=c.id, name=c.name, arguments=c.arguments)
+
+    def _item(self, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+        item = {"type": "function_call", "id": _new_id("fc"), "call_id": call_id, "name": name,
+                "arguments": arguments}
+        if name in self._namespaces:
+            item["namespace"] = self._namespaces[name]
+        return item
+
+    def set_text(self, text: str) -> None:
+        self._content = [text]
+
+    def finish(self, usage: dict[str, Any], incomplete: str | None) -> list[dict[str, Any]]:
+        # (an answer with neither text nor calls is an empty message)
+        out = [] if self._calls else self._open_message() + self._close_message()
+        for index, item in self._calls.items():
+            done = dict(item, status="completed")
+            out += [self._event("response.function_call_arguments.done", item_id=item["id"],
+                                output_index=self._index(index), arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=self._index(index), item=done)]
+        status = "incomplete" if incomplete else "completed"
+        out.append(self._event(f"response.{status}", response=self.response(status, usage, incomplete)))
+        return out
+
+
+def usage_object(prompt: int, cached: int, completion: int) -> dict[str, Any]:
+    """The Responses API's ``usage``."""
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+class ResponseObject(BaseModel):
+    """The ``response`` object (the OpenAPI document's view of :meth:`ResponseEvents.response`)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None

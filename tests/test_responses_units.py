@@ -1,0 +1,117 @@
+"""The Responses API's pure parts: a body turned into the chat request it means, and the
+events and response object built from an answer's text and calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshnode.serve.errors import InvalidRequestError, UnsupportedValueError
+from meshnode.serve.responses_api import ResponseEvents, ResponsesRequest, usage_object
+from meshnode.serve.tools import CallDelta
+
+
+def _chat(**body):
+    return ResponsesRequest.model_validate({"model": "m", **body}).to_chat()
+
+
+def test_instructions_and_a_text_input_are_a_system_and_a_user_message():
+    chat = _chat(instructions="Be brief.", input="Hi", max_output_tokens=7, temperature=0.5, seed=3)
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert (chat.max_tokens, chat.temperature, chat.seed) == (7, 0.5, 3)
+
+
+def test_items_become_messages_with_one_turns_calls_in_one_message():
+    chat = _chat(input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"type": "reasoning", "summary": []},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+    ], tools=[{"type": "function", "name": "f"}, {"type": "function", "name": "g", "parameters": {"type": "object"}}],
+        tool_choice={"type": "function", "name": "g"})
+    m = chat.messages
+    assert [x.role for x in m] == ["user", "assistant", "tool", "tool"]
+    assert m[0].content == "a\nb"
+    assert [(c.id, c.function.name, c.function.arguments) for c in m[1].tool_calls] == \
+        [("c1", "f", "{}"), ("c2", "g", "{\"x\": 1}")]
+    assert (m[2].tool_call_id, m[2].content, m[3].content) == ("c1", "one", "two")
+    assert [t.function.name for t in chat.tools] == ["f", "g"] and chat.tool_choice.function.name == "g"
+
+
+def test_text_format_is_the_response_format():
+    chat = _chat(input="x", text={"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"},
+                                             "strict": True}})
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == {"type": "object"}
+    assert _chat(input="x", text={"format": {"type": "json_object"}}).response_format.type == "json_object"
+    assert _chat(input="x", text={"format": {"type": "text"}}).response_format is None
+
+
+@pytest.mark.parametrize("body, error, param", [
+    ({"input": "x", "previous_response_id": "r"}, UnsupportedValueError, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "function"}]}, InvalidRequestError, "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function"}]}]},
+     InvalidRequestError, "tools[0].tools[0].name"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": f"n{j}", "tools": [
+        {"type": "function", "name": f"f{j}{i}"} for i in range(65)]} for j in range(2)]}, InvalidRequestError, "tools"),
+    ({"input": [{"type": "computer_call_output"}]}, UnsupportedValueError, "input[0].type"),
+    ({"input": [{"type": "message", "content": "x"}]}, InvalidRequestError, "input[0].role"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, InvalidRequestError, "input[0]"),
+])
+def test_what_cannot_be_a_chat_request_names_its_field(body, error, param):
+    with pytest.raises(error) as e:
+        _chat(**body)
+    assert e.value.param == param
+
+
+def _events(**body) -> ResponseEvents:
+    return ResponseEvents(ResponsesRequest.model_validate({"model": "m", "input": "x", **body}), "m", "resp_1")
+
+
+def test_text_then_calls_stream_as_items_in_order():
+    ev = _events()
+    out = ev.start() + ev.text("I will ") + ev.text("call.") + ev.call(CallDelta(0, "call_a", "f")) \
+        + ev.call(CallDelta(0, arguments='{"x"')) + ev.call(CallDelta(0, arguments=": 1}")) \
+        + ev.call(CallDelta(1, "call_b", "g", "{}")) + ev.finish(usage_object(10, 4, 5), None)
+    kinds = [e["type"] for e in out]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                     "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.delta",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    final = out[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "I will call."
+    assert [(o["call_id"], o["arguments"]) for o in final["output"][1:]] == [("call_a", '{"x": 1}'), ("call_b", "{}")]
+    # the calls' output_index: after the message
+    assert [e["output_index"] for e in out if e["type"] == "response.function_call_arguments.done"] == [1, 2]
+    assert final["usage"]["input_tokens_details"]["cached_tokens"] == 4 and final["usage"]["total_tokens"] == 15
+
+
+def test_an_answer_cut_short_is_incomplete_and_an_empty_one_is_an_empty_message():
+    ev = _events(max_output_tokens=3)
+    out = ev.start() + ev.finish(usage_object(1, 0, 3), "max_output_tokens")
+    assert out[-1]["type"] == "response.incomplete"
+    r = out[-1]["response"]
+    assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [o["type"] for o in r["output"]] == ["message"] and r["output"][0]["content"][0]["text"] == ""
+    assert "response.output_item.added" in [e["type"] for e in out]
+
+
+def test_namespaces_offer_their_functions_and_hosted_tools_are_left_out():
+    body = {"input": "x", "tools": [{"type": "web_search"}, {"type": "function", "name": "f"},
+                                    {"type": "namespace", "name": "agents", "tools": [{"type": "function", "name": "spawn"}]},
+                                    {"type": "custom", "name": "apply_patch"}]}
+    chat = _chat(**body)
+    assert [t.function.name for t in chat.tools] == ["f", "spawn"]
+    ev = _events(**{k: v for k, v in body.items() if k != "input"})
+    ev.call(CallDelta(0, "c1", "spawn", "{}"))
+    ev.call(CallDelta(1, "c2", "f", "{}"))
+    items = ev.finish(usage_object(1, 0, 1), None)[-1]["response"]["output"]
+    assert [i.get("namespace") for i in items] == ["agents", None]
