@@ -111,8 +111,20 @@ def test_requests_through_an_empty_node_give_the_coordinators_greedy_text(mesh, 
     events = list(_client(empty).responses.create(**resp, stream=True))
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.output_text == direct.choices[0].message.content
-    assert coord.status()["mesh_requests"]["served_for_members"] >= 4
-    assert empty.status()["mesh_requests"]["forwarded"] >= 4
+    # llama.cpp's routes and the tokenizer's, with no model named: the mesh's model
+    def both(path: str, body: dict) -> list[httpx.Response]:
+        return [httpx.post(f"http://127.0.0.1:{n.info['http_port']}{path}", json=body, timeout=60)
+                for n in (coord, empty)]
+    direct_c, through_c = both("/completion", {"prompt": "The capital of France is", "n_predict": 8,
+                                               "temperature": 0})
+    assert through_c.status_code == 200 and through_c.json()["content"] == direct_c.json()["content"]
+    direct_t, through_t = both("/tokenize", {"prompt": "The capital of France is"})
+    assert through_t.json() == direct_t.json() and through_t.json()["count"] > 0
+    # SmolLM2 has no FIM tokens: the coordinator's own 400 comes back
+    direct_i, through_i = both("/infill", {"input_prefix": "def f(", "input_suffix": "):"})
+    assert through_i.status_code == direct_i.status_code == 400 and through_i.json() == direct_i.json()
+    assert coord.status()["mesh_requests"]["served_for_members"] >= 7
+    assert empty.status()["mesh_requests"]["forwarded"] >= 7
 
 
 def test_errors_come_back_with_the_coordinators_status_and_body(mesh, smollm2):

@@ -25,8 +25,13 @@ authenticated links of the fabric; the coordinator's HTTP port is never involved
   ``http.disconnect`` to the app, the path a local client's disconnect takes: the request
   is cancelled and its KV freed on every stage. Such a request is never forwarded again.
 
-Bounds, against a member that misbehaves: the wire lets only the three generation routes be
-named (``API_PATHS``), bodies up to ``MAX_API_BODY``, response chunks up to
+llama.cpp server's routes and the tokenizer's (``API_MODEL_OPTIONAL``) take a body without
+``model``: on a node that serves no model itself, such a request goes to the coordinator
+of the first model the mesh lists (the one ``/v1/models`` lists first), whose routes
+answer it for their own model.
+
+Bounds, against a member that misbehaves: the wire lets only the routes that take a
+model be named (``API_PATHS``), bodies up to ``MAX_API_BODY``, response chunks up to
 ``MAX_API_CHUNK``, 16 headers, 16 models a coordinator; at most
 ``MAX_FORWARDED_PER_PEER`` requests of one member run at once (more get a 429); response
 headers are filtered to ``RESPONSE_HEADERS`` both ways; a relay holds at most
@@ -54,6 +59,7 @@ from meshnode.serve.sse import DONE, sse_data
 from meshnode.serve.http_guard import replay_body
 from meshnode.state import MeshModel, PeerInfo, printable
 from meshnode.wire import (
+    API_MODEL_OPTIONAL,
     API_PATHS,
     ApiCancel,
     ApiHeader,
@@ -482,9 +488,10 @@ class MeshClient:
 
 
 class MeshForwardMiddleware:
-    """ASGI middleware (inside the guard): a POST to a generation route for a model a
-    member serves goes to :meth:`MeshShare.forward`; everything else to the app. A node
-    without a model of its own answers a model nobody serves with a 404."""
+    """ASGI middleware (inside the guard): a POST to a route of ``API_PATHS`` for a model a
+    member serves goes to :meth:`MeshShare.forward` (with ``model`` left out where a route
+    allows it, on a node without a model: the mesh's first model); everything else to the
+    app. A node without a model of its own answers a model nobody serves with a 404."""
 
     def __init__(self, app: ASGIApp, node: Any) -> None:
         self.app = app
@@ -500,6 +507,9 @@ class MeshForwardMiddleware:
         body = await _read_body(receive)
         replay = replay_body(body, receive)
         model = await _model_of(body) if share.directory else None
+        if (model is None and scope["path"] in API_MODEL_OPTIONAL and share.directory
+                and not share.local_models() and (listed := share.mesh_models())):
+            model = listed[0].name
         target = share.route(model) if model is not None else None
         if target is not None:
             await share.forward(target, scope["path"], body, receive, send)

@@ -66,7 +66,8 @@ from meshnode.wire.schema import (
 # (presence, frequency, and the counts of the tokens generated before it), and min_p.
 # 5: Segment.score asks the final stage for the logprobs of prompt tokens (OpenAI's echo),
 # which SegmentResult returns (scored, scored_top_ids, scored_top_logprobs).
-# 6: ApiRequest.path may name /v1/responses (OpenAI's Responses API).
+# 6: ApiRequest.path may name /v1/responses (OpenAI's Responses API), llama.cpp server's
+# /completion and /infill, and /tokenize and /detokenize.
 PROTOCOL_VERSION = 6
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
@@ -761,7 +762,10 @@ MAX_HEADER_NAME_LEN = 64
 MAX_HEADER_VALUE_LEN = 256
 # The only routes a member can reach on a coordinator through the mesh: the ones that
 # take a model. Anything else (/status, /v1/models ...) is not even encodable.
-API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/completion", "/infill", "/tokenize",
+             "/detokenize")
+# those whose body may leave ``model`` out (llama.cpp serves one model): the node's own
+API_MODEL_OPTIONAL = ("/completion", "/infill", "/tokenize", "/detokenize")
 
 
 @record
