@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from meshnode.mesh.final import Finalized
 from meshnode.mesh.logprobs import TokenLogprobs
+from meshnode.mesh.pipeline import PipelineUnavailableError
 from meshnode.serve.client import GenerationRequest, TextDelta
 from meshnode.serve.model_server import ModelServer, ServeSettings
 from char_tokenizer import CharTokenizer
@@ -106,3 +109,53 @@ def test_a_prompt_sharing_a_scored_context_takes_its_kv_and_scores():
     assert fin_a.timings.cache_n == 0 and fin_b.timings.cache_n == len(CONTEXT)
     assert pipe.copies == [len(CONTEXT)]
     assert more[-1].timings.cache_n == 0
+
+
+class DyingScorer(ScoringPipeline):
+    """A ScoringPipeline whose route dies at its ``die_after``-th batch (the gate goes down
+    first, as the coordinator's hook does), with scored chunks still queued behind it."""
+
+    def __init__(self, gate_of, die_after: int) -> None:
+        super().__init__()
+        self.gate_of = gate_of
+        self.die_after = die_after
+        self.dead = False
+        self.batches = 0
+
+    async def run(self, steps):
+        if self.dead:
+            raise PipelineUnavailableError("pipeline closed")
+        if self.batches >= self.die_after:
+            self.dead = True
+            self.gate_of().lost("stage 1: link lost")
+            await asyncio.sleep(0.001)
+            raise PipelineUnavailableError("stage 1: link lost")
+        self.batches += 1
+        return await super().run(steps)
+
+
+@pytest.mark.parametrize("die_after", [0, 1, 4])
+def test_a_scored_prefill_lost_midway_is_scored_whole_on_the_new_route(die_after):
+    async def main():
+        server: ModelServer | None = None
+        old = DyingScorer(lambda: server.route, die_after)
+        server = _server(old, prefix_cache=0)
+        new = ScoringPipeline()
+
+        async def replan():
+            while not old.dead:
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.02)
+            server.switch_pipeline(new)
+
+        task = asyncio.ensure_future(replan())
+        got = await _scores(server, "a", CONTEXT + " B")
+        await task
+        await server.scheduler.close()
+        return old, new, got
+
+    old, new, (lps, fin) = asyncio.run(main())
+    n = len(CONTEXT) + 2
+    # every prompt token scored once, in order, as a cold run on one route scores it
+    assert old.dead and lps[:n] == _expected(CONTEXT + " B") and fin.usage.prompt_tokens == n
+    assert [pos for pos, _, _ in new.steps][:1] == [0]    # the new route prefilled from the start

@@ -687,6 +687,8 @@ class ModelServer:
                 result = await self._chunk_done(ar, *ahead.popleft())
         finally:
             for fut, _ in ahead:   # withdrawn (those not sent yet are never run)
+                if fut.done() and not fut.cancelled():
+                    fut.exception()    # (failed with the one raised: retrieved, not logged as lost)
                 fut.cancel()
         return result
 
