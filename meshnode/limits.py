@@ -23,6 +23,10 @@ MAX_BIAS = 100.0
 # of a vocabulary (the wire's bound on one, as for grammar masks).
 MAX_PENALTY = 2.0
 MAX_SEEN = 1 << 20
+# llama.cpp's repeat_penalty / vLLM's repetition_penalty: a factor above 0 (1: off); past
+# 10 a token that appeared is as good as banned. A step carries the context's recent
+# tokens it applies to (Segment.recent), at most MAX_SEEN.
+MAX_REPEAT_PENALTY = 10.0
 # Prompt rows one step may ask the final stage to score (OpenAI's ``echo`` with
 # ``logprobs``: each prompt token's logprob given the ones before it; Segment.score). A
 # step's rows are a prefill chunk (--batch), and the frame bounds them well below this.

@@ -97,6 +97,19 @@ def _observations(port: int, model_path: Path) -> dict:
     r = _post(port, "/v1/completions", {"model": model, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 12,
                                         "temperature": 0})
     out["unpenalized"] = r.json()["choices"][0]["text"]
+    # the repetition penalty: vLLM's over the whole context, llama.cpp's over a window
+    r = _post(port, "/v1/completions", {"model": model, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 12,
+                                        "temperature": 0, "repetition_penalty": 1.5})
+    assert r.status_code == 200, r.text
+    out["repeated"] = r.json()["choices"][0]["text"]
+    out["repeated_llamacpp"] = _post(port, "/completion", {"prompt": "1, 2, 3, 4, 5,", "n_predict": 12,
+                                                           "temperature": 0, "repeat_penalty": 1.5,
+                                                           "repeat_last_n": 8}).json()["content"]
+    out["repeated_bad"] = [(r.status_code, r.json()["error"]["param"]) for r in (
+        _post(port, "/v1/completions", {"model": model, "prompt": "x", "repetition_penalty": 0}),
+        _post(port, "/v1/completions", {"model": model, "prompt": "x", "repetition_penalty": 1.2,
+                                        "repeat_penalty": 1.2}),
+        _post(port, "/completion", {"prompt": "x", "repeat_penalty": 1.1, "repeat_last_n": -2}))]
     r = _post(port, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 8,
                                              "temperature": 0, "n": 2})
     assert r.status_code == 200, r.text
@@ -284,6 +297,10 @@ def test_penalties_change_a_repetitive_answer(single):
     assert plain != penalized, plain
     # the count goes on with ", " between numbers; penalized, the commas thin out
     assert penalized.count(",") < plain.count(","), (plain, penalized)
+    # the repetition penalty: every token of the context (the prompt's too) weighs less
+    assert obs["repeated"] != plain and obs["repeated"].count(",") < plain.count(","), obs["repeated"]
+    assert obs["repeated_llamacpp"] not in (plain, ""), obs["repeated_llamacpp"]
+    assert obs["repeated_bad"] == [(400, "repetition_penalty"), (400, "repeat_penalty"), (400, "repeat_last_n")]
 
 
 def test_n_choices(single):

@@ -148,7 +148,10 @@ def _garbage(rng: random.Random, a_id: str, b_id: str) -> list[tuple[str, str, o
                        # a bias or penalty counts for tokens past the vocabulary, or many
                        bias_ids=rng.choice([(), (5,), (2**32 - 1,)]), bias_values=(),
                        presence=rng.choice([0.0, 2.0]), frequency=rng.choice([0.0, -2.0]),
-                       seen_ids=rng.choice([(), (3, 2**31), tuple(range(0, 200_000, 3))]), seen_counts=())
+                       seen_ids=rng.choice([(), (3, 2**31), tuple(range(0, 200_000, 3))]), seen_counts=(),
+                       # a repetition penalty for tokens past the vocabulary, or many
+                       repeat=rng.choice([1.0, 10.0]), repeat_last_n=-1,
+                       recent=rng.choice([(), (2**32 - 1,), tuple(range(0, 300_000, 2))]))
     seg = dataclasses.replace(seg, bias_values=(100.0,) * len(seg.bias_ids), seen_counts=(7,) * len(seg.seen_ids))
     act = np.full((2, rng.choice([N_EMBD, 7])), rng.choice([0.0, 1e30, float("nan")]), dtype=np.float32)
     term = rng.choice([0, 1, 2**64 - 1])

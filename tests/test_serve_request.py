@@ -59,6 +59,25 @@ def test_a_character_split_across_steps_waits_for_its_second_byte() -> None:
     assert r.tail() == "z"   # a partial stop string is released when generation ends
 
 
+def test_a_repetition_penalized_step_carries_the_contexts_recent_tokens() -> None:
+    from dataclasses import replace
+
+    from meshnode.mesh.final import Counts, Sampling
+
+    tok = ByteTokenizer()
+    r = replace(_req(), sampling=Sampling(repeat=1.3, repeat_last_n=2))   # prompt [5, 6, 7]
+    assert r.seen_before(2) == Counts(recent=(6, 7))     # the first token's row: the prompt's last 2
+    r.take([65, 66], tok)
+    assert r.seen_before(4) == Counts(recent=(65, 66))
+    assert r.seen_before(3) == Counts(recent=(7, 65))
+    assert r.seen_before(5, pending=[67]) == Counts(recent=(66, 67))
+    whole = replace(_req(), sampling=Sampling(repeat=1.3, repeat_last_n=-1, presence=0.5))
+    whole.take([7, 70], tok)
+    assert whole.seen_before(4) == Counts((7, 70), (1, 1), (5, 6, 7, 70))   # distinct ids, ascending
+    assert whole.seen_before(5, pending=[71]) == Counts((7, 70, 71), (1, 1, 1), (5, 6, 7, 70, 71))
+    assert whole.seen_before(3) == Counts((7,), (1,), (5, 6, 7))            # a step behind: counted afresh
+
+
 def test_a_step_is_penalized_by_the_answer_up_to_its_last_token() -> None:
     from dataclasses import replace
 

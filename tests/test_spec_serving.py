@@ -35,6 +35,8 @@ MAX_TOKENS = 32
 # penalties (counted over the answer, row by row inside a verify window) and a logit bias
 # (" self" all but banned): speculation must leave such answers as they are too
 PENALIZED = {"frequency_penalty": 0.4, "presence_penalty": 0.3, "logit_bias": {"639": -100}}
+# the repetition penalty over a window that slides inside a verify window (and the prompt)
+REPEATED = {"extra_body": {"repetition_penalty": 1.3, "repeat_last_n": 24}}
 NODE_FLAGS = ("--threads", "1", "--ctx", "1024", "--batch", "64", "--parallel", "1")
 
 
@@ -72,7 +74,9 @@ def references(split) -> dict[str, list[str]]:
     assert all(text for text, _ in out)
     penalized = [text for text, _ in split.complete_all(**PENALIZED)]
     assert penalized[0] != out[0][0] and all(penalized)
-    return {"plain": [text for text, _ in out], "penalized": penalized}
+    repeated = [text for text, _ in split.complete_all(**REPEATED)]
+    assert repeated[0] != out[0][0] and all(repeated)
+    return {"plain": [text for text, _ in out], "penalized": penalized, "repeated": repeated}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +106,9 @@ def test_ngram_on_equals_plain_greedy(split, references):
     penalized = split.complete_all(**PENALIZED)
     assert [text for text, _ in penalized] == references["penalized"]
     assert _drafted(penalized[0][1]), penalized[0][1]
+    repeated = split.complete_all(**REPEATED)
+    assert [text for text, _ in repeated] == references["repeated"]
+    assert _drafted(repeated[0][1]), repeated[0][1]
     code_timings = out[0][1]
     assert _drafted(code_timings), code_timings
     assert code_timings["draft_n_accepted"] <= code_timings["draft_n"]

@@ -27,13 +27,13 @@ def _run(seconds: float) -> bool:
 def test_a_stall_is_logged_with_where_the_loop_thread_was_and_how_long_it_lasted(monkeypatch, caplog):
     monkeypatch.setenv(stallwatch.ENV, "40")
     with caplog.at_level(logging.INFO, logger="meshnode.stallwatch"):
-        assert _run(0.3)
+        assert _run(1.0)   # (long beside the 10 ms polls: a loaded machine may be slow to run the watch)
     said = [r.getMessage() for r in caplog.records if r.name == "meshnode.stallwatch"]
     stalls = [m for m in said if m.startswith("event loop stalled")]
     assert stalls and all("_hold_the_loop_in_a_named_place" in m for m in stalls)
     assert len(stalls) == 1   # one stack, said once however long the stall
     over = [m for m in said if m.startswith("event loop stall over")]
-    assert len(over) == 1 and 250 <= int(over[0].split(": ")[1].split(" ")[0]) <= 2000
+    assert len(over) == 1 and 950 <= int(over[0].split(": ")[1].split(" ")[0]) <= 4000
 
 
 def test_off_by_default_and_a_bad_value_says_so(monkeypatch, caplog):

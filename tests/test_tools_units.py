@@ -13,7 +13,9 @@ from hypothesis import given, settings, strategies as st
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from meshnode import wire
-from meshnode.mesh.final import Counts, FinalSampler, Sampling, apply_bias, apply_mask, apply_penalties
+from meshnode.mesh.final import (
+    Counts, FinalSampler, Sampling, apply_bias, apply_mask, apply_penalties, apply_repetition, recent_tokens,
+)
 from meshnode.serve.client import ChatMessage, ToolCall
 from meshnode.serve.errors import InvalidRequestError
 from meshnode.serve.schemas import ChatCompletionRequest, parse_request
@@ -396,6 +398,40 @@ def test_a_penalized_window_verifies_what_penalized_one_row_steps_produce(seed, 
     for i in range(k + 1):
         one = apply_penalties(rows[i:i + 1], (), Counts.of(Counter(before) + Counter(plain[:i])), presence, frequency)
         assert penalized[i].tobytes() == one[0].tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 8), repeat=st.floats(0.1, 10),
+       last_n=st.sampled_from([-1, 1, 2, 3, 5]), before=st.lists(st.integers(0, 5), max_size=6),
+       frequency=st.sampled_from([0.0, 1.0]))
+def test_a_repetition_penalized_window_verifies_what_one_row_steps_produce(seed, k, repeat, last_n, before, frequency):
+    """As above, with the repetition penalty over a sliding window of the context (or
+    all of it): each window row is bit for bit the one-row step's row."""
+    rng = np.random.default_rng(seed)
+    rows = (rng.integers(-3, 4, size=(k + 1, 6)) + rng.random((k + 1, 6)) / 8).astype(np.float32)
+    sampling = Sampling(repeat=float(np.float32(repeat)), repeat_last_n=last_n, frequency=frequency)
+    context = list(before) or [0]
+    plain = []
+    for t in range(k + 1):
+        seen = Counts.of(Counter(plain), recent_tokens(context + plain, last_n))
+        plain.append(FinalSampler().finalize(1, rows[t:t + 1], (), sampling, seen=seen).tokens[0])
+    start = Counts.of({}, recent_tokens(context, last_n))
+    window = FinalSampler().finalize(1, rows, tuple(plain[:k]), sampling, seen=start)
+    assert window.tokens == tuple(plain) and window.n_accepted == k
+    penalized = apply_repetition(rows, tuple(plain[:k]), start.recent, sampling.repeat, last_n)
+    for i in range(k + 1):
+        one = apply_repetition(rows[i:i + 1], (), recent_tokens(context + plain[:i], last_n), sampling.repeat, last_n)
+        assert penalized[i].tobytes() == one[0].tobytes()
+
+
+def test_the_repetition_penalty_divides_positive_logits_and_multiplies_the_rest():
+    logits = np.array([[4.0, -4.0, 2.0, 0.0, 1.0]], dtype=np.float32)
+    out = apply_repetition(logits, (), (0, 1, 3, 1), 2.0, 3)      # the window: 1, 3, 1
+    assert out.tolist() == [[4.0, -8.0, 2.0, 0.0, 1.0]]
+    out = apply_repetition(logits, (), (0, 1, 3), 2.0, -1)         # all of it
+    assert out.tolist() == [[2.0, -8.0, 2.0, 0.0, 1.0]]
+    with pytest.raises(ValueError, match="vocabulary"):
+        apply_repetition(logits, (), (5,), 2.0, -1)
 
 
 def test_a_draft_the_mask_forbids_is_rejected_and_the_bonus_is_allowed():

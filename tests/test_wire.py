@@ -87,8 +87,8 @@ GOLDEN = [
     ),
     (
         Forward(ref=1, batch_id=2, step=3, segments=(SEG,), act=np.array([[1.0, -2.0]], np.float16)),
-        # kind 0x100, length 108
-        "4d4e 01 00 0001 6c000000"
+        # kind 0x100, length 116
+        "4d4e 01 00 0001 74000000"
         "01000000 0200000000000000 03000000"  # ref, batch_id, step
         "0100"  # one segment
         "0400000000000000 05000000 01000000 0100"  # session, pos, n_rows, n_logits
@@ -98,8 +98,9 @@ GOLDEN = [
         "00000000 00000000 00000000 00000000"  # no penalties: presence, frequency, no counts
         "00000000"  # min_p 0
         "00000000"  # no scored prompt tokens
-        "02 01000000 02000000"  # dtype f16, rows 1, width 2 (frame offset 98)
-        "0000000000"  # pad to frame offset 112
+        "0000803f 00000000 00000000"  # no repetition penalty: repeat 1.0, repeat_last_n 0, no recent tokens
+        "02 01000000 02000000"  # dtype f16, rows 1, width 2 (frame offset 110)
+        "00"  # pad to frame offset 120
         "003c 00c0",  # 1.0, -2.0 as f16
     ),
 ]
@@ -251,8 +252,8 @@ def _forward(act: np.ndarray, rows: tuple[int, ...] | None = None) -> Forward:
 def _forward_payload_with(dtype_code: int, rows: int, width: int, data: bytes, n_rows: int) -> bytes:
     """A Forward payload with one segment of ``n_rows`` rows and a hand-made array part."""
     body = encode(_forward(np.zeros((n_rows, 1), np.float32)))[HEADER_SIZE:]
-    prefix = body[:86]  # ref 4, batch_id 8, step 4, count 2, one plain segment 68
-    assert body[86] == 1 and body[87:91] == n_rows.to_bytes(4, "little")  # the f32 array head
+    prefix = body[:98]  # ref 4, batch_id 8, step 4, count 2, one plain segment 80
+    assert body[98] == 1 and body[99:103] == n_rows.to_bytes(4, "little")  # the f32 array head
     head = struct.pack("<BII", dtype_code, rows, width)
     return prefix + head + bytes(-(len(prefix) + len(head)) % 8) + data
 
@@ -583,6 +584,21 @@ def test_penalties_round_trip_and_are_checked():
     tr(encode(msg), [msg])
     for bad in [dict(presence=2.5), dict(frequency=float("nan")), dict(seen_counts=(1, 3)),
                 dict(seen_ids=(9, 4, 70000)), dict(seen_counts=(1, 0, 2)), dict(min_p=1.5), dict(min_p=float("nan"))]:
+        with pytest.raises(LocalProtocolError):
+            encode(Forward(0, 0, 0, (dataclasses.replace(seg, **bad),), act))
+
+
+def test_the_repetition_penalty_round_trips_and_is_checked():
+    act = np.zeros((1, 2), np.float32)
+    window = Segment(1, 0, 1, 1, (), 0.0, 0, 1.0, 0, 0, repeat=1.25, repeat_last_n=4, recent=(9, 4, 9))
+    whole = dataclasses.replace(window, repeat_last_n=-1, recent=(4, 9, 70000))
+    for seg in (window, whole):
+        msg = Forward(0, 0, 0, (seg,), act)
+        tr(encode(msg), [msg])
+    for seg, bad in [(window, dict(repeat=0.0)), (window, dict(repeat=-1.0)), (window, dict(repeat=10.5)),
+                     (window, dict(repeat=float("nan"))), (window, dict(repeat_last_n=-2)),
+                     (window, dict(recent=(1, 2, 3, 4, 5))),      # more than the window
+                     (whole, dict(recent=(9, 4)))]:                # the whole context's: ascending
         with pytest.raises(LocalProtocolError):
             encode(Forward(0, 0, 0, (dataclasses.replace(seg, **bad),), act))
 

@@ -13,8 +13,9 @@ A step may carry allowed-token masks, one per logit row (grammar-constrained sam
 stage 0 computes them, :mod:`meshnode.serve.structured`): the logits outside a row's
 mask are set to -inf before sampling or verifying, so a forbidden draft is rejected like
 any other mismatch and the bonus token is always allowed. Before the masks come the
-request's logit bias and its presence and frequency penalties; a step carries the counts
-of the tokens generated before it (:class:`Counts`), so the final stage keeps no history
+request's logit bias, its repetition penalty and its presence and frequency penalties; a
+step carries the tokens they are applied by (:class:`Counts`: the counts of the tokens
+generated before it, the context's recent tokens), so the final stage keeps no history
 of a session and a route that replaces a lost one needs none.
 
 A prefill chunk may ask for its prompt tokens' logprobs (OpenAI's ``echo``): its first
@@ -30,6 +31,7 @@ used by both callers). Only a failure of the engine call itself fails the whole 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,20 +62,30 @@ class Sampling:
     # llama.cpp's min_p: tokens less probable than min_p times the most probable one are
     # not sampled (0: off)
     min_p: float = 0.0
+    # llama.cpp's repeat_penalty / vLLM's repetition_penalty (1: off): the logit of every
+    # token among the context's last repeat_last_n tokens (-1: the whole context, prompt
+    # included; 0: off) is divided by it when positive, multiplied when not
+    repeat: float = 1.0
+    repeat_last_n: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
     @property
+    def repeats(self) -> bool:
+        """Whether the repetition penalty is on (a step then carries the recent tokens)."""
+        return self.repeat != 1.0 and self.repeat_last_n != 0
+
+    @property
     def penalized(self) -> bool:
-        return bool(self.presence or self.frequency)
+        return bool(self.presence or self.frequency) or self.repeats
 
 
 # The fields a step carries to the final stage for its sampling: the wire's Segment has
 # fields of the same names (meshnode.wire.messages.Segment); top_logprobs rides in its flags.
 SEGMENT_FIELDS = ("temperature", "top_k", "top_p", "seed", "min_p", "bias_ids", "bias_values",
-                  "presence", "frequency")
+                  "presence", "frequency", "repeat", "repeat_last_n")
 
 
 def segment_fields(s: Sampling) -> dict[str, Any]:
@@ -95,11 +107,21 @@ class Counts:
 
     ids: tuple[int, ...] = ()
     counts: tuple[int, ...] = ()
+    # the repetition penalty's tokens before the first row: the context's last
+    # repeat_last_n tokens in order (with repeat_last_n -1: the context's distinct ids)
+    recent: tuple[int, ...] = ()
 
     @staticmethod
-    def of(tally: dict[int, int]) -> Counts:
+    def of(tally: dict[int, int], recent: tuple[int, ...] = ()) -> Counts:
         ids = tuple(sorted(tally))
-        return Counts(ids, tuple(tally[i] for i in ids))
+        return Counts(ids, tuple(tally[i] for i in ids), recent)
+
+
+def recent_tokens(context: Sequence[int], last_n: int) -> tuple[int, ...]:
+    """:attr:`Counts.recent` for ``context`` (every token before a step's first row)."""
+    if last_n < 0:
+        return tuple(sorted(set(context)))
+    return tuple(context[-last_n:]) if last_n else ()
 
 
 NO_COUNTS = Counts()
@@ -155,7 +177,9 @@ class FinalSampler:
         rows = raw = logits[-(len(drafts) + 1):]
         if sampling.bias_ids:
             rows = apply_bias(rows, sampling.bias_ids, sampling.bias_values)
-        if sampling.penalized:
+        if sampling.repeats:
+            rows = apply_repetition(rows, drafts, seen.recent, sampling.repeat, sampling.repeat_last_n)
+        if sampling.presence or sampling.frequency:
             rows = apply_penalties(rows, drafts, seen, sampling.presence, sampling.frequency)
         if mask is not None:
             if mask.shape[0] != rows.shape[0]:
@@ -199,6 +223,30 @@ def apply_bias(logits: np.ndarray, ids: tuple[int, ...], values: tuple[float, ..
     return out
 
 
+def apply_repetition(logits: np.ndarray, drafts: tuple[int, ...], recent: tuple[int, ...],
+                     penalty: float, last_n: int) -> np.ndarray:
+    """``logits`` ``(rows, V)`` for ``[last, d1..dk]`` with the repetition penalty applied
+    (a new float32 array): in row i, every token among the last ``last_n`` of ``recent``
+    followed by ``d1..di`` (-1: all of them) is divided by ``penalty`` where its logit is
+    positive and multiplied by it where not (llama.cpp's and vLLM's rule). float32, so one
+    node and a split compute the same numbers."""
+    rows, vocab = logits.shape
+    out = np.array(logits, dtype=np.float32)
+    r = np.float32(penalty)
+    for i in range(rows):
+        window = (*recent, *drafts[:i])
+        if last_n >= 0:
+            window = window[-last_n:] if last_n else ()
+        ids = np.unique(np.asarray(window, dtype=np.intp))
+        if not ids.size:
+            continue
+        if ids[0] < 0 or ids[-1] >= vocab:
+            raise ValueError(f"a repetition penalty for a token outside the vocabulary of {vocab}")
+        v = out[i, ids]
+        out[i, ids] = np.where(v > 0, v / r, v * r)
+    return out
+
+
 def apply_penalties(logits: np.ndarray, drafts: tuple[int, ...], seen: Counts,
                     presence: float, frequency: float) -> np.ndarray:
     """``logits`` ``(rows, V)`` for ``[last, d1..dk]`` with OpenAI's penalties taken off (a
@@ -207,7 +255,8 @@ def apply_penalties(logits: np.ndarray, drafts: tuple[int, ...], seen: Counts,
     An id outside the vocabulary fails the sampling. float32 throughout, so one node and
     a split (which carries the two values as f32) compute the same numbers."""
     rows, vocab = logits.shape
-    out = np.array(logits, dtype=np.float32)
+    base = np.asarray(logits, dtype=np.float32)
+    out = np.array(base)
     p, f = np.float32(presence), np.float32(frequency)
     ids = np.asarray(seen.ids, dtype=np.intp)
     if ids.size:
@@ -223,7 +272,7 @@ def apply_penalties(logits: np.ndarray, drafts: tuple[int, ...], seen: Counts,
         for t, n in extra.items():
             at = int(np.searchsorted(ids, t))
             c = n + (seen.counts[at] if at < ids.size and ids[at] == t else 0)
-            out[i, t] = np.float32(logits[i, t]) - (f * np.float32(c) + p)
+            out[i, t] = base[i, t] - (f * np.float32(c) + p)
     return out
 
 

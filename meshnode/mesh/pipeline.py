@@ -100,7 +100,8 @@ class Step:
     # grammar-constrained sampling: the allowed tokens of each logit row (n_logits rows of
     # uint32 words, mesh.final.apply_mask), or None
     mask: np.ndarray | None = None
-    # the tokens generated before this step's first logit row (a penalized request's)
+    # the tokens generated before this step's first logit row, and the context's recent
+    # tokens (a penalized request's)
     seen: Counts = NO_COUNTS
     # a prompt chunk's tokens that follow its first len(score) logit rows, whose logprobs
     # the final stage returns (echo; mesh.final.FinalSampler.finalize); n_logits counts
@@ -370,7 +371,7 @@ class MeshPipeline:
                          n_logits=s.n_logits, drafts=tuple(s.drafts),
                          flags=flags | wire.logprob_flags(s.sampling.top_logprobs)
                          | (wire.SEG_MASKED if s.mask is not None and s.n_logits else 0),
-                         seen_ids=s.seen.ids, seen_counts=s.seen.counts, score=s.score,
+                         seen_ids=s.seen.ids, seen_counts=s.seen.counts, recent=s.seen.recent, score=s.score,
                          **segment_fields(s.sampling))
             for s in steps)
         return wire.Forward(ref=0, batch_id=batch_id, step=0, segments=segs, act=act)

@@ -310,7 +310,8 @@ class StageHost:
                 else:
                     fin = self.sampler.finalize_isolated(s.session, logits, tuple(s.drafts),
                                                          sampling_of(s, wire.flags_top_logprobs(s.flags)),
-                                                         mask, Counts(s.seen_ids, s.seen_counts), tuple(s.score))
+                                                         mask, Counts(s.seen_ids, s.seen_counts, tuple(s.recent)),
+                                                         tuple(s.score))
                 if isinstance(fin, SamplingFailed):
                     # this session's failure: the others of the batch keep their tokens
                     results.append(wire.DataError(ref=0, batch_id=msg.batch_id, session=s.session,

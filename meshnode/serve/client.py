@@ -146,6 +146,10 @@ class GenerationRequest:
     # OpenAI's penalties, -2..2, on the tokens the answer already holds
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's repetition_penalty / llama.cpp's repeat_penalty (1: off) over the context's
+    # last repeat_last_n tokens (-1: all of it, prompt included, as vLLM; llama.cpp: 64)
+    repetition_penalty: float = 1.0
+    repeat_last_n: int = -1
     # Who asked (the peer address, plus a hash of the API key it sent): speculation drafts
     # from the same client's recent requests (meshnode.spec.suffix). Empty: nobody's.
     client: str = ""

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from meshnode.limits import MAX_VERIFY_WINDOW
-from meshnode.mesh.final import GREEDY, NO_COUNTS, Counts, Sampling
+from meshnode.mesh.final import GREEDY, NO_COUNTS, Counts, Sampling, recent_tokens
 from meshnode.mesh.pipeline import PipelineUnavailableError, Step
 
 __all__ = ["RouteGate", "replay_steps"]
@@ -137,6 +137,9 @@ def replay_steps(session: int, history: Sequence[int], n_prompt: int, n_batch: i
     if check_last and steps:
         last = steps[-1]
         # (what the lost route's step was penalized by)
-        seen = Counts.of(Counter(history[n_prompt:])) if sampling.penalized else NO_COUNTS
+        seen = NO_COUNTS
+        if sampling.penalized:
+            seen = Counts.of(Counter(history[n_prompt:]) if sampling.presence or sampling.frequency else {},
+                             recent_tokens(history, sampling.repeat_last_n) if sampling.repeats else ())
         steps[-1] = Step(session, last.pos, last.tokens, 1, (), sampling, seen=seen)
     return steps

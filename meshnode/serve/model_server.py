@@ -73,8 +73,10 @@ from meshnode.serve.client import (
     Timings,
     Usage,
 )
-from meshnode.limits import MAX_BIAS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW
-from meshnode.mesh.final import Finalized, Sampling
+from meshnode.limits import (
+    MAX_BIAS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPEAT_PENALTY, MAX_TOP_LOGPROBS, MAX_VERIFY_WINDOW,
+)
+from meshnode.mesh.final import NO_COUNTS, Finalized, Sampling
 from meshnode.mesh.logprobs import TokenLogprobs
 from meshnode.mesh.pipeline import (
     Pipeline, PipelineFailedError, PipelineUnavailableError, Step, StepFailedError,
@@ -679,7 +681,9 @@ class ModelServer:
                 sample = start + len(tokens) == len(ar.prompt)
                 score = _score(ar, start, start + len(tokens))
                 step = Step(ar.session, start, tokens, len(score) + sample, (), ar.sampling,
-                            mask if sample else None, score=score)
+                            mask if sample else None, score=score,
+                            # (the first token's penalties: a repetition penalty sees the prompt)
+                            seen=ar.seen_before(len(ar.prompt) - 1) if sample else NO_COUNTS)
                 ahead.append((self.scheduler.enqueue(step, ar.epoch), bool(score)))
                 while len(ahead) >= depth:
                     result = await self._chunk_done(ar, *ahead.popleft())
@@ -718,7 +722,8 @@ class ModelServer:
         last = np.asarray(ars[0].prompt[-1:], dtype=np.int32)
         results = await asyncio.gather(*(
             self.scheduler.submit(Step(ar.session, len(head), last, 1, (), ar.sampling,
-                                       ar.constraint.masks() if ar.constraint is not None else None), ar.epoch)
+                                       ar.constraint.masks() if ar.constraint is not None else None,
+                                       seen=ar.seen_before(len(head))), ar.epoch)
             for ar in ars))
         return [r for r in results if r is not None]
 
@@ -997,6 +1002,15 @@ def sampling_for(req: GenerationRequest, n_vocab: int | None = None) -> Sampling
             raise InvalidRequestError(f"{name}_penalty", f"Invalid value for '{name}_penalty': {v!r} "
                                       f"(expected -{MAX_PENALTY:g}..{MAX_PENALTY:g}).")
         penalties[name] = _f32(v)
+    r, last_n = req.repetition_penalty, req.repeat_last_n
+    if not (isinstance(r, (int, float)) and 0 < r <= MAX_REPEAT_PENALTY):
+        raise InvalidRequestError("repetition_penalty", f"Invalid value for 'repetition_penalty': {r!r} "
+                                  f"(expected above 0, at most {MAX_REPEAT_PENALTY:g}; 1: off).")
+    if not (isinstance(last_n, int) and last_n >= -1):
+        raise InvalidRequestError("repeat_last_n", f"Invalid value for 'repeat_last_n': {last_n!r} "
+                                  "(expected -1: the whole context, 0: off, or a count of tokens).")
+    if _f32(r) != 1.0 and last_n:
+        penalties.update(repeat=_f32(r), repeat_last_n=last_n)
     common = dict(seed=seed % SEED_SPACE, top_logprobs=lp, bias_ids=ids, bias_values=values, **penalties)
     if t < MIN_TEMPERATURE or p <= 0:
         return Sampling(temperature=0.0, top_k=0, top_p=1.0, **common)

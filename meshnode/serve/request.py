@@ -154,6 +154,10 @@ class ActiveRequest:
     # generated[:_tallied], counted (seen_before: a penalized request's steps)
     _tally: Counter[int] = field(default_factory=Counter, repr=False)
     _tallied: int = 0
+    # the context's distinct ids so far, generated[:_distinct_gen] included (a repetition
+    # penalty over the whole context)
+    _distinct: set[int] | None = field(default=None, repr=False)
+    _distinct_gen: int = 0
     # OpenAI's echo: the prompt's text, which the answer starts with (None: no echo); with
     # logprobs, the prefill's chunks score the prompt's tokens (one TokenLogprobs a chunk)
     echo: str | None = None
@@ -182,20 +186,50 @@ class ActiveRequest:
     def seen_before(self, pos: int, pending: Sequence[int] = ()) -> Counts:
         """The generated tokens a step of ``last`` at ``pos`` is penalized by: those at
         positions up to ``pos``, ``last`` included (``pending``: tokens generated after
-        ``generated``, not taken yet). Counted once as they come, so a step costs the
-        distinct tokens, not the answer's length."""
-        if not self.sampling.penalized:
+        ``generated``, not taken yet), and with a repetition penalty the context's recent
+        tokens there. Counted once as they come, so a step costs the distinct tokens, not
+        the answer's length."""
+        s = self.sampling
+        if not s.penalized:
             return NO_COUNTS
         n = pos - len(self.prompt) + 1
         if not 0 <= n <= len(self.generated) + len(pending):
             raise ValueError(f"a step at {pos} after {len(self.generated) + len(pending)} generated tokens")
+        recent = self._recent(pos + 1, pending) if s.repeats else ()
+        if not (s.presence or s.frequency):
+            return Counts(recent=recent)
         self._tally.update(self.generated[self._tallied:n])
         self._tallied = max(self._tallied, min(n, len(self.generated)))
         if n == self._tallied:
-            return Counts.of(self._tally)
+            return Counts.of(self._tally, recent)
         if n > self._tallied:   # and pending tokens
-            return Counts.of(self._tally + Counter(pending[:n - self._tallied]))
-        return Counts.of(Counter(self.generated[:n]))   # a step behind the count (none the decoder sends)
+            return Counts.of(self._tally + Counter(pending[:n - self._tallied]), recent)
+        return Counts.of(Counter(self.generated[:n]), recent)   # a step behind the count (none the decoder sends)
+
+    def _recent(self, upto: int, pending: Sequence[int]) -> tuple[int, ...]:
+        """:attr:`Counts.recent` for the context's positions [0, upto): the prompt, then
+        ``generated``, then ``pending``. The whole context's distinct ids are kept as they
+        come (a step costs them, not the context's length)."""
+        last_n = self.sampling.repeat_last_n
+        if last_n > 0:
+            return tuple(self._context(max(0, upto - last_n), upto, pending))
+        P = len(self.prompt)
+        if self._distinct is None or upto - P < self._distinct_gen:   # (a step behind: start again)
+            self._distinct, self._distinct_gen = set(self.prompt[:upto]), 0
+        self._distinct.update(self._context(P + self._distinct_gen, upto, pending))
+        self._distinct_gen = max(0, upto - P)
+        return tuple(sorted(self._distinct))
+
+    def _context(self, a: int, b: int, pending: Sequence[int]) -> list[int]:
+        """The context's tokens at positions [a, b)."""
+        P, G = len(self.prompt), len(self.generated)
+        out = list(self.prompt[a:min(b, P)])
+        if b > P:
+            lo, hi = max(a, P) - P, b - P
+            out += self.generated[lo:min(hi, G)]
+            if hi > G:
+                out += list(pending[max(lo, G) - G:hi - G])
+        return out
 
     @property
     def remaining(self) -> int:

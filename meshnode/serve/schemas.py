@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from meshnode.limits import MAX_BIAS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from meshnode.limits import MAX_BIAS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_REPEAT_PENALTY, MAX_TOP_LOGPROBS
 from meshnode.serve.client import ChatMessage, GenerationRequest, InfillPrompt, TimingsJSON, TokenLogprob, ToolCall
 from meshnode.serve.errors import InvalidRequestError, MalformedRequestError, UnsupportedValueError
 from meshnode.serve.tools import MAX_TOOLS, json_structure, tool_specs, tool_structure
@@ -153,6 +153,10 @@ class _SamplingRequest(_Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     # token id (a decimal string, JSON keys being strings) -> bias added to its logit
     logit_bias: Annotated[dict[str, _Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # vLLM's (over the whole context) and llama.cpp's (over its last repeat_last_n tokens)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPEAT_PENALTY)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPEAT_PENALTY)
+    repeat_last_n: int | None = Field(default=None, ge=-1)
     user: str | None = None
 
     @model_validator(mode="after")
@@ -183,6 +187,7 @@ class _SamplingRequest(_Lenient):
             logit_bias=_logit_bias(self.logit_bias),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
+            **_repetition(self.repetition_penalty, self.repeat_penalty, self.repeat_last_n),
             **prompt,
         )
 
@@ -352,6 +357,8 @@ class _LlamaCppRequest(_Lenient):
     stream: bool | None = False
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPEAT_PENALTY)
+    repeat_last_n: int | None = Field(default=None, ge=-1)
 
     def _generation_request(self, request_id: str, model: str, **prompt: Any) -> GenerationRequest:
         stops = _stop_strings(self.stop)
@@ -366,6 +373,7 @@ class _LlamaCppRequest(_Lenient):
             top_k=40 if self.top_k is None else (self.top_k if self.top_k > 0 else None),
             min_p=0.05 if self.min_p is None else self.min_p,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            **_repetition(None, self.repeat_penalty, self.repeat_last_n),
             seed=self.seed, stop=stops, **prompt)
 
 
@@ -392,6 +400,24 @@ class NativeCompletionRequest(_LlamaCppRequest):
 
     def to_generation_request(self, request_id: str, model: str) -> GenerationRequest:
         return self._generation_request(request_id, model, **_prompt_fields(self.prompt, "prompt"))
+
+
+# llama.cpp's repeat_last_n when a body gives repeat_penalty without it
+LLAMACPP_REPEAT_LAST_N = 64
+
+
+def _repetition(vllm: float | None, llamacpp: float | None, last_n: int | None) -> dict[str, Any]:
+    """GenerationRequest's repetition fields: vLLM's ``repetition_penalty`` over the whole
+    context, or llama.cpp's ``repeat_penalty`` over its last ``repeat_last_n`` tokens (64
+    by default; -1: all of it; 0: off)."""
+    if vllm is not None and llamacpp is not None:
+        raise InvalidRequestError("repeat_penalty", "Give 'repetition_penalty' (vLLM's) or 'repeat_penalty' "
+                                                    "(llama.cpp's), not both.")
+    if vllm is not None:
+        return {"repetition_penalty": vllm, "repeat_last_n": -1 if last_n is None else last_n}
+    if llamacpp is not None:
+        return {"repetition_penalty": llamacpp, "repeat_last_n": LLAMACPP_REPEAT_LAST_N if last_n is None else last_n}
+    return {}
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from meshnode.limits import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
+    MAX_REPEAT_PENALTY,
     MAX_SCORED,
     MAX_SEEN,
     MAX_TOP_LOGPROBS,
@@ -67,7 +68,8 @@ from meshnode.wire.schema import (
 # 5: Segment.score asks the final stage for the logprobs of prompt tokens (OpenAI's echo),
 # which SegmentResult returns (scored, scored_top_ids, scored_top_logprobs).
 # 6: ApiRequest.path may name /v1/responses (OpenAI's Responses API), llama.cpp server's
-# /completion and /infill, and /tokenize and /detokenize.
+# /completion and /infill, and /tokenize and /detokenize; Segment carries the repetition
+# penalty (repeat, repeat_last_n, recent).
 PROTOCOL_VERSION = 6
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
@@ -423,6 +425,9 @@ class Segment:
     (OpenAI's ``echo`` with logprobs): the final stage returns each one's logprob in its row,
     and samples only the logit rows after them (none when ``n_logits == len(score)``).
     Needs SEG_LOGPROBS (the alternatives per row, as for sampled tokens).
+    ``repeat`` / ``repeat_last_n``: the repetition penalty (1: off; 0 < repeat <= 10) over
+    the context's last ``repeat_last_n`` tokens (-1: all of it; 0: off), ``recent`` those
+    tokens before the first logit row (in order; with -1 the distinct ids, ascending).
     """
 
     session: int = wf(U64)
@@ -443,6 +448,9 @@ class Segment:
     seen_counts: tuple[int, ...] = wf(IntList("I", U32, MAX_SEEN), default=())
     min_p: float = wf(F32, default=0.0)
     score: tuple[int, ...] = wf(IntList("I", U32, MAX_SCORED), default=())
+    repeat: float = wf(F32, default=1.0)
+    repeat_last_n: int = wf(I32, default=0)
+    recent: tuple[int, ...] = wf(IntList("I", U32, MAX_SEEN), default=())
 
 
 def _ascending(ids: tuple[int, ...]) -> bool:
@@ -457,6 +465,12 @@ def _check_penalties(i: int, s: Segment) -> None:
                                            f"{len(s.seen_counts)} counts")
     if not _ascending(s.seen_ids) or not all(s.seen_counts):
         raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: seen ids not unique and ascending, or a count of 0")
+    if not (0 < s.repeat <= MAX_REPEAT_PENALTY) or s.repeat_last_n < -1:   # (NaN fails too)
+        raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: a repetition penalty outside 0..{MAX_REPEAT_PENALTY:g} "
+                                           f"or a window below -1")
+    if s.repeat_last_n >= 0 and len(s.recent) > s.repeat_last_n or s.repeat_last_n < 0 and not _ascending(s.recent):
+        raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: recent tokens past the window, or not unique "
+                                           "and ascending for the whole context")
 
 
 def _check_bias(i: int, s: Segment) -> None:
@@ -476,7 +490,7 @@ def _check_forward(m: Forward) -> None:
             raise Invalid(ErrorCode.BAD_SHAPE, f"segments[{i}]: n_logits {s.n_logits} > n_rows {s.n_rows}")
         if s.bias_ids or s.bias_values:
             _check_bias(i, s)
-        if s.presence or s.frequency or s.seen_ids or s.seen_counts:
+        if s.presence or s.frequency or s.seen_ids or s.seen_counts or s.repeat != 1.0 or s.repeat_last_n or s.recent:
             _check_penalties(i, s)
         if not 0.0 <= s.min_p <= 1.0:   # (NaN fails too)
             raise Invalid(ErrorCode.BAD_FIELD, f"segments[{i}]: min_p {s.min_p} outside 0..1")
