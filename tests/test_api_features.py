@@ -220,6 +220,14 @@ def _echo_observations(port: int, model_path: Path) -> dict:
     out["native_ids"] = _check_llamacpp(_post(port, "/completion", {**native, "prompt": prompt}), False)
     out["native_v1"] = _post(port, "/v1/completions", {"model": model, "prompt": "The capital of France is",
                                                        "max_tokens": 6, "temperature": 0}).json()["choices"][0]["text"]
+    # n_probs: llama.cpp's completion_probabilities, against /v1's logprobs of the same answer
+    r = _post(port, "/completion", {**native, "n_probs": 2}).json()
+    out["native_probs"] = {k: r[k] for k in ("content", "completion_probabilities", "tokens_predicted")}
+    chunks, _ = _sse(_post(port, "/completion", {**native, "n_probs": 2, "stream": True}))
+    out["native_probs_stream"] = [p for c in chunks for p in c.get("completion_probabilities", [])]
+    out["native_v1_logprobs"] = _post(port, "/v1/completions", {
+        "model": model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+        "logprobs": 2}).json()["choices"][0]["logprobs"]
     # an empty text: SmolLM2 adds no BOS, so no tokens at all
     out["empty_prompt"] = [(r.status_code, r.json()["error"]["param"]) for r in (
         _post(port, "/v1/completions", {"model": model, "prompt": "", "max_tokens": 2}),
@@ -381,6 +389,22 @@ def test_llamacpp_completion_endpoint_answers_as_v1_does(single):
     assert obs["native"] == [obs["native_v1"]] * 2 and obs["native_ids"] == obs["native_v1"]
     assert obs["native_v1"]
     assert obs["empty_prompt"] == [(400, "prompt")] * 2
+
+
+def test_llamacpp_n_probs_are_the_tokens_probabilities(single, smollm2):
+    from meshnode.engine.tokenizer import Tokenizer
+
+    _, obs = single
+    probs, v1 = obs["native_probs"], obs["native_v1_logprobs"]
+    entries = probs["completion_probabilities"]
+    assert len(entries) == probs["tokens_predicted"] == len(v1["tokens"])
+    assert [e["token"] for e in entries] == v1["tokens"] and [e["logprob"] for e in entries] == v1["token_logprobs"]
+    tok = Tokenizer(smollm2.path)
+    for e, top in zip(entries, v1["top_logprobs"]):
+        assert tok.decode([e["id"]], special=True) == e["token"] and bytes(e["bytes"]) == e["token"].encode()
+        assert [(t["token"], t["logprob"]) for t in e["top_logprobs"]] == list(top.items())
+        assert all(tok.decode([t["id"]], special=True) == t["token"] for t in e["top_logprobs"])
+    assert obs["native_probs_stream"] == entries
 
 
 def test_tokenizer_endpoints_tokenize_as_the_node_does(single, smollm2):

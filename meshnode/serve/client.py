@@ -264,6 +264,7 @@ class TopLogprob:
     token: str
     bytes: tuple[int, ...]
     logprob: float
+    id: int = -1            # the token id (llama.cpp's completion_probabilities show it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +276,7 @@ class TokenLogprob:
     bytes: tuple[int, ...]
     logprob: float | None
     top: tuple[TopLogprob, ...] = ()
+    id: int = -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -834,8 +834,17 @@ class _LlamaCppChunks(_Chunks):
     def _obj(self, content: str, stop: bool, **extra: Any) -> InfillResponse:
         return InfillResponse(content=content, stop=stop, model=self.model, **extra)
 
+    def _probs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """llama.cpp's ``completion_probabilities`` (with ``n_probs``) of ``entries``."""
+        if not self.logprobs:
+            return {}
+        return {"completion_probabilities": [
+            {"id": e.id, "token": e.token, "bytes": list(e.bytes), "logprob": e.logprob,
+             "top_logprobs": [{"id": t.id, "token": t.token, "bytes": list(t.bytes), "logprob": t.logprob}
+                              for t in e.top]} for e in entries]}
+
     def delta(self, event: TextDelta) -> dict[str, Any]:
-        return self._obj(event.text, False).model_dump(mode="json")
+        return self._obj(event.text, False, **self._probs(event.logprobs)).model_dump(mode="json")
 
     def finish(self, event: Finished, timings: TimingsJSON | None) -> dict[str, Any]:
         return self._obj("", True, tokens_predicted=event.usage.completion_tokens,
@@ -850,4 +859,4 @@ class _LlamaCppChunks(_Chunks):
         return self._obj(c.text, True, tokens_predicted=f.usage.completion_tokens,
                          tokens_evaluated=f.usage.prompt_tokens,
                          stop_type="limit" if f.finish_reason == "length" else "eos",
-                         timings=f.timings.to_json())
+                         timings=f.timings.to_json(), **self._probs(c.logprobs))

@@ -174,10 +174,10 @@ class ActiveRequest:
         entries: list[TokenLogprob] = []
         if self.scoring:
             raws = [tokenizer.decode_bytes([t]) for t in self.prompt]
-            entries.append(TokenLogprob(*_piece(tokenizer, raws[0]), None))
+            entries.append(TokenLogprob(*_piece(tokenizer, raws[0]), None, id=self.prompt[0]))
             i = 1
             for lp in self.scores:
-                entries += [_entry(tokenizer, raws[i + j], lp, j) for j in range(len(lp.logprobs))]
+                entries += [_entry(tokenizer, self.prompt[i + j], raws[i + j], lp, j) for j in range(len(lp.logprobs))]
                 i += len(lp.logprobs)
             if len(entries) != len(self.prompt):
                 raise ValueError(f"{len(entries)} scored prompt tokens of {len(self.prompt)}")
@@ -253,7 +253,7 @@ class ActiveRequest:
                 break
             raw = tokenizer.decode_bytes([tok])
             if logprobs is not None:
-                self._lp_pending.append(_entry(tokenizer, raw, logprobs, i))
+                self._lp_pending.append(_entry(tokenizer, tok, raw, logprobs, i))
             text = self.stops.feed(self._utf8.decode(raw))
             if text:
                 deltas.append(TextDelta(text, (tok,), self.index, self._take_logprobs()))
@@ -295,8 +295,8 @@ def _piece(tokenizer: Tokenizer, raw: bytes) -> tuple[str, tuple[int, ...]]:
     return raw.decode("utf-8", "replace"), tuple(raw)
 
 
-def _entry(tokenizer: Tokenizer, raw: bytes, lp: TokenLogprobs, i: int) -> TokenLogprob:
+def _entry(tokenizer: Tokenizer, token: int, raw: bytes, lp: TokenLogprobs, i: int) -> TokenLogprob:
     text, b = _piece(tokenizer, raw)
-    top = tuple(TopLogprob(*_piece(tokenizer, tokenizer.decode_bytes([t])), max(v, MIN_LOGPROB))
+    top = tuple(TopLogprob(*_piece(tokenizer, tokenizer.decode_bytes([t])), max(v, MIN_LOGPROB), id=t)
                 for t, v in lp.top(i))
-    return TokenLogprob(text, b, max(lp.logprobs[i], MIN_LOGPROB), top)
+    return TokenLogprob(text, b, max(lp.logprobs[i], MIN_LOGPROB), top, id=token)

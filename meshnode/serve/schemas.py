@@ -359,6 +359,8 @@ class _LlamaCppRequest(_Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repeat_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPEAT_PENALTY)
     repeat_last_n: int | None = Field(default=None, ge=-1)
+    # each generated token's probability and this many alternatives (0: none)
+    n_probs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def _generation_request(self, request_id: str, model: str, **prompt: Any) -> GenerationRequest:
         stops = _stop_strings(self.stop)
@@ -374,7 +376,7 @@ class _LlamaCppRequest(_Lenient):
             min_p=0.05 if self.min_p is None else self.min_p,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             **_repetition(None, self.repeat_penalty, self.repeat_last_n),
-            seed=self.seed, stop=stops, **prompt)
+            logprobs=self.n_probs or None, seed=self.seed, stop=stops, **prompt)
 
 
 class InfillRequest(_LlamaCppRequest):
@@ -766,6 +768,8 @@ class InfillResponse(BaseModel):
     tokens_evaluated: int | None = Field(default=None, exclude_if=_omit_none)
     stop_type: str | None = Field(default=None, exclude_if=_omit_none)
     timings: TimingsJSON | None = Field(default=None, exclude_if=_omit_none)
+    # with n_probs: each token's {id, token, bytes, logprob, top_logprobs} (llama.cpp's)
+    completion_probabilities: list[dict[str, Any]] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ErrorObject(BaseModel):
