@@ -61,6 +61,22 @@ def test_an_answer_is_the_chat_completion_of_the_same_conversation(node):
     assert again.output_text == r.output_text
 
 
+def test_output_text_logprobs_are_chats(node):
+    _, client, model = node
+    chat = _chat(client, model, [{"role": "user", "content": QUESTION}], 12, logprobs=True, top_logprobs=2)
+    args = dict(model=model, input=QUESTION, max_output_tokens=12, temperature=0, top_logprobs=2,
+                include=["message.output_text.logprobs"])
+    r = client.responses.create(**args)
+    got = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in r.output[0].content[0].logprobs]
+    want = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in chat.choices[0].logprobs.content]
+    assert got == want and len(got) == r.usage.output_tokens
+    events = list(client.responses.create(**args, stream=True))
+    streamed = [(e.token, e.logprob) for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    assert streamed == [(t, lp) for t, lp, _ in want]
+    # not asked for: none
+    assert client.responses.create(**{**args, "include": None}).output[0].content[0].logprobs == []
+
+
 def test_a_tool_call_goes_out_and_its_output_comes_back_in(node):
     _, client, model = node
     question = "What is the weather in Paris?"

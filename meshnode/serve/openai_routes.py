@@ -785,8 +785,10 @@ class _ResponsesChunks(_Chunks):
         return self.events.start()
 
     def deltas(self, event: TextDelta) -> list[dict[str, Any]]:
+        # (with tools the text is read for calls first: its logprobs are not given)
         if self._parser is None:
-            return self.events.text(event.text) if event.text else []
+            return self.events.text(event.text, event.logprobs if self.logprobs else ()) \
+                if event.text or event.logprobs else []
         return self._emit(*self._parser.feed(event.text))
 
     def _emit(self, content: str, calls: list[CallDelta]) -> list[dict[str, Any]]:
@@ -806,7 +808,7 @@ class _ResponsesChunks(_Chunks):
         c = choices[0]
         content, calls = split_tool_calls(c.text, self.tool_names) if self.tool_names else (c.text, [])
         self.events.set_calls(calls)
-        self.events.set_text(content)
+        self.events.set_text(content, c.logprobs if self.logprobs and not self.tool_names else None)
         finished = [x.finished for x in choices if x.finished is not None]
         reason = _incomplete(finished[0]) if finished else None
         return ResponseObject.model_validate(self.events.response("incomplete" if reason else "completed",

@@ -28,8 +28,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from meshnode.serve.client import ToolCall
+from meshnode.serve.client import TokenLogprob, ToolCall
 from meshnode.serve.errors import InvalidRequestError, UnsupportedValueError
+from meshnode.limits import MAX_TOP_LOGPROBS
 from meshnode.serve.schemas import (
     MAX_CONTENT_PARTS, MAX_MESSAGES, SEED_MAX, SEED_MIN, ChatCompletionRequest, _Lenient,
 )
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 # the text parts of a message item: what a user or system wrote, what the assistant said
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+# the ``include`` value that asks for the output text's logprobs
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
 class InputPart(_Lenient):
@@ -112,6 +115,13 @@ class ResponsesRequest(_Lenient):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: Annotated[list[str], Field(max_length=64)] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text's logprobs were asked for (``include``)."""
+        return INCLUDE_LOGPROBS in (self.include or [])
 
     @field_validator("input", mode="before")
     @classmethod
@@ -137,6 +147,8 @@ class ResponsesRequest(_Lenient):
                              ("user", "user")):
             if getattr(self, ours) is not None:
                 body[theirs] = getattr(self, ours)
+        if self.logprobs:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         functions = self.functions()
         left_out = sorted({t.type for t in self.tools or [] if t.type not in ("function", "namespace")})
         if left_out:
@@ -244,6 +256,7 @@ class ResponseEvents:
         self._seq = 0
         self._message_id: str | None = None      # the message item, once content came
         self._content: list[str] = []
+        self._logprobs: list[dict[str, Any]] = []     # the output text's, when asked for
         self._calls: dict[int, dict[str, Any]] = {}   # call index -> its function_call item
         self._namespaces = request.namespaces()
 
@@ -277,15 +290,15 @@ class ResponseEvents:
         return items
 
     def _message(self, status: str) -> dict[str, Any]:
-        content = [] if status == "in_progress" else [self._part("".join(self._content))]
+        content = [] if status == "in_progress" else [self._part("".join(self._content), self._logprobs)]
         if self._message_id is None:
             self._message_id = _new_id("msg")
         return {"type": "message", "id": self._message_id, "status": status, "role": "assistant",
                 "content": content}
 
     @staticmethod
-    def _part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
     # -- the stream -----------------------------------------------------------------------
 
@@ -305,13 +318,16 @@ class ResponseEvents:
                 self._event("response.content_part.added", item_id=self._message_id, output_index=0,
                             content_index=0, part=self._part(""))]
 
-    def text(self, delta: str) -> list[dict[str, Any]]:
+    def text(self, delta: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
+        """Content text, with its tokens' logprobs (when asked for)."""
+        entries = [logprob_entry(e) for e in logprobs]
         self._content.append(delta)
+        self._logprobs += entries
         if self._calls:     # text after a call (the message is done): in the response only
             return []
         out = self._open_message()
         out.append(self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
-                               content_index=0, delta=delta, logprobs=[]))
+                               content_index=0, delta=delta, logprobs=entries))
         return out
 
     def _close_message(self) -> list[dict[str, Any]]:
@@ -319,9 +335,9 @@ class ResponseEvents:
             return []
         text = "".join(self._content)
         return [self._event("response.output_text.done", item_id=self._message_id, output_index=0,
-                            content_index=0, text=text, logprobs=[]),
+                            content_index=0, text=text, logprobs=self._logprobs),
                 self._event("response.content_part.done", item_id=self._message_id, output_index=0,
-                            content_index=0, part=self._part(text)),
+                            content_index=0, part=self._part(text, self._logprobs)),
                 self._event("response.output_item.done", output_index=0, item=self._message("completed"))]
 
     def _index(self, call: int) -> int:
@@ -359,8 +375,9 @@ class ResponseEvents:
             item["namespace"] = self._namespaces[name]
         return item
 
-    def set_text(self, text: str) -> None:
+    def set_text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
         self._content = [text]
+        self._logprobs = [logprob_entry(e) for e in logprobs or ()]
 
     def finish(self, usage: dict[str, Any], incomplete: str | None) -> list[dict[str, Any]]:
         # (an answer with neither text nor calls is an empty message)
@@ -373,6 +390,12 @@ class ResponseEvents:
         status = "incomplete" if incomplete else "completed"
         out.append(self._event(f"response.{status}", response=self.response(status, usage, incomplete)))
         return out
+
+
+def logprob_entry(e: TokenLogprob) -> dict[str, Any]:
+    """One output token's logprob in the Responses API's shape."""
+    return {"token": e.token, "bytes": list(e.bytes), "logprob": e.logprob,
+            "top_logprobs": [{"token": t.token, "bytes": list(t.bytes), "logprob": t.logprob} for t in e.top]}
 
 
 def usage_object(prompt: int, cached: int, completion: int) -> dict[str, Any]:
