@@ -5,4 +5,6 @@ node only through :mod:`meshnode.state` (snapshots, events) and :class:`meshnode
 """
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 5   # = meshnode.wire.messages.PROTOCOL_VERSION (prompt scoring)
+# The wire protocol's version (Hello.protocol, mDNS): what each version added is listed
+# in meshnode/wire/messages.py, which uses this number.
+PROTOCOL_VERSION = 6

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from meshnode import PROTOCOL_VERSION
 from meshnode.limits import (
     DEFAULT_KV_TYPE,
     KV_CACHE_TYPES,
@@ -70,7 +71,7 @@ from meshnode.wire.schema import (
 # 6: ApiRequest.path may name /v1/responses (OpenAI's Responses API), llama.cpp server's
 # /completion and /infill, and /tokenize and /detokenize; Segment carries the repetition
 # penalty (repeat, repeat_last_n, recent).
-PROTOCOL_VERSION = 6
+# The number itself is meshnode.PROTOCOL_VERSION (one place: the fabric, mDNS and Hello use it).
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
 # (meshnode.net.lane); stage 0 resends it over the stream, without the bit, if it is lost.
