@@ -28,7 +28,7 @@ from typing import Any
 
 from meshnode.engine.tokenizer import Tokenizer
 from meshnode.serve.client import StopMatcher, TextDelta, TokenLogprob, TopLogprob
-from meshnode.mesh.final import NO_COUNTS, Counts, Sampling
+from meshnode.mesh.final import NO_COUNTS, Counts, Sampling, recent_tokens
 from meshnode.mesh.logprobs import TokenLogprobs
 from meshnode.mesh.pipeline import Step
 from meshnode.spec.suffix import SuffixProposer
@@ -212,7 +212,7 @@ class ActiveRequest:
         come (a step costs them, not the context's length)."""
         last_n = self.sampling.repeat_last_n
         if last_n > 0:
-            return tuple(self._context(max(0, upto - last_n), upto, pending))
+            return recent_tokens(self._context(max(0, upto - last_n), upto, pending), last_n)
         P = len(self.prompt)
         if self._distinct is None or upto - P < self._distinct_gen:   # (a step behind: start again)
             self._distinct, self._distinct_gen = set(self.prompt[:upto]), 0

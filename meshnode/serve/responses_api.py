@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -32,7 +33,7 @@ from meshnode.serve.client import TokenLogprob, ToolCall
 from meshnode.serve.errors import InvalidRequestError, UnsupportedValueError
 from meshnode.limits import MAX_TOP_LOGPROBS
 from meshnode.serve.schemas import (
-    MAX_CONTENT_PARTS, MAX_MESSAGES, SEED_MAX, SEED_MIN, ChatCompletionRequest, _Lenient,
+    MAX_CONTENT_PARTS, MAX_MESSAGES, SEED_MAX, SEED_MIN, ChatCompletionRequest, ChatLogprobs, _Lenient,
 )
 from meshnode.serve.tools import MAX_TOOLS, CallDelta
 
@@ -320,7 +321,7 @@ class ResponseEvents:
 
     def text(self, delta: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
         """Content text, with its tokens' logprobs (when asked for)."""
-        entries = [logprob_entry(e) for e in logprobs]
+        entries = _logprobs(logprobs)
         self._content.append(delta)
         self._logprobs += entries
         if self._calls:     # text after a call (the message is done): in the response only
@@ -365,8 +366,10 @@ class ResponseEvents:
         arguments its ``.done`` events and the response carry (the deltas were the text
         as it came)."""
         for i, c in enumerate(calls):
-            item = self._calls.setdefault(i, self._item(c.id, c.name, c.arguments))
-            item.update(call_id=c.id, name=c.name, arguments=c.arguments)
+            if i in self._calls:
+                self._calls[i].update(call_id=c.id, name=c.name, arguments=c.arguments)
+            else:
+                self._calls[i] = self._item(c.id, c.name, c.arguments)
 
     def _item(self, call_id: str, name: str, arguments: str) -> dict[str, Any]:
         item = {"type": "function_call", "id": _new_id("fc"), "call_id": call_id, "name": name,
@@ -377,7 +380,7 @@ class ResponseEvents:
 
     def set_text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
         self._content = [text]
-        self._logprobs = [logprob_entry(e) for e in logprobs or ()]
+        self._logprobs = _logprobs(logprobs or ())
 
     def finish(self, usage: dict[str, Any], incomplete: str | None) -> list[dict[str, Any]]:
         # (an answer with neither text nor calls is an empty message)
@@ -392,10 +395,9 @@ class ResponseEvents:
         return out
 
 
-def logprob_entry(e: TokenLogprob) -> dict[str, Any]:
-    """One output token's logprob in the Responses API's shape."""
-    return {"token": e.token, "bytes": list(e.bytes), "logprob": e.logprob,
-            "top_logprobs": [{"token": t.token, "bytes": list(t.bytes), "logprob": t.logprob} for t in e.top]}
+def _logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """Output tokens' logprobs: the Responses API's shape is chat's."""
+    return ChatLogprobs.of(entries).model_dump(mode="json")["content"] if entries else []
 
 
 def usage_object(prompt: int, cached: int, completion: int) -> dict[str, Any]:

@@ -132,7 +132,22 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-class _SamplingRequest(_Lenient):
+class _Penalties(_Lenient):
+    """The penalties OpenAI's bodies and llama.cpp server's share."""
+
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # llama.cpp's (over the context's last repeat_last_n tokens)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPEAT_PENALTY)
+    repeat_last_n: int | None = Field(default=None, ge=-1)
+
+    def _penalties(self, repetition_penalty: float | None = None) -> dict[str, Any]:
+        """GenerationRequest's penalty fields (with vLLM's ``repetition_penalty``)."""
+        return {"presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
+                **_repetition(repetition_penalty, self.repeat_penalty, self.repeat_last_n)}
+
+
+class _SamplingRequest(_Penalties):
     """Fields shared by chat and text completions."""
 
     model: str = Field(min_length=1)
@@ -149,14 +164,10 @@ class _SamplingRequest(_Lenient):
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     # token id (a decimal string, JSON keys being strings) -> bias added to its logit
     logit_bias: Annotated[dict[str, _Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
-    # vLLM's (over the whole context) and llama.cpp's (over its last repeat_last_n tokens)
+    # vLLM's (over the whole context)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPEAT_PENALTY)
-    repeat_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPEAT_PENALTY)
-    repeat_last_n: int | None = Field(default=None, ge=-1)
     user: str | None = None
 
     @model_validator(mode="after")
@@ -185,9 +196,7 @@ class _SamplingRequest(_Lenient):
             stop=_stop_strings(self.stop),
             n=self.n or 1,
             logit_bias=_logit_bias(self.logit_bias),
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            **_repetition(self.repetition_penalty, self.repeat_penalty, self.repeat_last_n),
+            **self._penalties(self.repetition_penalty),
             **prompt,
         )
 
@@ -340,7 +349,7 @@ class InfillChunk(_Lenient):
     text: str = ""
 
 
-class _LlamaCppRequest(_Lenient):
+class _LlamaCppRequest(_Penalties):
     """The fields of llama.cpp server's own bodies (``/completion``, ``/infill``), with its
     defaults. ``model`` is optional (llama.cpp serves one model): without it, the node's
     first model. ``n_predict`` -1 (or absent) generates until the context is full."""
@@ -355,10 +364,6 @@ class _LlamaCppRequest(_Lenient):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: _StopStr | Annotated[list[_StopStr], Field(max_length=MAX_STOPS)] | None = None
     stream: bool | None = False
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repeat_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPEAT_PENALTY)
-    repeat_last_n: int | None = Field(default=None, ge=-1)
     # each generated token's probability and this many alternatives (0: none)
     n_probs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -374,9 +379,7 @@ class _LlamaCppRequest(_Lenient):
             top_p=0.95 if self.top_p is None else self.top_p,
             top_k=40 if self.top_k is None else (self.top_k if self.top_k > 0 else None),
             min_p=0.05 if self.min_p is None else self.min_p,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            **_repetition(None, self.repeat_penalty, self.repeat_last_n),
-            logprobs=self.n_probs or None, seed=self.seed, stop=stops, **prompt)
+            **self._penalties(), logprobs=self.n_probs or None, seed=self.seed, stop=stops, **prompt)
 
 
 class InfillRequest(_LlamaCppRequest):
