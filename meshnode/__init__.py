@@ -7,4 +7,4 @@ node only through :mod:`meshnode.state` (snapshots, events) and :class:`meshnode
 __version__ = "0.1.0"
 # The wire protocol's version (Hello.protocol, mDNS): what each version added is listed
 # in meshnode/wire/messages.py, which uses this number.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7

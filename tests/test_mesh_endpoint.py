@@ -120,11 +120,17 @@ def test_requests_through_an_empty_node_give_the_coordinators_greedy_text(mesh, 
     assert through_c.status_code == 200 and through_c.json()["content"] == direct_c.json()["content"]
     direct_t, through_t = both("/tokenize", {"prompt": "The capital of France is"})
     assert through_t.json() == direct_t.json() and through_t.json()["count"] > 0
+    # /tokenizer_info is a GET (lm-eval's remote tokenizer): the query travels, with or without a model
+    for query in ("", f"?model={model}"):
+        direct_ti, through_ti = (httpx.get(f"http://127.0.0.1:{n.info['http_port']}/tokenizer_info{query}", timeout=60)
+                                 for n in (coord, empty))
+        assert through_ti.status_code == 200 and through_ti.json() == direct_ti.json()
+        assert through_ti.json()["eos_token"]
     # SmolLM2 has no FIM tokens: the coordinator's own 400 comes back
     direct_i, through_i = both("/infill", {"input_prefix": "def f(", "input_suffix": "):"})
     assert through_i.status_code == direct_i.status_code == 400 and through_i.json() == direct_i.json()
-    assert coord.status()["mesh_requests"]["served_for_members"] >= 7
-    assert empty.status()["mesh_requests"]["forwarded"] >= 7
+    assert coord.status()["mesh_requests"]["served_for_members"] >= 9
+    assert empty.status()["mesh_requests"]["forwarded"] >= 9
 
 
 def test_errors_come_back_with_the_coordinators_status_and_body(mesh, smollm2):

@@ -11,7 +11,8 @@ authenticated links of the fabric; the coordinator's HTTP port is never involved
   (:class:`MeshClient`), each with its coordinator and context length.
 * **Forwarding.** :class:`MeshForwardMiddleware` sits inside the HTTP guard, so a request
   has passed this node's Host, Origin, key, content-type, admission and body checks. A
-  POST to a route that takes ``model`` whose model this node does not serve but a member
+  POST to a route that takes ``model`` (or a GET of ``/tokenizer_info``, whose query
+  string travels as the body) whose model this node does not serve but a member
   does is carried to that member: ``ApiRequest`` (the body as it came) on a data stream of
   its own; the member's ``ApiResponseStart`` and ``ApiResponseBody`` frames are written to
   the client as they come (:meth:`MeshShare.forward`), so SSE chunks, ``usage``,
@@ -48,6 +49,7 @@ import secrets
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
@@ -59,6 +61,7 @@ from meshnode.serve.sse import DONE, sse_data
 from meshnode.serve.http_guard import replay_body
 from meshnode.state import MeshModel, PeerInfo, printable
 from meshnode.wire import (
+    API_GET_PATHS,
     API_MODEL_OPTIONAL,
     API_PATHS,
     ApiCancel,
@@ -384,7 +387,8 @@ class MeshShare:
             nonlocal body_given
             if not body_given:
                 body_given = True
-                return {"type": "http.request", "body": msg.body, "more_body": False}
+                body = b"" if msg.path in API_GET_PATHS else msg.body   # (a GET's is its query)
+                return {"type": "http.request", "body": body, "more_body": False}
             await served.cancelled.wait()
             return {"type": "http.disconnect"}
 
@@ -442,15 +446,17 @@ class MeshShare:
     def _scope(self, node_id: str, msg: ApiRequest) -> Scope:
         """The ASGI scope of a member's request: what a loopback client of this node
         would send (so the guard and the routes treat it as theirs), marked as forwarded."""
-        headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-                   (b"content-length", str(len(msg.body)).encode())]
+        get = msg.path in API_GET_PATHS
+        headers = [(b"host", b"127.0.0.1")]
+        if not get:
+            headers += [(b"content-type", b"application/json"), (b"content-length", str(len(msg.body)).encode())]
         key = getattr(getattr(self.node, "http_security", None), "api_key", None)
         if key:
             headers.append((b"authorization", f"Bearer {key}".encode()))
         return {
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-            "method": "POST", "scheme": "http", "path": msg.path, "raw_path": msg.path.encode(),
-            "query_string": b"", "root_path": "", "headers": headers,
+            "method": "GET" if get else "POST", "scheme": "http", "path": msg.path, "raw_path": msg.path.encode(),
+            "query_string": msg.body if get else b"", "root_path": "", "headers": headers,
             "client": (f"mesh:{node_id[:16]}", 0), "server": ("127.0.0.1", 0),
             FORWARDED_SCOPE_KEY: node_id,
         }
@@ -488,7 +494,8 @@ class MeshClient:
 
 
 class MeshForwardMiddleware:
-    """ASGI middleware (inside the guard): a POST to a route of ``API_PATHS`` for a model a
+    """ASGI middleware (inside the guard): a POST to a route of ``API_PATHS`` (a GET to one
+    of ``API_GET_PATHS``, its model in the query) for a model a
     member serves goes to :meth:`MeshShare.forward` (with ``model`` left out where a route
     allows it, on a node without a model: the mesh's first model); everything else to the
     app. A node without a model of its own answers a model nobody serves with a 404."""
@@ -499,14 +506,19 @@ class MeshForwardMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         share: MeshShare | None = getattr(self.node, "mesh_share", None)
-        if (share is None or scope["type"] != "http" or scope["method"] != "POST"
+        get = scope.get("path") in API_GET_PATHS
+        if (share is None or scope["type"] != "http" or scope["method"] != ("GET" if get else "POST")
                 or scope["path"] not in API_PATHS or FORWARDED_SCOPE_KEY in scope
                 or getattr(self.node, "stopping", False)):   # stopping: the routes answer 503
             await self.app(scope, receive, send)
             return
-        body = await _read_body(receive)
-        replay = replay_body(body, receive)
-        model = await _model_of(body) if share.directory else None
+        if get:   # a GET route's "body" on the wire is its query string
+            body, replay = scope.get("query_string", b""), receive
+            model = _model_in_query(body) if share.directory else None
+        else:
+            body = await _read_body(receive)
+            replay = replay_body(body, receive)
+            model = await _model_of(body) if share.directory else None
         if (model is None and scope["path"] in API_MODEL_OPTIONAL and share.directory
                 and not share.local_models() and (listed := share.mesh_models())):
             model = listed[0].name
@@ -551,6 +563,12 @@ async def _model_of(body: bytes) -> str | None:
     if len(body) <= INLINE_PARSE_BYTES:
         return parse()
     return await asyncio.to_thread(parse)
+
+
+def _model_in_query(query: bytes) -> str | None:
+    """A GET route's ``?model=`` (the last one given, as the route reads it)."""
+    values = parse_qs(query.decode("latin-1")).get("model")
+    return values[-1] if values else None
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -72,6 +72,7 @@ from meshnode.wire.messages import (
     check_peer_version,
 )
 from meshnode.wire.messages import (  # the mesh-wide endpoint
+    API_GET_PATHS,
     API_MODEL_OPTIONAL,
     API_PATHS,
     ApiCancel,
@@ -136,6 +137,7 @@ __all__ = [
     "TokenReturn",
     "Trim",
     "WireError",
+    "API_GET_PATHS",
     "API_MODEL_OPTIONAL",
     "API_PATHS",
     "ApiCancel",

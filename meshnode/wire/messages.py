@@ -71,6 +71,7 @@ from meshnode.wire.schema import (
 # 6: ApiRequest.path may name /v1/responses (OpenAI's Responses API), llama.cpp server's
 # /completion and /infill, and /tokenize and /detokenize; Segment carries the repetition
 # penalty (repeat, repeat_last_n, recent).
+# 7: ApiRequest.path may name /tokenizer_info, a GET whose query string is the body.
 # The number itself is meshnode.PROTOCOL_VERSION (one place: the fabric, mDNS and Hello use it).
 # Segment.flags bits. SEG_LANE: stage 0 sent this step while no other frame of its session
 # was in flight, so every stage may carry it (and its TokenReturn) on the lossy fast lane
@@ -778,9 +779,11 @@ MAX_HEADER_VALUE_LEN = 256
 # The only routes a member can reach on a coordinator through the mesh: the ones that
 # take a model. Anything else (/status, /v1/models ...) is not even encodable.
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/completion", "/infill", "/tokenize",
-             "/detokenize")
+             "/detokenize", "/tokenizer_info")
 # those whose body may leave ``model`` out (llama.cpp serves one model): the node's own
-API_MODEL_OPTIONAL = ("/completion", "/infill", "/tokenize", "/detokenize")
+API_MODEL_OPTIONAL = ("/completion", "/infill", "/tokenize", "/detokenize", "/tokenizer_info")
+# GET routes: an ApiRequest's ``body`` is then the URL's query string (``model=...``)
+API_GET_PATHS = ("/tokenizer_info",)
 
 
 @record
@@ -831,8 +834,9 @@ def _check_api_request(m: "ApiRequest") -> None:
 @message(MessageKind.API_REQUEST, _check_api_request)
 @dataclass(frozen=True, slots=True)
 class ApiRequest:
-    """POST ``body`` (JSON) to ``path`` of your OpenAI endpoint for me; answer on the
-    data stream this came on with ApiResponseStart, then ApiResponseBody frames."""
+    """POST ``body`` (JSON) to ``path`` of your OpenAI endpoint for me (for a path of
+    ``API_GET_PATHS``: GET it with ``body`` as the query string); answer on the data
+    stream this came on with ApiResponseStart, then ApiResponseBody frames."""
 
     KIND: ClassVar[MessageKind]
     ref: int = wf(U32)
