@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from meshnode.argtypes import positive_int
+from meshnode.argtypes import gpu_layers_flag, positive_int
 from meshnode.bench.spec_bench import add_split_arguments
 
 HELP = "prefix reuse: time to first token on editor-like sequences, cache off vs on, on a 2-stage split"
@@ -56,7 +56,7 @@ def _sequences(split: str) -> dict[str, list]:
 
 def run(args: argparse.Namespace) -> int:
     from meshnode.bench.serve_bench import _rotated
-    from meshnode.bench.spec_bench import _complete, _start_split
+    from meshnode.bench.spec_bench import _complete, _start_split, split_flags
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
 
@@ -67,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
     paths = NodePaths.resolve(getattr(args, "home", None)).ensure()
     ref = resolve_model(args.model, paths)
     spec = ("--spec-mode", "off") if args.spec_mode == "off" else ("--spec", "ngram", "--spec-mode", args.spec_mode)
-    common = ("--threads", str(args.threads), "--ctx", str(args.ctx), "--batch", "64", "--parallel", "2", *spec)
+    common = (*split_flags(args), "--batch", "64", "--parallel", "2", *spec)
     flags = {"cold": ("--prefix-cache", "0"), "warm": ()}
     latency = f"latency: a delaying UDP relay, {args.delay_ms:g} ms each way"
-    print(f"prefix benchmark: {ref.name}, 2 stages on loopback, {args.threads} thread(s) per stage, greedy, "
+    print(f"prefix benchmark: {ref.name}, 2 stages on loopback, {args.threads} thread(s) per stage, gpu layers {gpu_layers_flag(args.gpu_layers)}, greedy, "
           f"max_tokens {args.tokens}, {len(seqs)} editor sequences ({args.split}), spec {args.spec_mode}; "
           f"{latency}", file=sys.stderr, flush=True)
     # runs[split][step index] = list of completions (every sequence, every round)

@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from meshnode.argtypes import positive_int
+from meshnode.argtypes import gpu_layers_flag, positive_int
 from meshnode.bench.spec_bench import add_split_arguments
 
 HELP = "scored prompts (echo, logprobs): prefill with and without scores, multiple choice with the prefix cache off vs on"
@@ -67,7 +67,7 @@ def _post(coord, base: str, body: dict) -> tuple[dict, float]:
 
 def run(args: argparse.Namespace) -> int:
     from meshnode.bench.serve_bench import _rotated
-    from meshnode.bench.spec_bench import _start_split
+    from meshnode.bench.spec_bench import _start_split, split_flags
     from meshnode.models.store import resolve_model
     from meshnode.paths import NodePaths
 
@@ -77,11 +77,10 @@ def run(args: argparse.Namespace) -> int:
     contexts = _contexts(args.prompts, args.chars)
     paths = NodePaths.resolve(getattr(args, "home", None)).ensure()
     ref = resolve_model(args.model, paths)
-    common = ("--threads", str(args.threads), "--ctx", str(args.ctx), "--batch", "64", "--parallel", "4",
-              "--spec-mode", "off")
+    common = (*split_flags(args), "--batch", "64", "--parallel", "4", "--spec-mode", "off")
     flags = {"cold": ("--prefix-cache", "0"), "warm": ()}
     latency = f"latency: a delaying UDP relay, {args.delay_ms:g} ms each way"
-    print(f"score benchmark: {ref.name}, 2 stages on loopback, {args.threads} thread(s) per stage, "
+    print(f"score benchmark: {ref.name}, 2 stages on loopback, {args.threads} thread(s) per stage, gpu layers {gpu_layers_flag(args.gpu_layers)}, "
           f"{len(contexts)} questions of ~{args.chars} characters, {len(CHOICES)} choices each; {latency}",
           file=sys.stderr, flush=True)
     with contextlib.ExitStack() as stack:

@@ -99,8 +99,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=positive_int, default=None,
                    help="rounds over all strategies; per prompt the fastest round counts "
                         "(default 3, --quick 2)")
+    p.add_argument("--repetition-penalty", type=_penalty, default=None, metavar="R",
+                   help="every request's repetition_penalty (over the whole context; default: "
+                        "none): the penalized steps' speed, and speculation's text against "
+                        "plain decoding's with it")
     p.add_argument("--quick", action="store_true", help="fewer prompts, tokens and rounds (a few minutes)")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
+
+
+def _penalty(text: str) -> float:
+    """argparse type: a repetition penalty, above 0 and at most the endpoint's limit."""
+    from meshnode.limits import MAX_REPEAT_PENALTY
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= MAX_REPEAT_PENALTY:
+        raise argparse.ArgumentTypeError(f"{text}: a repetition penalty is above 0 and at most {MAX_REPEAT_PENALTY:g}")
+    return value
 
 
 def _quant_type(name: str) -> str:
@@ -155,13 +172,14 @@ class _RelayThread:
 
 
 def _complete(base: str, model: str, messages: list[dict], max_tokens: int, key: str,
-              inside=contextlib.nullcontext) -> dict:
+              inside=contextlib.nullcontext, extra: dict | None = None) -> dict:
     """One streamed chat completion as a client sees it: text, tokens, the server's
-    ``timings``, time to first token and the whole request's wall time."""
+    ``timings``, time to first token and the whole request's wall time. ``extra``: more
+    fields of the body (a repetition penalty)."""
     import httpx
 
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     parts: list[str] = []
     usage = timings = None
     ttft = None
@@ -296,6 +314,14 @@ def add_split_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=1, help="llama.cpp threads per stage (default 1)")
     p.add_argument("--delay-ms", type=non_negative_float, default=5.0, help="latency added by the relay, each way (default 5 ms)")
     p.add_argument("--ctx", type=positive_int, default=4096, help="context per request (default 4096)")
+    p.add_argument("--gpu-layers", type=gpu_layers, default=-1, metavar="N|all|auto", help=GPU_LAYERS_HELP)
+    add_busy_poll_option(p)
+
+
+def split_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ``meshnode serve`` flags of :func:`add_split_arguments`' options, every node's."""
+    return ("--threads", str(args.threads), "--ctx", str(args.ctx),
+            "--gpu-layers", gpu_layers_flag(args.gpu_layers), *busy_poll_flags(args))
 
 
 def _start_split(stack: contextlib.ExitStack, strategy: str, target, draft_path, common: tuple,
@@ -392,8 +418,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"spec benchmark: {target.name}, 2 stages on {place}, {args.threads} thread(s) per stage, "
           f"greedy, max_tokens {max_tokens}, set {args.split}{' (quick)' if args.quick else ''}: "
           f"{len(workloads['code_edit'])} + {len(workloads['mixed_chat'])} prompts, "
-          f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
+          f"load average {os.getloadavg()[0]:.2f}"
+          + (f", repetition_penalty {args.repetition_penalty:g}" if args.repetition_penalty else ""), file=sys.stderr)
     print(latency, file=sys.stderr, flush=True)
+    extra = {"repetition_penalty": args.repetition_penalty} if args.repetition_penalty else None
 
     common = ("--gpu-layers", gpu_layers_flag(args.gpu_layers), "--threads", str(args.threads), "--ctx", str(args.ctx),
               # one request at a time, each prefilled in full: speculation alone is measured
@@ -421,7 +449,8 @@ def run(args: argparse.Namespace) -> int:
                     for strategy in _rotated(strategies, rnd + i):
                         base, model, _, coord = splits[strategy]
                         raw[w][strategy][i].append(_complete(
-                            base, model, prompt.chat(), max_tokens, f"r{rnd}-{prompt.client}", coord.inside))
+                            base, model, prompt.chat(), max_tokens, f"r{rnd}-{prompt.client}", coord.inside,
+                            extra))
                     print(f"    round {rnd + 1}/{rounds}: {w} {i + 1}/{len(workloads[w])}",
                           file=sys.stderr, flush=True)
             print(f"  round {rnd + 1}/{rounds}: {time.perf_counter() - t0:.0f} s",

@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-32}
+PART=${1:?part 1-34}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -536,5 +536,23 @@ if [ "$PART" = 33 ]; then
   step 560 "bench spec SmolLM2 held-out, 2 stages on GPU 0, max_tokens 160, ${MEASURE_ROUNDS:-1} round(s)" \
     env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$SMOL" \
     --set heldout --rounds ${MEASURE_ROUNDS:-1} --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
+fi
+# Part 34: what the CPU exactness checks of prompt scoring, prefix reuse and the repetition
+# penalty say on a GPU (each exits 1 on a difference): bench score (scored prompts reusing a
+# shared context against computing it whole: the same logprobs), bench prefix (an editor's
+# sequence warm against cold: the same text), and bench spec's held-out quick set with
+# repetition_penalty 1.1 against without (n-gram speculation's text against plain
+# decoding's; the penalized steps' speed). Carried and chained like part 24 (~9 minutes).
+if [ "$PART" = 34 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  gpu=(--model "$SMOL" --gpu-layers all --busy-poll --json)
+  step 150 "bench score SmolLM2, 2 stages on GPU 0" env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench score "${gpu[@]}"
+  step 150 "bench prefix SmolLM2, 2 stages on GPU 0, 1 round" \
+    env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench prefix --rounds 1 "${gpu[@]}"
+  for rp in "" 1.1; do
+    step 130 "bench spec SmolLM2 held-out (quick), 2 stages on GPU 0, repetition_penalty ${rp:-none}" \
+      env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --set heldout --quick --rounds 1 \
+      --strategies baseline,ngram_auto ${rp:+--repetition-penalty $rp} "${gpu[@]}"
+  done
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
