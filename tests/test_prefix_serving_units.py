@@ -203,3 +203,38 @@ def test_the_prefix_cache_setting_is_bounded_by_the_slots():
     for parallel, asked, kept in ((1, None, 1), (1, 0, 0), (1, 5, 1), (2, None, 1), (4, None, 3), (4, 2, 2),
                                   (4, 9, 3)):
         assert ServeSettings("m", parallel=parallel, prefix_cache=asked).prefix_sessions == kept
+
+
+class _Stage:
+    def __init__(self, backend: str) -> None:
+        self.backend, self.gpu_pad_rows = backend, 2
+
+
+def test_on_a_gpu_route_only_whole_prefill_chunks_are_reused():
+    """A GPU stage computes a row according to its call's shape: a warm prompt copies a
+    multiple of n_batch positions, within the kept prompt (not its generated tokens), and
+    prefills the rest in the chunks a cold run uses; a CPU route copies all it shares."""
+    nb = 16
+
+    async def main(backend: str):
+        pipe = CountingPipeline(TRUTH)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=2, n_batch=nb), CharTokenizer(), pipe)
+        server.follow_route([_Stage("cpu"), _Stage(backend)])
+        first = await _ask(server, "a", 30)
+        mark = len(pipe.steps)
+        second = await _ask(server, "b", len(ANSWER))
+        await server.scheduler.close()
+        return pipe, first, second, pipe.steps[mark:]
+
+    pipe, (t1, f1), (t2, f2), steps = asyncio.run(main("cuda"))
+    n_prompt = f1.usage.prompt_tokens
+    aligned = (n_prompt - 1) // nb * nb
+    assert t1 == ANSWER[:30] and t2 == ANSWER
+    assert aligned < n_prompt - 1 and f2.timings.cache_n == aligned and pipe.copies[0][2] == aligned
+    # the rest went in the chunks a cold prefill uses: whole ones from a multiple of n_batch
+    prefill = [(pos, rows) for pos, rows, _ in steps if pos < n_prompt]
+    assert prefill[0][0] == aligned and all(pos % nb == 0 for pos, _ in prefill)
+    assert sum(rows for _, rows in prefill) == n_prompt - aligned
+
+    _, _, (_, f2_cpu), _ = asyncio.run(main("cpu"))
+    assert f2_cpu.timings.cache_n == n_prompt - 1

@@ -102,7 +102,7 @@ from meshnode.serve.speculation import SpeculativeDecoder
 from meshnode.serve.structured import compile_constraint
 from meshnode.serve.tools import render_messages
 from meshnode.spec.strategy import DraftProposer, SpecConfig
-from meshnode.spec.window import StageCompute
+from meshnode.spec.window import StageCompute, chunk_invariant
 from meshnode.state import RequestInfo, RequestStatus, RequestUpdated
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,7 @@ class ModelServer:
         # Finished sessions kept for their KV; each holds one of the slots above until it
         # is evicted (for a live request that finds no free slot, LRU, or at a re-plan).
         self.prefix = PrefixCache(settings.prefix_sessions)
+        self._reuse_align = 1   # positions a prefix copy is a multiple of (follow_route)
         self._waiting = 0       # requests gathering slots: a finished session is not kept then
         self._freeing: set[asyncio.Task] = set()
         self._admitted = 0      # requests past the admission check and not yet finished
@@ -449,7 +450,8 @@ class ModelServer:
         if ar is None or not self.route.up:
             return None
         # (a scored prompt takes the copied prefix's scores from the entry: prefix_cache.py)
-        return self.prefix.lookup(ar.prompt, self.route.epoch, ar.sampling.top_logprobs if ar.scoring else None)
+        return self.prefix.lookup(ar.prompt, self.route.epoch, ar.sampling.top_logprobs if ar.scoring else None,
+                                  self._reuse_align)
 
     async def _take_slot_for(self, ar: ActiveRequest | None) -> tuple[Retained, int] | None:
         """One slot and the prefix hit for ``ar``'s prompt (pinned), if any. The entry
@@ -573,7 +575,7 @@ class ModelServer:
         scores, top = None, 0
         if ar.scoring and sum(len(s.logprobs) for s in ar.scores) == len(ar.prompt) - 1:
             scores, top = TokenLogprobs.concat(ar.scores), ar.sampling.top_logprobs or 0
-        freed = self.prefix.put(ar.session, history, ar.epoch, scores, top)
+        freed = self.prefix.put(ar.session, history, ar.epoch, scores, top, prefilled=len(ar.prompt))
         kept = all(e.session != ar.session for e in freed)
         self._free_later([e for e in freed if e.session != ar.session])
         return kept
@@ -833,8 +835,10 @@ class ModelServer:
 
     def follow_route(self, stages: Sequence[StageCompute]) -> None:
         """The route is now ``stages``: speculation's verify windows follow what all of
-        them compute exactly (at start and after every re-plan)."""
+        them compute exactly (at start and after every re-plan), and so does prefix
+        reuse (whole prefill chunks only with a GPU stage: serve/prefix_cache.py)."""
         self._decoder.follow_route(stages)
+        self._reuse_align = 1 if chunk_invariant(stages) else self.settings.n_batch
 
     @property
     def sessions_held(self) -> int:

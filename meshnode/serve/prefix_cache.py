@@ -8,9 +8,17 @@ stage, the model server may *retain* it here: its session id and the tokens whos
 really holds (the prompt and the generated tokens that were fed, never the last sampled
 token nor rejected drafts). A later request whose prompt begins with
 :data:`MIN_PREFIX` or more of those tokens copies that many positions of KV into its own
-new session on every stage (``Pipeline.copy_session``) and prefills only the rest. The
-engine is batch-invariant, so the copied KV equals what a cold prefill would compute and
-the answer is exactly a cold run's.
+new session on every stage (``Pipeline.copy_session``) and prefills only the rest. On
+CPU stages the engine computes a row the same in any chunk, so the copied KV equals what
+a cold prefill would compute and the answer is exactly a cold run's.
+
+On a GPU stage a row's values depend on the call it is computed in (llama.cpp picks its
+kernels, and their order of summation, by the call's row count; measured: warm answers
+differed from cold ones). A cold prompt is prefilled in chunks of ``n_batch`` from
+position 0, so there the lookup copies a multiple of ``n_batch`` (``align``) positions,
+and no more than the entry's prompt (``Retained.prefilled``: its generated tokens'
+rows came from decode steps, not chunks): the positions copied came from the very
+chunks a cold prefill computes, and the rest is prefilled in those chunks too.
 
 A prompt that is *scored* (OpenAI's ``echo`` with logprobs: what an evaluation harness
 sends, the same context once per answer choice) needs the logprob of each of its tokens,
@@ -63,6 +71,9 @@ class Retained:
     scores: TokenLogprobs | None = None
     score_top: int = 0
     removed: bool = False       # handed back to be freed: never copy from it again
+    # positions [0, prefilled) came from prompt chunks (from position 0, n_batch each);
+    # the rest from decode steps (what a lookup with ``align`` may copy: module docstring)
+    prefilled: int = 0
 
 
 @dataclass
@@ -101,12 +112,14 @@ class PrefixCache:
         return list(self._entries)
 
     def lookup(self, prompt: Sequence[int] | np.ndarray, epoch: int,
-               scored: int | None = None) -> tuple[Retained, int] | None:
+               scored: int | None = None, align: int = 1) -> tuple[Retained, int] | None:
         """The entry sharing the longest prefix with ``prompt`` (at least ``min_prefix``
         tokens, at most ``len(prompt) - 1``: one token is left to prefill for the first
         token's logits) and that length, the entry pinned; None when none qualifies.
         ``scored``: the prompt is scored with that many alternatives, so only entries
-        with scores for as many alternatives qualify, up to the tokens they scored."""
+        with scores for as many alternatives qualify, up to the tokens they scored.
+        ``align`` > 1 (a route with a GPU stage: the prefill chunk): the length is a
+        multiple of it, within the entry's prefilled positions."""
         if self.capacity <= 0:
             return None
         self.stats.lookups += 1
@@ -122,6 +135,8 @@ class PrefixCache:
                     continue
                 # the last copied token's score is the entry's: that token must be shared
                 n = min(n, len(e.scores.logprobs), common - 1)
+            if align > 1:
+                n = min(n, e.prefilled) // align * align
             if n >= self.min_prefix and (best is None or n > best[1]):
                 best = (e, n)
         if best is not None:
@@ -146,15 +161,16 @@ class PrefixCache:
         return None
 
     def put(self, session: int, tokens: Sequence[int] | np.ndarray, epoch: int,
-            scores: TokenLogprobs | None = None, score_top: int = 0) -> list[Retained]:
+            scores: TokenLogprobs | None = None, score_top: int = 0, prefilled: int = 0) -> list[Retained]:
         """Retain ``session`` holding KV of ``tokens`` (with ``scores``: its first tokens'
-        scores, ``score_top`` alternatives each). Returns the entries to free: those
+        scores, ``score_top`` alternatives each; ``prefilled``: how many of its positions
+        came from prompt chunks). Returns the entries to free: those
         the new one makes useless (unpinned, their tokens a prefix of the new ones and
         their scores no more than the new ones': every match they would give, it gives
         as long), then the least recently used beyond ``capacity`` -- the new one itself
         when it cannot be kept (too short, no room)."""
         arr = np.array(tokens, dtype=np.int32)
-        new = Retained(session, arr, epoch, scores=scores, score_top=score_top)
+        new = Retained(session, arr, epoch, scores=scores, score_top=score_top, prefilled=prefilled)
         if self.capacity <= 0 or len(arr) < self.min_prefix:
             return [new]
         out = [self._remove(e) for e in list(self._entries.values())
@@ -193,7 +209,8 @@ class PrefixCache:
 
 def _covers(new: Retained, old: Retained) -> bool:
     """Whether every match ``old`` gives, ``new`` gives as long (so ``old`` is no use)."""
-    if len(old.tokens) > len(new.tokens) or common_prefix(old.tokens, new.tokens) != len(old.tokens):
+    if (len(old.tokens) > len(new.tokens) or common_prefix(old.tokens, new.tokens) != len(old.tokens)
+            or old.prefilled > new.prefilled):
         return False
     if old.scores is None:
         return True

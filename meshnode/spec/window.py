@@ -96,6 +96,14 @@ def exact_window_rows(stage: StageCompute) -> int:
     return gpu_exact_window_rows(stage.gpu_pad_rows or GPU_PAD_ROWS)
 
 
+def chunk_invariant(stages: Iterable[StageCompute]) -> bool:
+    """Whether every stage computes a prompt row the same whatever chunk it is in (CPU
+    stages; on a GPU the kernels, and so the rounding, follow the call's row count and
+    position), so KV computed by an earlier prompt's chunks can stand in for this one's
+    (serve/prefix_cache.py, ``align``)."""
+    return all(s.backend in ("", "cpu") for s in stages)
+
+
 def route_window_rows(stages: Iterable[StageCompute]) -> int:
     """The widest exact verify window on every stage of a route (its narrowest stage's)."""
     return min((exact_window_rows(s) for s in stages), default=MAX_VERIFY_WINDOW)
