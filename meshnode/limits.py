@@ -31,6 +31,10 @@ MAX_REPEAT_PENALTY = 10.0
 # ``logprobs``: each prompt token's logprob given the ones before it; Segment.score). A
 # step's rows are a prefill chunk (--batch), and the frame bounds them well below this.
 MAX_SCORED = 1 << 16
+# Responses API answers a node keeps for ``previous_response_id`` and GET (serve/response_store.py):
+# at most this many, their conversations and objects at most this many bytes of JSON in all.
+MAX_STORED_RESPONSES = 256
+MAX_STORED_RESPONSE_BYTES = 64 << 20
 
 # Choices of one request (``n``): each holds a sequence slot on every stage.
 MAX_CHOICES = 8

@@ -111,6 +111,10 @@ def test_requests_through_an_empty_node_give_the_coordinators_greedy_text(mesh, 
     events = list(_client(empty).responses.create(**resp, stream=True))
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.output_text == direct.choices[0].message.content
+    # kept on the coordinator: the next turn through the member continues it
+    follow = _client(empty).responses.create(model=model, input="And one more?", max_output_tokens=8, temperature=0,
+                                              previous_response_id=events[-1].response.id)
+    assert follow.previous_response_id == events[-1].response.id and follow.output_text
     # llama.cpp's routes and the tokenizer's, with no model named: the mesh's model
     def both(path: str, body: dict) -> list[httpx.Response]:
         return [httpx.post(f"http://127.0.0.1:{n.info['http_port']}{path}", json=body, timeout=60)
@@ -129,8 +133,8 @@ def test_requests_through_an_empty_node_give_the_coordinators_greedy_text(mesh, 
     # SmolLM2 has no FIM tokens: the coordinator's own 400 comes back
     direct_i, through_i = both("/infill", {"input_prefix": "def f(", "input_suffix": "):"})
     assert through_i.status_code == direct_i.status_code == 400 and through_i.json() == direct_i.json()
-    assert coord.status()["mesh_requests"]["served_for_members"] >= 9
-    assert empty.status()["mesh_requests"]["forwarded"] >= 9
+    assert coord.status()["mesh_requests"]["served_for_members"] >= 10
+    assert empty.status()["mesh_requests"]["forwarded"] >= 10
 
 
 def test_errors_come_back_with_the_coordinators_status_and_body(mesh, smollm2):

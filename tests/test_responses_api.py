@@ -2,7 +2,8 @@
 SmolLM2) driven by the official openai client's ``responses.create``. Each answer is the
 chat completion the same conversation gives (greedy), streamed or not; tool calls come
 back as function_call items and go in again as input items; ``text.format`` constrains
-the answer; what the node cannot do is a 400 naming the field. Through a member that
+the answer; a kept answer continues with ``previous_response_id`` as the whole
+conversation would; what the node cannot do is a 400 naming the field. Through a member that
 holds no model: tests/test_mesh_endpoint.py."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 
 import httpx
 import pytest
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
 from tests.test_split_serving import solo_node
 
@@ -137,7 +138,6 @@ def test_text_format_constrains_the_answer(node):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
@@ -152,3 +152,41 @@ def test_what_the_node_cannot_do_is_a_400_naming_the_field(node, extra, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     with pytest.raises(BadRequestError):
         client.responses.create(model=model, **{"input": "hi", **extra})
+
+
+def test_previous_response_id_continues_the_conversation_kept_on_the_node(node):
+    proc, client, model = node
+    first = client.responses.create(model=model, instructions="Be brief.", input=QUESTION, max_output_tokens=24,
+                                    temperature=0)
+    assert first.store is True and first.previous_response_id is None
+    follow = "Now name one more."
+    # the next turn alone, after the kept answer: the chat of the whole conversation
+    chat = _chat(client, model, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION},
+                                 {"role": "assistant", "content": first.output_text},
+                                 {"role": "user", "content": follow}], 24)
+    second = client.responses.create(model=model, instructions="Be brief.", input=follow, max_output_tokens=24,
+                                     temperature=0, previous_response_id=first.id)
+    assert second.previous_response_id == first.id
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    # streamed, a third turn after the second (the conversation grows turn by turn)
+    events = list(client.responses.create(model=model, input="Thanks.", max_output_tokens=8, temperature=0,
+                                          previous_response_id=second.id, stream=True))
+    third = events[-1].response
+    chat3 = _chat(client, model, [{"role": "user", "content": QUESTION},
+                                  {"role": "assistant", "content": first.output_text},
+                                  {"role": "user", "content": follow},
+                                  {"role": "assistant", "content": second.output_text},
+                                  {"role": "user", "content": "Thanks."}], 8)
+    assert third.output_text == chat3.choices[0].message.content
+    # kept answers come back by id and can be deleted; store false keeps nothing
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    client.responses.delete(second.id)
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(second.id)
+    unkept = client.responses.create(model=model, input=QUESTION, max_output_tokens=4, store=False)
+    assert unkept.store is False
+    for rid in (unkept.id, "resp_nothing"):
+        r = httpx.post(f"http://127.0.0.1:{proc.info['http_port']}/v1/responses",
+                       json={"model": model, "input": "hi", "previous_response_id": rid}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 from meshnode.engine.errors import ContextOverflowError, EngineBusyError, EngineError
 from meshnode.errors import MeshnodeError
+from meshnode.limits import MAX_STORED_RESPONSES
 from meshnode.mesh.fabric import PeerUnavailableError
 from meshnode.mesh.pipeline import PipelineFailedError, PipelineUnavailableError, StepFailedError
 
@@ -41,6 +42,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PromptTooLongError",
     "RequestTimeoutError",
+    "ResponseNotFoundError",
     "ServeError",
     "ServerBusyError",
     "UnknownModelError",
@@ -99,6 +101,17 @@ class UnknownModelError(ServeError):
         super().__init__(message, param="model")
         self.model = model
         self.served = None if served is None else tuple(served)
+
+
+class ResponseNotFoundError(ServeError):
+    """A Responses API id this node does not keep (never answered here, forgotten, or
+    answered with ``store: false``)."""
+
+    def __init__(self, response_id: str, param: str | None = None) -> None:
+        cut = UnknownModelError.ECHOED   # (the client's text)
+        shown = response_id if len(response_id) <= cut else response_id[:cut] + "..."
+        super().__init__(f"Response with id '{shown}' not found (this node keeps the latest "
+                         f"{MAX_STORED_RESPONSES} responses it answered with 'store' not false).", param=param)
 
 
 class PromptTooLongError(ServeError):
@@ -180,6 +193,7 @@ ERROR_TABLE: dict[type[Exception], ErrorSpec] = {
     UnsupportedValueError: ErrorSpec(400, "invalid_request_error", "unsupported_value"),
     InvalidRequestError: ErrorSpec(400, "invalid_request_error", "invalid_value"),
     UnknownModelError: ErrorSpec(404, "invalid_request_error", "model_not_found"),
+    ResponseNotFoundError: ErrorSpec(404, "invalid_request_error", "not_found"),
     PromptTooLongError: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
     # prompt + completion (+ drafts) grew past a stage's context: too long a request
     ContextOverflowError: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),

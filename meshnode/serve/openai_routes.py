@@ -68,6 +68,7 @@ from meshnode.serve.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     PromptTooLongError,
+    ResponseNotFoundError,
     UnknownModelError,
     error_body,
     error_spec,
@@ -108,6 +109,7 @@ from meshnode.serve.schemas import (
     parse_request,
 )
 from meshnode.serve.tools import CallDelta, ToolCallParser, split_tool_calls
+from meshnode.serve.response_store import ResponseStore
 from meshnode.serve.responses_api import ResponseEvents, ResponseObject, ResponsesRequest, usage_object
 from meshnode.serve.sse import DONE, KEEP_ALIVE, EventPump, KeepAliveTick, sse_data, sse_event
 
@@ -237,12 +239,35 @@ def make_openai_router(
         chunks = _ChatChunks(body.model, body.include_usage, body.tool_names())
         return await _serve(request, body, [body.to_generation_request(chunks.id)], chunks, "messages")
 
+    kept = ResponseStore()   # the Responses API's answers, for previous_response_id and GET
+
     @router.post("/responses", response_model=None, **_post_docs(ResponsesRequest, ResponseObject))
     async def responses(request: Request) -> Response:
         body = await _parse(ResponsesRequest, request)
-        chat = body.to_chat()
-        chunks = _ResponsesChunks(body, chat.tool_names())
+        previous: tuple[dict[str, Any], ...] = ()
+        if body.previous_response_id is not None:
+            before = kept.get(body.previous_response_id)
+            if before is None:
+                raise ResponseNotFoundError(body.previous_response_id, "previous_response_id")
+            previous = before.messages
+        chat = body.to_chat(previous)
+        chunks = _ResponsesChunks(body, chat.tool_names(), kept if body.store is not False else None,
+                                  [*previous, *body.conversation()])
         return await _serve(request, body, [chat.to_generation_request(chunks.id)], chunks, "input")
+
+    @router.get("/responses/{response_id}", response_model=None,
+                responses={200: {"model": ResponseObject}, **error_responses(GET_ERRORS)})
+    async def get_response(response_id: str) -> JSONResponse:
+        found = kept.get(response_id)
+        if found is None:
+            raise ResponseNotFoundError(response_id)
+        return JSONResponse(found.response)
+
+    @router.delete("/responses/{response_id}", response_model=None, responses=error_responses(GET_ERRORS))
+    async def delete_response(response_id: str) -> JSONResponse:
+        if not kept.delete(response_id):
+            raise ResponseNotFoundError(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @router.post("/completions", response_model=None, **_post_docs(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
@@ -772,11 +797,19 @@ class _ResponsesChunks(_Chunks):
     prefix = "resp"
     done_marker = False
 
-    def __init__(self, body: ResponsesRequest, tool_names: list[str] | None) -> None:
+    def __init__(self, body: ResponsesRequest, tool_names: list[str] | None, store: ResponseStore | None = None,
+                 history: list[dict[str, Any]] | None = None) -> None:
         super().__init__(body.model)
         self.events = ResponseEvents(body, body.model, self.id)
         self.tool_names = tool_names
         self._parser = ToolCallParser(tool_names) if tool_names else None
+        # where the answer is kept (None: store false), after the conversation it follows
+        self._store = store
+        self._history = history or []
+
+    def _keep(self, response: dict[str, Any]) -> None:
+        if self._store is not None:
+            self._store.put(self.id, [*self._history, self.events.assistant_message()], response)
 
     def encode(self, chunk: dict[str, Any]) -> bytes:
         return sse_event(chunk["type"], chunk)
@@ -802,7 +835,9 @@ class _ResponsesChunks(_Chunks):
         if self._parser is not None:
             out = self._emit(*self._parser.finish())
             self.events.set_calls(self._parser.calls)
-        return out + self.events.finish(_responses_usage(finished), _incomplete(event))
+        out += self.events.finish(_responses_usage(finished), _incomplete(event))
+        self._keep(out[-1]["response"])
+        return out
 
     def full_response(self, choices: list[_Choice]) -> ResponseObject:
         c = choices[0]
@@ -811,8 +846,9 @@ class _ResponsesChunks(_Chunks):
         self.events.set_text(content, c.logprobs if self.logprobs and not self.tool_names else None)
         finished = [x.finished for x in choices if x.finished is not None]
         reason = _incomplete(finished[0]) if finished else None
-        return ResponseObject.model_validate(self.events.response("incomplete" if reason else "completed",
-                                                                  _responses_usage(finished), reason))
+        response = self.events.response("incomplete" if reason else "completed", _responses_usage(finished), reason)
+        self._keep(response)
+        return ResponseObject.model_validate(response)
 
 
 def _incomplete(event: Finished) -> str | None:

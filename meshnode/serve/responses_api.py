@@ -10,8 +10,10 @@ chat completion's. :class:`ResponseEvents` (sans-IO) builds what goes back: the
 message's ``response.output_text.delta`` s, each call's ``function_call`` item with its
 arguments, ``response.completed``), each numbered by ``sequence_number``.
 
-The server keeps no responses: ``previous_response_id`` and ``background`` are refused
-(send the whole conversation as ``input``); ``store`` is answered ``false``. Function
+An answer whose body does not say ``store: false`` is kept (serve/response_store.py,
+bounded, memory only): a later body naming it in ``previous_response_id`` continues
+that conversation (its messages, then this body's input), and ``GET /v1/responses/{id}``
+gives it back. ``background`` is refused. Function
 tools may come grouped in ``namespace`` tools (Codex CLI sends its sub-agent tools so): a
 call of one is a ``function_call`` item naming its namespace. Tools that OpenAI's
 servers run themselves (web search, file search, code interpreter, ...) and custom
@@ -134,15 +136,15 @@ class ResponsesRequest(_Lenient):
             raise ValueError(f"at most {MAX_MESSAGES} input items")
         return v
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat completion this body asks for; raises InvalidRequestError or
+    def to_chat(self, previous: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
+        """The chat completion this body asks for, after the chat messages ``previous``
+        (the conversation of ``previous_response_id``); raises InvalidRequestError or
         UnsupportedValueError (naming this body's fields) for what it cannot be."""
-        if self.previous_response_id is not None:
-            raise UnsupportedValueError("previous_response_id", "This server keeps no responses: send the whole "
-                                        "conversation as 'input'.")
         if self.background:
             raise UnsupportedValueError("background", "Background responses are not supported.")
-        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": bool(self.stream)}
+        messages = [*([{"role": "system", "content": self.instructions}] if self.instructions else []),
+                    *previous, *self.conversation()]
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": bool(self.stream)}
         for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                              ("top_p", "top_p"), ("seed", "seed"), ("parallel_tool_calls", "parallel_tool_calls"),
                              ("user", "user")):
@@ -186,12 +188,11 @@ class ResponsesRequest(_Lenient):
         """Function name -> the namespace it came in, for the calls' items."""
         return {t.name: ns for _, t, ns in self.functions() if ns is not None and t.name}
 
-    def _messages(self) -> list[dict[str, Any]]:
+    def conversation(self) -> list[dict[str, Any]]:
+        """``input`` as chat messages (the instructions are not part of it)."""
         out: list[dict[str, Any]] = []
-        if self.instructions:
-            out.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
-            return [*out, {"role": "user", "content": self.input}]
+            return [{"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             kind = item.type or ("message" if item.role is not None else None)
             if kind == "message":
@@ -272,8 +273,9 @@ class ResponseEvents:
             "error": None, "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
             "output": self.output() if status != "in_progress" else [],
-            "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "parallel_tool_calls": r.parallel_tool_calls is not False,
+            "previous_response_id": r.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": r.store is not False,
             "temperature": 1.0 if r.temperature is None else r.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, FunctionChoice)
@@ -377,6 +379,12 @@ class ResponseEvents:
         if name in self._namespaces:
             item["namespace"] = self._namespaces[name]
         return item
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The answer as the chat message a later turn reads (its text and calls)."""
+        calls = [{"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                 for c in self._calls.values()]
+        return {"role": "assistant", "content": "".join(self._content) or None, **({"tool_calls": calls} if calls else {})}
 
     def set_text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
         self._content = [text]
