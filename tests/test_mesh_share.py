@@ -29,7 +29,7 @@ from meshnode.wire import (
     WireError,
     encode,
 )
-from meshnode.wire.messages import MAX_API_BODY, MAX_API_CHUNK, MAX_SERVED_MODELS
+from meshnode.wire.messages import MAX_API_BODY, MAX_API_CHUNK, MAX_API_QUERY, MAX_SERVED_MODELS
 
 # ---- wire ---------------------------------------------------------------------------------
 
@@ -58,6 +58,7 @@ def test_messages_round_trip():
     ApiRequest(0, 1, "/v1/models", b"{}"),
     ApiRequest(0, 0, "/v1/completions", b"{}"),              # request id 0
     ApiRequest(0, 1, "/v1/completions", bytes(MAX_API_BODY + 1)),
+    ApiRequest(0, 1, "/tokenizer_info", b"model=" + b"x" * MAX_API_QUERY),   # a GET's query: 8 KiB
     ApiResponseBody(0, 1, bytes(MAX_API_CHUNK + 1), True),
     ApiResponseStart(0, 1, 99, ()),
     ApiResponseStart(0, 1, 200, tuple(ApiHeader("x-a", "b") for _ in range(17))),

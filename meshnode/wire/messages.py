@@ -772,6 +772,7 @@ MAX_SERVED_MODELS = 16          # models one coordinator may list
 MAX_MODEL_NAME_LEN = 128
 MAX_CAPABILITIES_LEN = 256     # a ServedModel's feature names, comma-separated
 MAX_API_BODY = 16 << 20         # a forwarded request's body (the HTTP cap is --max-body)
+MAX_API_QUERY = 8 << 10         # a forwarded GET's query string (its body on the wire)
 MAX_API_CHUNK = 64 << 10        # one ApiResponseBody's data
 MAX_API_HEADERS = 16
 MAX_HEADER_NAME_LEN = 64
@@ -827,8 +828,9 @@ def _check_request_id(m: Any) -> None:
 
 def _check_api_request(m: "ApiRequest") -> None:
     _check_request_id(m)
-    if len(m.body) > MAX_API_BODY:
-        raise Invalid(ErrorCode.BAD_FIELD, f"body of {len(m.body)} bytes (at most {MAX_API_BODY})")
+    limit = MAX_API_QUERY if m.path in API_GET_PATHS else MAX_API_BODY
+    if len(m.body) > limit:
+        raise Invalid(ErrorCode.BAD_FIELD, f"body of {len(m.body)} bytes (at most {limit} for {m.path})")
 
 
 @message(MessageKind.API_REQUEST, _check_api_request)
