@@ -130,6 +130,9 @@ def test_requests_through_an_empty_node_give_the_coordinators_greedy_text(mesh, 
                                  for n in (coord, empty))
         assert through_ti.status_code == 200 and through_ti.json() == direct_ti.json()
         assert through_ti.json()["eos_token"]
+    long = httpx.get(f"http://127.0.0.1:{empty.info['http_port']}/tokenizer_info?model={model}&x={'y' * 9000}",
+                     timeout=60)
+    assert long.status_code == 400 and "query string" in long.json()["error"]["message"]
     # SmolLM2 has no FIM tokens: the coordinator's own 400 comes back
     direct_i, through_i = both("/infill", {"input_prefix": "def f(", "input_suffix": "):"})
     assert through_i.status_code == direct_i.status_code == 400 and through_i.json() == direct_i.json()

@@ -56,7 +56,9 @@ from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Sen
 from meshnode.mesh.fabric import PeerUnavailableError
 from meshnode.mesh.served_models import ServedModels
 from meshnode.serve.client import EngineClient, GenerationRequest, ModelCard
-from meshnode.serve.errors import EngineUnavailableError, ServerBusyError, UnknownModelError, error_body
+from meshnode.serve.errors import (
+    EngineUnavailableError, InvalidRequestError, ServerBusyError, UnknownModelError, error_body,
+)
 from meshnode.serve.sse import DONE, sse_data
 from meshnode.serve.http_guard import replay_body
 from meshnode.state import MeshModel, PeerInfo, printable
@@ -74,7 +76,7 @@ from meshnode.wire import (
     ServedModel,
 )
 from meshnode.wire.messages import (
-    MAX_API_BODY, MAX_API_CHUNK, MAX_CAPABILITIES_LEN, MAX_MODEL_NAME_LEN, MAX_SERVED_MODELS,
+    MAX_API_BODY, MAX_API_CHUNK, MAX_API_QUERY, MAX_CAPABILITIES_LEN, MAX_MODEL_NAME_LEN, MAX_SERVED_MODELS,
 )
 
 log = logging.getLogger(__name__)
@@ -514,6 +516,12 @@ class MeshForwardMiddleware:
             return
         if get:   # a GET route's "body" on the wire is its query string
             body, replay = scope.get("query_string", b""), receive
+            if len(body) > MAX_API_QUERY:
+                from meshnode.serve.openai_routes import error_response
+
+                await _respond(error_response(InvalidRequestError(
+                    None, f"A query string of {len(body)} bytes; at most {MAX_API_QUERY}.")), receive, send)
+                return
             model = _model_in_query(body) if share.directory else None
         else:
             body = await _read_body(receive)
