@@ -76,6 +76,17 @@ def test_output_text_logprobs_are_chats(node):
     assert streamed == [(t, lp) for t, lp, _ in want]
     # not asked for: none
     assert client.responses.create(**{**args, "include": None}).output[0].content[0].logprobs == []
+    # with tools the text is read for calls first; a text answer's logprobs are still chat's
+    tool = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
+    chat = _chat(client, model, [{"role": "user", "content": QUESTION}], 12, logprobs=True, top_logprobs=2,
+                 tools=[tool])
+    assert not chat.choices[0].message.tool_calls and chat.choices[0].message.content
+    want = [(e.token, e.logprob) for e in chat.choices[0].logprobs.content]
+    with_tools = client.responses.create(**args, tools=[WEATHER])
+    assert with_tools.output_text == chat.choices[0].message.content
+    assert [(e.token, e.logprob) for e in with_tools.output[0].content[0].logprobs] == want
+    events = list(client.responses.create(**args, tools=[WEATHER], stream=True))
+    assert [(e.token, e.logprob) for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs] == want
 
 
 def test_a_tool_call_goes_out_and_its_output_comes_back_in(node):

@@ -803,6 +803,8 @@ class _ResponsesChunks(_Chunks):
         self.events = ResponseEvents(body, body.model, self.id)
         self.tool_names = tool_names
         self._parser = ToolCallParser(tool_names) if tool_names else None
+        # with tools: the logprobs of tokens whose text the parser holds back
+        self._held: list[TokenLogprob] = []
         # where the answer is kept (None: store false), after the conversation it follows
         self._store = store
         self._history = history or []
@@ -818,14 +820,19 @@ class _ResponsesChunks(_Chunks):
         return self.events.start()
 
     def deltas(self, event: TextDelta) -> list[dict[str, Any]]:
-        # (with tools the text is read for calls first: its logprobs are not given)
         if self._parser is None:
             return self.events.text(event.text, event.logprobs if self.logprobs else ()) \
                 if event.text or event.logprobs else []
+        if self.logprobs:
+            self._held += event.logprobs
         return self._emit(*self._parser.feed(event.text))
 
     def _emit(self, content: str, calls: list[CallDelta]) -> list[dict[str, Any]]:
-        out = self.events.text(content) if content else []
+        # The text held back rides on the content that comes out of it; what went into a
+        # call (the parser gives content first) has no logprobs in this API: text only.
+        out = self.events.text(content, tuple(self._held)) if content else []
+        if content or calls:
+            self._held = []
         for c in calls:
             out += self.events.call(c)
         return out
@@ -843,12 +850,26 @@ class _ResponsesChunks(_Chunks):
         c = choices[0]
         content, calls = split_tool_calls(c.text, self.tool_names) if self.tool_names else (c.text, [])
         self.events.set_calls(calls)
-        self.events.set_text(content, c.logprobs if self.logprobs and not self.tool_names else None)
+        lp = c.logprobs if self.logprobs else None
+        self.events.set_text(content, _text_logprobs(lp, content) if lp and self.tool_names else lp)
         finished = [x.finished for x in choices if x.finished is not None]
         reason = _incomplete(finished[0]) if finished else None
         response = self.events.response("incomplete" if reason else "completed", _responses_usage(finished), reason)
         self._keep(response)
         return ResponseObject.model_validate(response)
+
+
+def _text_logprobs(entries: list[TokenLogprob], content: str) -> list[TokenLogprob]:
+    """The entries of the tokens that make up ``content``, an answer's text read for tool
+    calls: its leading tokens while their text begins ``content`` (a call's tokens have
+    no logprobs in the Responses API)."""
+    out, text = [], ""
+    for e in entries:
+        text += e.token
+        if not content.startswith(text):
+            break
+        out.append(e)
+    return out
 
 
 def _incomplete(event: Finished) -> str | None:
