@@ -220,6 +220,7 @@ def test_on_a_gpu_route_only_whole_prefill_chunks_are_reused():
         pipe = CountingPipeline(TRUTH)
         server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=2, n_batch=nb), CharTokenizer(), pipe)
         server.follow_route([_Stage("cpu"), _Stage(backend)])
+        assert server.prefix_stats()["align"] == (1 if backend == "cpu" else nb)
         first = await _ask(server, "a", 30)
         mark = len(pipe.steps)
         second = await _ask(server, "b", len(ANSWER))

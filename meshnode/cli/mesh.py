@@ -112,7 +112,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     pc = data.get("prefix_cache")
     if pc and pc.get("capacity"):   # docs/api.md, "Prefix reuse"
         print(f"       prefix reuse: {pc['sessions']}/{pc['capacity']} sessions kept, {pc['hits']} hits "
-              f"of {pc['lookups']} requests, {pc['tokens_reused']} prompt tokens not prefilled")
+              f"of {pc['lookups']} requests, {pc['tokens_reused']} prompt tokens not prefilled"
+              + (f" (whole chunks of {pc['align']}: a GPU stage)" if pc.get("align", 1) > 1 else ""))
     served = data.get("mesh_models") or []
     if served:   # every model ready in the mesh: this node's endpoint takes requests for each
         print("mesh models (any node's /v1 serves them)")

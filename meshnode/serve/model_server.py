@@ -848,7 +848,8 @@ class ModelServer:
 
     def prefix_stats(self) -> dict[str, int]:
         """The prefix cache's counters and size (``status --json``)."""
-        return {"capacity": self.prefix.capacity, "sessions": len(self.prefix), **self.prefix.stats.as_dict()}
+        return {"capacity": self.prefix.capacity, "sessions": len(self.prefix), "align": self._reuse_align,
+                **self.prefix.stats.as_dict()}
 
     async def drop_prefix_cache(self) -> None:
         """Free every retained session on every stage."""
