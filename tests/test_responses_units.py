@@ -49,7 +49,6 @@ def test_text_format_is_the_response_format():
 
 
 @pytest.mark.parametrize("body, error, param", [
-    ({"input": "x", "previous_response_id": "r"}, UnsupportedValueError, "previous_response_id"),
     ({"input": "x", "tools": [{"type": "function"}]}, InvalidRequestError, "tools[0].name"),
     ({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "function"}]}]},
      InvalidRequestError, "tools[0].tools[0].name"),
@@ -65,6 +64,14 @@ def test_what_cannot_be_a_chat_request_names_its_field(body, error, param):
     assert e.value.param == param
 
 
+def test_a_previous_conversation_comes_between_the_instructions_and_the_input():
+    previous = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."})
+    chat = ResponsesRequest.model_validate({"model": "m", "instructions": "Be brief.", "input": "Again",
+                                            "previous_response_id": "resp_1"}).to_chat(previous)
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."), ("user", "Again")]
+
+
 def _events(**body) -> ResponseEvents:
     return ResponseEvents(ResponsesRequest.model_validate({"model": "m", "input": "x", **body}), "m", "resp_1")
 
@@ -75,13 +82,14 @@ def test_text_then_calls_stream_as_items_in_order():
         + ev.call(CallDelta(0, arguments='{"x"')) + ev.call(CallDelta(0, arguments=": 1}")) \
         + ev.call(CallDelta(1, "call_b", "g", "{}")) + ev.finish(usage_object(10, 4, 5), None)
     kinds = [e["type"] for e in out]
+    # the message stays open until the end (text may follow a call); then each item's .done, in order
     assert kinds == ["response.created", "response.in_progress",
                      "response.output_item.added", "response.content_part.added", "response.output_text.delta",
-                     "response.output_text.delta", "response.output_text.done", "response.content_part.done",
-                     "response.output_item.done",
+                     "response.output_text.delta",
                      "response.output_item.added", "response.function_call_arguments.delta",
                      "response.function_call_arguments.delta",
                      "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
                      "response.function_call_arguments.done", "response.output_item.done",
                      "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
@@ -92,6 +100,27 @@ def test_text_then_calls_stream_as_items_in_order():
     # the calls' output_index: after the message
     assert [e["output_index"] for e in out if e["type"] == "response.function_call_arguments.done"] == [1, 2]
     assert final["usage"]["input_tokens_details"]["cached_tokens"] == 4 and final["usage"]["total_tokens"] == 15
+
+
+@pytest.mark.parametrize("before", ["", "Checking. "])
+def test_text_after_a_call_streams_and_the_final_output_is_the_stream(before):
+    """Text after a call continues the message (or, when the answer began with the call,
+    is a message after it): the deltas add up to the final object's text, and each
+    item's output_index is its place in the final output."""
+    ev = _events()
+    out = ev.start() + (ev.text(before) if before else []) + ev.call(CallDelta(0, "call_a", "f", "{}")) \
+        + ev.text("Done.") + ev.finish(usage_object(3, 0, 4), None)
+    final = out[-1]["response"]["output"]
+    assert [o["type"] for o in final] == (["message", "function_call"] if before else ["function_call", "message"])
+    [message] = [o for o in final if o["type"] == "message"]
+    deltas = "".join(e["delta"] for e in out if e["type"] == "response.output_text.delta")
+    assert deltas == message["content"][0]["text"] == before + "Done."
+    for e in out:
+        if "output_index" in e:
+            want = next(i for i, o in enumerate(final) if o["id"] == (e.get("item_id") or e["item"]["id"]))
+            assert e["output_index"] == want, e
+    assert ev.assistant_message() == {"role": "assistant", "content": before + "Done.", "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
 def test_an_answer_cut_short_is_incomplete_and_an_empty_one_is_an_empty_message():

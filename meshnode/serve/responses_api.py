@@ -260,6 +260,9 @@ class ResponseEvents:
         self._content: list[str] = []
         self._logprobs: list[dict[str, Any]] = []     # the output text's, when asked for
         self._calls: dict[int, dict[str, Any]] = {}   # call index -> its function_call item
+        # a stream's output items in the order they were added: None the message, else a
+        # call's index (a text after a call adds the message after it when none came before)
+        self._order: list[int | None] = []
         self._namespaces = request.namespaces()
 
     # -- the response object --------------------------------------------------------------
@@ -286,6 +289,9 @@ class ResponseEvents:
         }
 
     def output(self) -> list[dict[str, Any]]:
+        if self._order:   # streamed: as the items were added
+            return [self._message("completed") if key is None else dict(self._calls[key], status="completed")
+                    for key in self._order]
         items = []
         if "".join(self._content) or not self._calls:
             items.append(self._message("completed"))
@@ -314,11 +320,13 @@ class ResponseEvents:
                 self._event("response.in_progress", response=self.response())]
 
     def _open_message(self) -> list[dict[str, Any]]:
-        if self._message_id is not None:
+        if None in self._order:
             return []
-        self._message_id = _new_id("msg")
-        return [self._event("response.output_item.added", output_index=0, item=self._message("in_progress")),
-                self._event("response.content_part.added", item_id=self._message_id, output_index=0,
+        self._order.append(None)
+        self._message_id = self._message_id or _new_id("msg")
+        at = self._index(None)
+        return [self._event("response.output_item.added", output_index=at, item=self._message("in_progress")),
+                self._event("response.content_part.added", item_id=self._message_id, output_index=at,
                             content_index=0, part=self._part(""))]
 
     def text(self, delta: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
@@ -326,34 +334,28 @@ class ResponseEvents:
         entries = _logprobs(logprobs)
         self._content.append(delta)
         self._logprobs += entries
-        if self._calls:     # text after a call (the message is done): in the response only
-            return []
         out = self._open_message()
-        out.append(self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
+        out.append(self._event("response.output_text.delta", item_id=self._message_id, output_index=self._index(None),
                                content_index=0, delta=delta, logprobs=entries))
         return out
 
     def _close_message(self) -> list[dict[str, Any]]:
-        if self._message_id is None:
-            return []
-        text = "".join(self._content)
-        return [self._event("response.output_text.done", item_id=self._message_id, output_index=0,
+        text, at = "".join(self._content), self._index(None)
+        return [self._event("response.output_text.done", item_id=self._message_id, output_index=at,
                             content_index=0, text=text, logprobs=self._logprobs),
-                self._event("response.content_part.done", item_id=self._message_id, output_index=0,
+                self._event("response.content_part.done", item_id=self._message_id, output_index=at,
                             content_index=0, part=self._part(text, self._logprobs)),
-                self._event("response.output_item.done", output_index=0, item=self._message("completed"))]
+                self._event("response.output_item.done", output_index=at, item=self._message("completed"))]
 
-    def _index(self, call: int) -> int:
-        """A call's place in ``output``: after the message, when the answer had text first."""
-        return (self._message_id is not None) + list(self._calls).index(call)
+    def _index(self, key: int | None) -> int:
+        """An item's place in a stream's ``output`` (``key``: None the message, else a call)."""
+        return self._order.index(key)
 
     def call(self, d: CallDelta) -> list[dict[str, Any]]:
         out = []
         if d.index not in self._calls:
-            # calls come after the content: the message (if any) is done by now
-            if not self._calls:
-                out += self._close_message()
             self._calls[d.index] = self._item(d.id or _new_id("call"), d.name or "", "")
+            self._order.append(d.index)
             out.append(self._event("response.output_item.added", output_index=self._index(d.index),
                                    item=dict(self._calls[d.index], status="in_progress")))
         item = self._calls[d.index]
@@ -391,13 +393,21 @@ class ResponseEvents:
         self._logprobs = _logprobs(logprobs or ())
 
     def finish(self, usage: dict[str, Any], incomplete: str | None) -> list[dict[str, Any]]:
-        # (an answer with neither text nor calls is an empty message)
-        out = [] if self._calls else self._open_message() + self._close_message()
-        for index, item in self._calls.items():
-            done = dict(item, status="completed")
+        """The items' ``.done`` events, in order (the message stays open until now: text
+        may follow a call), then the response's."""
+        # (an answer with neither text nor calls is an empty message; a call read back
+        # whole that never streamed takes its place after the others)
+        out = [] if self._calls or self._order else self._open_message()
+        self._order += [i for i in self._calls if i not in self._order]
+        for key in self._order:
+            if key is None:
+                out += self._close_message()
+                continue
+            item = self._calls[key]
             out += [self._event("response.function_call_arguments.done", item_id=item["id"],
-                                output_index=self._index(index), arguments=item["arguments"]),
-                    self._event("response.output_item.done", output_index=self._index(index), item=done)]
+                                output_index=self._index(key), arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=self._index(key),
+                                item=dict(item, status="completed"))]
         status = "incomplete" if incomplete else "completed"
         out.append(self._event(f"response.{status}", response=self.response(status, usage, incomplete)))
         return out
