@@ -239,3 +239,35 @@ def test_on_a_gpu_route_only_whole_prefill_chunks_are_reused():
 
     _, _, (_, f2_cpu), _ = asyncio.run(main("cpu"))
     assert f2_cpu.timings.cache_n == n_prompt - 1
+
+
+def test_on_a_gpu_route_choices_share_whole_chunks_and_each_computes_the_last():
+    """n > 1: the choices share the prompt's KV up to a chunk boundary on a GPU route and
+    each computes the last, partial chunk itself (the call a single choice computes it
+    in); on a CPU route they share all but the last token."""
+    from meshnode.serve.client import Finished, TextDelta
+
+    nb = 16
+
+    async def main(backend: str):
+        pipe = CountingPipeline(TRUTH)
+        server = ModelServer(ServeSettings("m", n_ctx=1024, parallel=3, n_batch=nb), CharTokenizer(), pipe)
+        server.follow_route([_Stage(backend)])
+        texts, finished = {}, None
+        async for ev in server.generate(GenerationRequest("a", "m", messages=(ChatMessage("user", CODE),),
+                                                          max_tokens=12, temperature=0.0, n=2)):
+            if isinstance(ev, TextDelta):
+                texts[ev.index] = texts.get(ev.index, "") + ev.text
+            elif isinstance(ev, Finished):
+                finished = ev
+        await server.scheduler.close()
+        return pipe, texts, finished.usage.prompt_tokens
+
+    for backend in ("cuda", "cpu"):
+        pipe, texts, n_prompt = asyncio.run(main(backend))
+        shared = (n_prompt - 1) // nb * nb if backend == "cuda" else n_prompt - 1
+        assert texts == {0: ANSWER[:12], 1: ANSWER[:12]}
+        assert [c[2] for c in pipe.copies] == [shared]
+        # each choice's own prefill: from the shared end to the prompt's end, in one step
+        own = [(pos, rows) for pos, rows, _ in pipe.steps if pos == shared]
+        assert own == [(shared, n_prompt - shared)] * 2, own

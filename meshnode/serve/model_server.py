@@ -710,22 +710,24 @@ class ModelServer:
         """Several choices of one prompt: the prompt but its last token is prefilled once
         (the first choice's session) and its KV shared with the other choices' sessions
         on every stage; then each choice feeds the last token itself and samples its
-        first token with its own generator."""
+        first token with its own generator. On a GPU route (``_reuse_align``) the shared
+        part ends at a chunk boundary and each choice computes the last, partial chunk,
+        so every row is computed in the chunk a single choice computes it in (see
+        serve/prefix_cache.py): a greedy choice is the one-choice answer there too."""
         for ar in ars:
             ar.epoch = self.route.epoch
-        head = np.asarray(ars[0].prompt[:-1], dtype=np.int32)
+        prompt = np.asarray(ars[0].prompt, dtype=np.int32)
+        shared = (len(prompt) - 1) // self._reuse_align * self._reuse_align
         ars[0].scores = []
-        await self._prefill_chunks(ars[0], head, 0, len(head))
+        await self._prefill_chunks(ars[0], prompt, 0, shared)
         for ar in ars[1:]:
             ar.scores = list(ars[0].scores)
-        if len(head):
+        if shared:
             for ar in ars[1:]:
-                await self.pipeline.copy_session(ars[0].session, ar.session, len(head))
-        last = np.asarray(ars[0].prompt[-1:], dtype=np.int32)
+                await self.pipeline.copy_session(ars[0].session, ar.session, shared)
         results = await asyncio.gather(*(
-            self.scheduler.submit(Step(ar.session, len(head), last, 1, (), ar.sampling,
-                                       ar.constraint.masks() if ar.constraint is not None else None,
-                                       seen=ar.seen_before(len(head))), ar.epoch)
+            self._prefill_chunks(ar, prompt, shared, len(prompt),
+                                 ar.constraint.masks() if ar.constraint is not None else None)
             for ar in ars))
         return [r for r in results if r is not None]
 
