@@ -9,6 +9,8 @@ session of the call attends as many KV cells as the longest one's 256-cell bucke
 prompt (code edits and chats, 60 to 1500 tokens, so the sessions sit in different buckets)
 asked alone, then all at once, then all at once again started in another order; it prints
 how many answers differ from their answer alone and where the first difference is.
+With ``--choices N`` it asks each prompt for N greedy choices instead (``n``: the choices
+share the prompt's prefill) and counts the choices that differ from the answer alone.
 
     python packaging/gpu/concurrent_probe.py --model SmolLM2.gguf --gpu-layers all   # a GPU
     python packaging/gpu/concurrent_probe.py --model SmolLM2.gguf --limit 6           # CPU check
@@ -51,6 +53,17 @@ def ask(base: str, model: str, messages: list[dict], tokens: int) -> list[str]:
             elif "error" in chunk:
                 pieces.append(f"<error: {chunk['error'].get('message', chunk['error'])}>")
     return pieces
+
+
+def ask_choices(base: str, model: str, messages: list[dict], tokens: int, n: int) -> list[str]:
+    """The texts of ``n`` greedy choices of one completion (not streamed)."""
+    import httpx
+
+    body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0, "n": n}
+    with httpx.Client(timeout=600, trust_env=False) as c:
+        r = c.post(f"{base}/chat/completions", json=body)
+        r.raise_for_status()
+        return [ch["message"]["content"] or "" for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
 
 
 def first_difference(a: list[str], b: list[str]) -> int | None:
@@ -102,6 +115,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="every node's --threads (default: theirs; 1 computes steps on the event loop, "
                         "as a GPU node does)")
+    p.add_argument("--choices", type=int, default=None, metavar="N",
+                   help="instead of the rounds together, ask each prompt for N greedy choices (n)")
     p.add_argument("--logs", type=Path, default=None, metavar="DIR",
                    help="copy every node's whole log into DIR at the end (node0.log, ...)")
     args = p.parse_args()
@@ -125,8 +140,20 @@ def main() -> int:
         alone = [ask(base, model, q.chat(), args.tokens) for q in prompts]
         print(f"alone: {len(prompts)} answers in {time.monotonic() - t0:.1f} s", flush=True)
         report: dict = {"prompts": len(prompts), "rounds": {}}
-        for name, order in (("together", list(range(len(prompts)))),
-                            ("together, reversed", list(range(len(prompts)))[::-1])):
+        if args.choices:
+            differ = {}
+            for i, q in enumerate(prompts):
+                texts = ask_choices(base, model, q.chat(), args.tokens, args.choices)
+                bad = [j for j, t in enumerate(texts) if t != "".join(alone[i])]
+                if bad:
+                    differ[q.id] = bad
+                    print(f"  {q.id}: choices {bad} differ: alone {''.join(alone[i])[:80]!r}, "
+                          f"choice {bad[0]} {texts[bad[0]][:80]!r}", flush=True)
+            report["rounds"][f"{args.choices} choices"] = {"differ": len(differ), "choices": differ}
+            print(f"{args.choices} choices: {len(differ)} of {len(prompts)} prompts have a choice that differs "
+                  f"from the answer alone", flush=True)
+        for name, order in () if args.choices else (("together", list(range(len(prompts)))),
+                                                    ("together, reversed", list(range(len(prompts)))[::-1])):
             with ThreadPoolExecutor(len(prompts)) as ex:
                 got = dict(zip(order, ex.map(lambda i: ask(base, model, prompts[i].chat(), args.tokens),
                                              order)))

@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-34}
+PART=${1:?part 1-35}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -554,5 +554,14 @@ if [ "$PART" = 34 ]; then
       env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --set heldout --quick --rounds 1 \
       --strategies baseline,ngram_auto ${rp:+--repetition-penalty $rp} "${gpu[@]}"
   done
+fi
+# Part 35: n > 1 on a GPU split (the choices share the prompt's KV up to a chunk boundary
+# and each computes the last chunk, as one choice does): every held-out prompt alone, then
+# with 2 greedy choices; each choice must be the answer alone. Carried and chained like
+# part 24 (~2 minutes).
+if [ "$PART" = 35 ]; then
+  [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+  step 200 "2 greedy choices against the answer alone, 2 stages on one GPU" \
+    "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2 --choices 2
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
