@@ -104,7 +104,8 @@ def test_bench_sample_times_every_setting_against_greedy(tmp_path, synthetic_ggu
     assert res["vocab"] == 4096
     assert set(res["us"]) == {"code", "story", "question", "random"}
     for by in res["us"].values():
-        assert set(by) == {"greedy", "T=0.7", "T=0.7 top_p=0.9", "T=1 top_p=0.95", "T=0.7 top_k=40"}
+        assert set(by) == {"greedy", "T=0.7", "T=0.7 top_p=0.9", "T=1 top_p=0.95", "T=0.7 top_k=40",
+                           "presence+freq", "repeat last 64", "repetition all"}
         assert all(us > 0 for us in by.values())
     assert "ratio against greedy" in r.stdout
 

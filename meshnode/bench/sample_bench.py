@@ -3,10 +3,12 @@ setting, against greedy decoding in the same invocation.
 
 The rows are the model's own logits after a few prompts (code, a story, a question: real
 distributions are peaked, which top-p's shortcut relies on) and a random N(0, 3) row of
-the same vocabulary (flat: top-p's worst case). Each setting runs
-``meshnode.spec.acceptance`` as the final stage does (``greedy_token`` at temperature 0,
-``sample`` otherwise); the time is the median of 5 batches, in microseconds per token,
-and the ratio is against greedy on the same row.
+the same vocabulary (flat: top-p's worst case). Each setting runs the final stage's
+``FinalSampler.finalize`` on one row (penalties, then ``meshnode.spec.acceptance``), the
+penalties with what a step carries for a long answer (``PENALTY_IDS`` distinct tokens
+seen; the repetition penalty over the whole context, or its last 64 tokens); the time is
+the median of 5 batches, in microseconds per token, and the ratio is against greedy on the
+same row.
 """
 
 from __future__ import annotations
@@ -17,20 +19,25 @@ import sys
 
 from meshnode.argtypes import positive_int
 
-HELP = "cost of sampling one token (temperature, top-p, top-k) against greedy, on a model's logits"
+HELP = "cost of sampling one token (temperature, top-p, top-k, penalties) against greedy, on a model's logits"
 
 PROMPTS = {
     "code": "def parse_csv(path):\n    ",
     "story": "Once upon a time, in a small village by the sea,",
     "question": "The capital of France is",
 }
-SETTINGS = {   # name -> (temperature, top_k, top_p)
-    "greedy": (0.0, 0, 1.0),
-    "T=0.7": (0.7, 0, 1.0),
-    "T=0.7 top_p=0.9": (0.7, 0, 0.9),
-    "T=1 top_p=0.95": (1.0, 0, 0.95),
-    "T=0.7 top_k=40": (0.7, 40, 1.0),
+SETTINGS = {   # name -> Sampling fields
+    "greedy": {},
+    "T=0.7": {"temperature": 0.7},
+    "T=0.7 top_p=0.9": {"temperature": 0.7, "top_p": 0.9},
+    "T=1 top_p=0.95": {"temperature": 1.0, "top_p": 0.95},
+    "T=0.7 top_k=40": {"temperature": 0.7, "top_k": 40},
+    "presence+freq": {"presence": 0.5, "frequency": 0.5},
+    "repeat last 64": {"repeat": 1.1, "repeat_last_n": 64},
+    "repetition all": {"repeat": 1.1, "repeat_last_n": -1},
 }
+# distinct tokens a penalized step carries (a ~1000-token context's, an answer's counts)
+PENALTY_IDS = 400
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     rows = _logits(ref.path)
     vocab = next(iter(rows.values())).size
     rows["random"] = (np.random.default_rng(0).standard_normal(vocab) * 3).astype(np.float32)
-    res = {name: {s: _time(row, *SETTINGS[s], args.iters) for s in SETTINGS} for name, row in rows.items()}
+    res = {name: {s: _time(row, SETTINGS[s], args.iters) for s in SETTINGS} for name, row in rows.items()}
     print(f"meshnode bench sample: {ref.name}, vocabulary {vocab}; us per token (median of 5 batches of "
           f"{args.iters}), ratio against greedy on the same row")
     print(f"{'row':<10}" + "".join(f"{s:>18}" for s in SETTINGS))
@@ -77,18 +84,24 @@ def _logits(path) -> dict:
     return out
 
 
-def _time(row, temperature: float, top_k: int, top_p: float, iters: int) -> float:
+def _time(row, fields: dict, iters: int) -> float:
     import statistics
     import time
 
     import numpy as np
 
-    from meshnode.spec.acceptance import greedy_token, sample
+    from meshnode.mesh.final import NO_COUNTS, Counts, FinalSampler, Sampling, recent_tokens
 
-    rng = np.random.default_rng(0)
+    sampling = Sampling(**fields)
+    context = np.random.default_rng(1).permutation(row.size)[:PENALTY_IDS].tolist()
+    seen = NO_COUNTS if not sampling.penalized else Counts.of(
+        dict.fromkeys(context, 2) if sampling.presence or sampling.frequency else {},
+        recent_tokens(context, sampling.repeat_last_n) if sampling.repeats else ())
+    sampler = FinalSampler()
+    logits = row.reshape(1, -1)
 
-    def one() -> int:
-        return greedy_token(row) if temperature <= 0 else sample(row, temperature, top_k, top_p, rng)
+    def one() -> None:
+        sampler.finalize(0, logits, (), sampling, seen=seen)
 
     one()
     batches = []

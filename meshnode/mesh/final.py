@@ -237,10 +237,12 @@ def apply_repetition(logits: np.ndarray, drafts: tuple[int, ...], recent: tuple[
         window = (*recent, *drafts[:i])
         if last_n >= 0:
             window = window[-last_n:] if last_n else ()
-        ids = np.unique(np.asarray(window, dtype=np.intp))
+        # (over the whole context, row 0's ids are the step's recent ones: unique, ascending)
+        ids = (np.fromiter(recent, np.intp, len(recent)) if last_n < 0 and i == 0
+               else np.unique(np.asarray(window, dtype=np.intp)))
         if not ids.size:
             continue
-        if ids[0] < 0 or ids[-1] >= vocab:
+        if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"a repetition penalty for a token outside the vocabulary of {vocab}")
         v = out[i, ids]
         out[i, ids] = np.where(v > 0, v / r, v * r)

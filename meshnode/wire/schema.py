@@ -279,7 +279,11 @@ class IntList(Var):
             raise Invalid(ErrorCode.BAD_FIELD, f"{name}: expected tuple, got {type(v).__name__}")
         if len(v) > self.max_count:
             raise Invalid(ErrorCode.BAD_FIELD, f"{name}: {len(v)} items, max {self.max_count}")
-        items = [self.item.to_wire(x, name, "") for x in v]
+        it = self.item
+        if len(v) > 16 and not it.is_float and set(map(type, v)) == {int} and it.lo <= min(v) and max(v) <= it.hi:
+            items = v   # (a long list of plain ints in range: checked in C, as to_wire would one by one)
+        else:
+            items = [it.to_wire(x, name, "") for x in v]
         w.add(self.count.pack(len(items)))
         w.add(self._struct(len(items)).pack(*items))
 
