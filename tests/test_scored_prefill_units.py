@@ -51,7 +51,7 @@ class ScoringPipeline(OraclePipeline):
 
 
 def _server(pipe: ScoringPipeline, **kw) -> ModelServer:
-    return ModelServer(ServeSettings("m", n_ctx=1024, n_batch=16, parallel=2, **kw), CharTokenizer(), pipe)
+    return ModelServer(ServeSettings("m", n_ctx=1024, n_batch=16, **{"parallel": 2, **kw}), CharTokenizer(), pipe)
 
 
 async def _scores(server: ModelServer, rid: str, prompt: str) -> tuple[list[float | None], object]:
@@ -109,6 +109,30 @@ def test_a_prompt_sharing_a_scored_context_takes_its_kv_and_scores():
     assert fin_a.timings.cache_n == 0 and fin_b.timings.cache_n == len(CONTEXT)
     assert pipe.copies == [len(CONTEXT)]
     assert more[-1].timings.cache_n == 0
+
+
+def test_scored_prompts_of_concurrent_clients_compute_their_shared_context_once():
+    """Answer choices sent at once as separate requests (an evaluation harness with
+    concurrent clients): the later ones wait for the first to be kept, then take its
+    context's KV and scores; every score is still the one computed in full."""
+    # B's longer ending keeps it in flight after C and D, which waited with it
+    prompts = {c: CONTEXT + f" {c}" * (40 if c == "B" else 1) for c in "ABCDE"}
+
+    async def main():
+        pipe = ScoringPipeline()
+        server = _server(pipe, parallel=4)
+        got = await asyncio.gather(*(_scores(server, c, prompts[c]) for c in "ABCD"))
+        # and later another: nothing of those is waited for any more
+        got.append(await asyncio.wait_for(_scores(server, "E", prompts["E"]), 10))
+        await server.scheduler.close()
+        return pipe, got
+
+    pipe, got = asyncio.run(main())
+    for c, (lps, _) in zip("ABCDE", got):
+        assert lps[:len(prompts[c])] == _expected(prompts[c])
+    cached = [fin.timings.cache_n for _, fin in got]
+    assert sorted(cached[:4]) == [0] + [len(CONTEXT)] * 3 and pipe.copies[:3] == [len(CONTEXT)] * 3
+    assert cached[4] >= len(CONTEXT)
 
 
 class DyingScorer(ScoringPipeline):

@@ -58,7 +58,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -95,7 +95,7 @@ from meshnode.serve.errors import (
 from meshnode.serve.fim import fim_reason, infill_tokens
 from meshnode.serve.failover import RouteGate, replay_steps
 from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
-from meshnode.serve.prefix_cache import PrefixCache, Retained
+from meshnode.serve.prefix_cache import PrefixCache, Retained, common_prefix
 from meshnode.serve.request import ActiveRequest, new_session_id, prediction_usage
 from meshnode.serve.scheduler import BatchScheduler
 from meshnode.serve.speculation import SpeculativeDecoder
@@ -160,6 +160,15 @@ class ServeSettings:
         return max(0, min(most if self.prefix_cache is None else self.prefix_cache, most))
 
 
+@dataclass(eq=False)   # (found and removed by identity: a prompt is an array)
+class _Leader:
+    """A scored prompt in flight that later ones sharing its context wait for."""
+
+    prompt: np.ndarray
+    top: int                                  # the alternatives its scores keep
+    done: asyncio.Event = field(default_factory=asyncio.Event)   # set once it is kept, or not
+
+
 class ModelServer:
     """Implements :class:`meshnode.serve.client.EngineClient` for one coordinated model."""
 
@@ -182,6 +191,9 @@ class ModelServer:
         # is evicted (for a live request that finds no free slot, LRU, or at a re-plan).
         self.prefix = PrefixCache(settings.prefix_sessions)
         self._reuse_align = 1   # positions a prefix copy is a multiple of (follow_route)
+        # scored one-token prompts in flight, whose kept sessions later ones sharing their
+        # context wait for (_leader_for)
+        self._leading: list[_Leader] = []
         self._waiting = 0       # requests gathering slots: a finished session is not kept then
         self._freeing: set[asyncio.Task] = set()
         self._admitted = 0      # requests past the admission check and not yet finished
@@ -510,11 +522,15 @@ class ModelServer:
         """Prefill and decode one request's choices, putting their events on ``events``."""
         # (n > 1 choices share their prompt among themselves: no lookup, nothing kept)
         try:
+            lead = self._leader_for(ars)
+            if lead is not None:
+                await lead.wait()
             hit = await self._acquire(len(ars), ars[0] if len(ars) == 1 else None)
         except BaseException:
             for ar in ars:
                 self._finish(ar, RequestStatus.CANCELLED)
             raise
+        leading = self._lead(ars)
         completed = False
         for ar in ars:
             ar.info = replace(ar.info, status=RequestStatus.PREFILL)
@@ -555,10 +571,40 @@ class ModelServer:
             # slots come back once every stage was told to free the sessions (even
             # when this task is cancelled meanwhile): the next request's steps then
             # reach each stage behind the SessionEnds, never beside KV still held.
-            if not (completed and len(ars) == 1 and self._retain(ars[0])):
+            try:
+                kept = completed and len(ars) == 1 and self._retain(ars[0])
+            finally:
+                if leading is not None:   # those waiting for this prompt look for it now
+                    leading.done.set()
+                    self._leading.remove(leading)
+            if not kept:
                 ends = asyncio.ensure_future(asyncio.gather(*(self._end_session(ar.session) for ar in ars)))
                 ends.add_done_callback(lambda _f, n=len(ars): self._release_slots(n))
                 await asyncio.shield(ends)
+
+    def _leader_for(self, ars: list[ActiveRequest]) -> asyncio.Event | None:
+        """What a scored prompt waits for before it looks for a kept session: a scored
+        prompt in flight that shares its context (more than ``MIN_PREFIX`` tokens) with at
+        least as many alternatives, so that an evaluation harness's answer choices, sent
+        at once by concurrent clients, compute the context once (a batch's prompts wait
+        so already: serve/batched.py). None: go on."""
+        if len(ars) != 1 or not ars[0].scoring or not self.prefix.capacity or not self._leading:
+            return None
+        arr = np.asarray(ars[0].prompt, dtype=np.int32)
+        top = ars[0].sampling.top_logprobs or 0
+        return next((x.done for x in self._leading
+                     if x.top >= top and common_prefix(arr, x.prompt) > self.prefix.min_prefix), None)
+
+    def _lead(self, ars: list[ActiveRequest]) -> _Leader | None:
+        """Register a scored prompt that ends with its prefill (at most one token) as one
+        that others may wait for (:meth:`_leader_for`); its entry is removed and set when
+        it is kept or not."""
+        ar = ars[0]
+        if len(ars) != 1 or not ar.scoring or not self.prefix.capacity or ar.remaining > 1:
+            return None
+        entry = _Leader(np.asarray(ar.prompt, dtype=np.int32), ar.sampling.top_logprobs or 0)
+        self._leading.append(entry)
+        return entry
 
     def _retain(self, ar: ActiveRequest) -> bool:
         """Keep ``ar``'s finished session in the prefix cache; False when it is not kept
