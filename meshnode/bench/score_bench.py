@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from meshnode.argtypes import gpu_layers_flag, positive_int
 from meshnode.bench.spec_bench import add_split_arguments
@@ -43,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=positive_int, default=4, help="questions (prompt-set files) to send (default 4)")
     p.add_argument("--chars", type=positive_int, default=2400,
                    help="characters of each file the question follows (default 2400, ~600 tokens)")
+    p.add_argument("--concurrent", action="store_true",
+                   help="send a question's choices as separate requests at once (concurrent clients) "
+                        "instead of one batch")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
 
 
@@ -105,9 +109,18 @@ def run(args: argparse.Namespace) -> int:
                 base, model, _, coord = splits[s]
                 body = {"model": model, "prompt": [ctx + c for c in CHOICES], "max_tokens": 1, "temperature": 0,
                         "echo": True, "logprobs": 1}
-                r, wall = _post(coord, base, body)
-                mc[s].append({"wall_s": wall, "choices": [c["logprobs"] for c in r["choices"]],
-                              "prompt_tokens": r["usage"]["prompt_tokens"]})
+                if args.concurrent:   # one request per choice, all at once
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(len(CHOICES)) as pool:
+                        rs = list(pool.map(lambda p, b=body, c=coord, u=base: _post(c, u, {**b, "prompt": p})[0],
+                                           body["prompt"]))
+                    wall = time.perf_counter() - t0
+                    choices = [r["choices"][0]["logprobs"] for r in rs]
+                    tokens = sum(r["usage"]["prompt_tokens"] for r in rs)
+                else:
+                    r, wall = _post(coord, base, body)
+                    choices, tokens = [c["logprobs"] for c in r["choices"]], r["usage"]["prompt_tokens"]
+                mc[s].append({"wall_s": wall, "choices": choices, "prompt_tokens": tokens})
         stats = {s: splits[s][3].get("/status").get("prefix_cache") for s in SPLITS}
 
     plain, scored = statistics.median(rates["plain"]), statistics.median(rates["scored"])
@@ -117,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     print(latency)
     print(f"prefill (cold split, median over {len(contexts)} prompts): plain {plain:.1f} tok/s, "
           f"scored {scored:.1f} tok/s: scored/plain {scored / plain:.2f}")
-    print(f"multiple choice ({len(CHOICES)} prompts of ~{tokens / len(CHOICES):.0f} tokens per question, one batch): "
+    how = "as concurrent requests" if args.concurrent else "one batch"
+    print(f"multiple choice ({len(CHOICES)} prompts of ~{tokens / len(CHOICES):.0f} tokens per question, {how}): "
           f"cold {wall['cold']:.2f} s, warm {wall['warm']:.2f} s per question: cold/warm {wall['cold'] / wall['warm']:.2f}x; "
           f"reused {stats['warm']['tokens_reused']} tokens in {stats['warm']['hits']} hits; "
           f"same logprobs: {'yes' if same else 'NO'}")
