@@ -49,7 +49,9 @@ import sys
 import time
 
 from meshnode.bench.cluster import add_busy_poll_option, busy_poll_flags, sse_chunks
-from meshnode.argtypes import draft_window, gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, non_negative_float, positive_int
+from meshnode.argtypes import (
+    draft_window, gpu_layers_flag, GPU_LAYERS_HELP, gpu_layers, non_negative_float, positive_float, positive_int,
+)
 
 HELP = "speculative decoding benchmark: baseline vs n-gram auto vs draft model on a 2-stage split"
 
@@ -111,12 +113,9 @@ def _penalty(text: str) -> float:
     """argparse type: a repetition penalty, above 0 and at most the endpoint's limit."""
     from meshnode.limits import MAX_REPEAT_PENALTY
 
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value <= MAX_REPEAT_PENALTY:
-        raise argparse.ArgumentTypeError(f"{text}: a repetition penalty is above 0 and at most {MAX_REPEAT_PENALTY:g}")
+    value = positive_float(text)
+    if value > MAX_REPEAT_PENALTY:
+        raise argparse.ArgumentTypeError(f"{text}: a repetition penalty is at most {MAX_REPEAT_PENALTY:g}")
     return value
 
 

@@ -582,13 +582,17 @@ class ModelServer:
                 ends.add_done_callback(lambda _f, n=len(ars): self._release_slots(n))
                 await asyncio.shield(ends)
 
+    def _shares_scores(self, ars: list[ActiveRequest]) -> bool:
+        """Whether the request is one scored prompt that the prefix cache may keep."""
+        return len(ars) == 1 and ars[0].scoring and bool(self.prefix.capacity)
+
     def _leader_for(self, ars: list[ActiveRequest]) -> asyncio.Event | None:
         """What a scored prompt waits for before it looks for a kept session: a scored
         prompt in flight that shares its context (more than ``MIN_PREFIX`` tokens) with at
         least as many alternatives, so that an evaluation harness's answer choices, sent
         at once by concurrent clients, compute the context once (a batch's prompts wait
         so already: serve/batched.py). None: go on."""
-        if len(ars) != 1 or not ars[0].scoring or not self.prefix.capacity or not self._leading:
+        if not self._leading or not self._shares_scores(ars):
             return None
         arr = np.asarray(ars[0].prompt, dtype=np.int32)
         top = ars[0].sampling.top_logprobs or 0
@@ -600,7 +604,7 @@ class ModelServer:
         that others may wait for (:meth:`_leader_for`); its entry is removed and set when
         it is kept or not."""
         ar = ars[0]
-        if len(ars) != 1 or not ar.scoring or not self.prefix.capacity or ar.remaining > 1:
+        if not self._shares_scores(ars) or ar.remaining > 1:
             return None
         entry = _Leader(np.asarray(ar.prompt, dtype=np.int32), ar.sampling.top_logprobs or 0)
         self._leading.append(entry)
@@ -703,15 +707,15 @@ class ModelServer:
             if ar.scoring:   # (lookup gave an entry with these scores)
                 assert entry.scores is not None
                 ar.scores = [entry.scores.head(n, ar.sampling.top_logprobs or 0)]
-        mask = ar.constraint.masks() if ar.constraint is not None else None
-        result = await self._prefill_chunks(ar, arr, begin, len(arr), mask)
+        result = await self._prefill_chunks(ar, arr, begin, len(arr))
         assert result is not None
         return result
 
-    async def _prefill_chunks(self, ar: ActiveRequest, arr: np.ndarray, begin: int, end: int,
-                              mask: np.ndarray | None = None) -> Finalized | None:
+    async def _prefill_chunks(self, ar: ActiveRequest, arr: np.ndarray, begin: int,
+                              end: int) -> Finalized | None:
         """``ar``'s prompt positions [begin, end) in chunks of n_batch; the last row of
-        the prompt (when ``end`` reaches it) samples the first token, with ``mask``. When
+        the prompt (when ``end`` reaches it) samples the first token, with ``ar``'s
+        constraint's mask. When
         ``ar`` scores its prompt (echo), each chunk's rows are scored against the
         prompt's next tokens and the scores go to ``ar.scores`` in order.
 
@@ -728,8 +732,8 @@ class ModelServer:
                 tokens = arr[start:min(start + nb, end)]
                 sample = start + len(tokens) == len(ar.prompt)
                 score = _score(ar, start, start + len(tokens))
-                step = Step(ar.session, start, tokens, len(score) + sample, (), ar.sampling,
-                            mask if sample else None, score=score,
+                mask = ar.constraint.masks() if sample and ar.constraint is not None else None
+                step = Step(ar.session, start, tokens, len(score) + sample, (), ar.sampling, mask, score=score,
                             # (the first token's penalties: a repetition penalty sees the prompt)
                             seen=ar.seen_before(len(ar.prompt) - 1) if sample else NO_COUNTS)
                 ahead.append((self.scheduler.enqueue(step, ar.epoch), bool(score)))
@@ -772,9 +776,7 @@ class ModelServer:
             for ar in ars[1:]:
                 await self.pipeline.copy_session(ars[0].session, ar.session, shared)
         results = await asyncio.gather(*(
-            self._prefill_chunks(ar, prompt, shared, len(prompt),
-                                 ar.constraint.masks() if ar.constraint is not None else None)
-            for ar in ars))
+            self._prefill_chunks(ar, prompt, shared, len(prompt)) for ar in ars))
         return [r for r in results if r is not None]
 
     # ---- failover -------------------------------------------------------------------------
