@@ -123,6 +123,22 @@ def test_text_after_a_call_streams_and_the_final_output_is_the_stream(before):
         {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
+@pytest.mark.parametrize("before", ["", "Checking. "])
+def test_a_whole_answer_lists_its_items_as_its_stream_does(before):
+    """The non-streamed response object's output equals the stream's final one: a text
+    after a call is a message after that call."""
+    from meshnode.serve.tools import split_tool_calls
+
+    answer = f'{before}<tool_call>\n{{"name": "f", "arguments": {{}}}}\n</tool_call>\nDone.'
+    content, calls, at = split_tool_calls(answer, ["f"])
+    ev = _events()
+    ev.set_calls(calls)
+    ev.set_text(content, at=at)
+    whole = ev.response("completed", usage_object(3, 0, 4))["output"]
+    assert [o["type"] for o in whole] == (["message", "function_call"] if before else ["function_call", "message"])
+    assert whole[at]["content"][0]["text"] == f"{before}Done."
+
+
 def test_an_answer_cut_short_is_incomplete_and_an_empty_one_is_an_empty_message():
     ev = _events(max_output_tokens=3)
     out = ev.start() + ev.finish(usage_object(1, 0, 3), "max_output_tokens")

@@ -70,17 +70,24 @@ def byte_tok() -> _ByteTokenizer:
 
 
 def test_whole_answer_is_split_into_content_and_calls():
-    content, calls = split_tool_calls("Let me check.\n" + ANSWER, ["get_weather"])
-    assert content == "Let me check."
+    content, calls, at = split_tool_calls("Let me check.\n" + ANSWER, ["get_weather"])
+    assert content == "Let me check." and at == 0
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3})]
     assert calls[0].id.startswith("call_")
 
 
 def test_unknown_tool_or_malformed_block_stays_content():
     text = '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
-    assert split_tool_calls(text, ["get_weather"]) == (text, [])
+    assert split_tool_calls(text, ["get_weather"]) == (text, [], 0)
     bad = "<tool_call>\n{not json}\n</tool_call>"
-    assert split_tool_calls(bad, ["get_weather"]) == (bad, [])
+    assert split_tool_calls(bad, ["get_weather"]) == (bad, [], 0)
+
+
+def test_where_the_content_stands_among_the_calls():
+    # the Responses API lists a whole answer's message where a stream would add it
+    assert split_tool_calls(f"{ANSWER}\nDone.", ["get_weather"]).content_at == 1
+    assert split_tool_calls(f"{ANSWER}\n{ANSWER}\n Done.", ["get_weather"]).content_at == 2
+    assert split_tool_calls(f"Checking.\n{ANSWER}\nDone.", ["get_weather"]).content_at == 0
 
 
 def _stream(text: str, step: int) -> tuple[str, dict[int, dict], ToolCallParser]:
@@ -145,7 +152,7 @@ def test_any_answer_streams_to_the_calls_it_reads_as_whole(pieces, step):
     # "length" case)
     text = "".join(pieces)
     content, by_index, p = _stream(text, step)
-    whole_content, whole_calls = split_tool_calls(text, ["get_weather"])
+    whole_content, whole_calls, whole_at = split_tool_calls(text, ["get_weather"])
     assert [(c.name, json.loads(c.arguments)) for c in p.calls] == \
         [(c.name, json.loads(c.arguments)) for c in whole_calls]
     streamed = {e["id"]: e["arguments"] for e in by_index.values()}
@@ -153,6 +160,7 @@ def test_any_answer_streams_to_the_calls_it_reads_as_whole(pieces, step):
         assert json.loads(streamed[call.id]) == json.loads(call.arguments)
     if set(streamed) == {c.id for c in p.calls}:
         assert content == whole_content
+        assert (p.content_at or 0) == whole_at
 
 
 @pytest.mark.parametrize("step", [1, 2, 5, 1000])
@@ -195,7 +203,7 @@ def test_a_block_nested_too_deeply_is_text_not_a_crash():
     deep = "[" * 100_000 + "]" * 100_000
     for text in (f"{TOOL_OPEN}{deep}{TOOL_CLOSE}",
                  f'{TOOL_OPEN}{{"name": "get_weather", "arguments": "{deep}"}}{TOOL_CLOSE}'):
-        content, calls = split_tool_calls(text, ["get_weather"])
+        content, calls, _ = split_tool_calls(text, ["get_weather"])
         assert calls == [] and content == text
     assert TOOL_OPEN in format_call("get_weather", deep)   # a client's arguments, shown as they are
 

@@ -707,7 +707,7 @@ class _ChatChunks(_Chunks):
     def _message(self, c: _Choice) -> tuple[ChatMessageOut, str]:
         message, reason = ChatMessageOut(content=c.text), c.finished.finish_reason if c.finished else "stop"
         if self.tool_names:
-            content, calls = split_tool_calls(c.text, self.tool_names)
+            content, calls, _ = split_tool_calls(c.text, self.tool_names)
             if calls:
                 message = ChatMessageOut(content=content or None, tool_calls=[
                     ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
@@ -848,10 +848,10 @@ class _ResponsesChunks(_Chunks):
 
     def full_response(self, choices: list[_Choice]) -> ResponseObject:
         c = choices[0]
-        content, calls = split_tool_calls(c.text, self.tool_names) if self.tool_names else (c.text, [])
+        content, calls, at = split_tool_calls(c.text, self.tool_names) if self.tool_names else (c.text, [], 0)
         self.events.set_calls(calls)
         lp = c.logprobs if self.logprobs else None
-        self.events.set_text(content, _text_logprobs(lp, content) if lp and self.tool_names else lp)
+        self.events.set_text(content, _text_logprobs(lp, content) if lp and self.tool_names else lp, at)
         finished = [x.finished for x in choices if x.finished is not None]
         reason = _incomplete(finished[0]) if finished else None
         response = self.events.response("incomplete" if reason else "completed", _responses_usage(finished), reason)

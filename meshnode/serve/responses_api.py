@@ -263,6 +263,7 @@ class ResponseEvents:
         # a stream's output items in the order they were added: None the message, else a
         # call's index (a text after a call adds the message after it when none came before)
         self._order: list[int | None] = []
+        self._message_at = 0      # a whole answer's: how many calls stand before its message
         self._namespaces = request.namespaces()
 
     # -- the response object --------------------------------------------------------------
@@ -292,10 +293,9 @@ class ResponseEvents:
         if self._order:   # streamed: as the items were added
             return [self._message("completed") if key is None else dict(self._calls[key], status="completed")
                     for key in self._order]
-        items = []
+        items = [dict(c, status="completed") for c in self._calls.values()]
         if "".join(self._content) or not self._calls:
-            items.append(self._message("completed"))
-        items += [dict(c, status="completed") for c in self._calls.values()]
+            items.insert(self._message_at, self._message("completed"))
         return items
 
     def _message(self, status: str) -> dict[str, Any]:
@@ -388,9 +388,11 @@ class ResponseEvents:
                  for c in self._calls.values()]
         return {"role": "assistant", "content": "".join(self._content) or None, **({"tool_calls": calls} if calls else {})}
 
-    def set_text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
+    def set_text(self, text: str, logprobs: list[TokenLogprob] | None = None, at: int = 0) -> None:
+        """The whole answer's text (``at``: how many of its calls came before it)."""
         self._content = [text]
         self._logprobs = _logprobs(logprobs or ())
+        self._message_at = at
 
     def finish(self, usage: dict[str, Any], incomplete: str | None) -> list[dict[str, Any]]:
         """The items' ``.done`` events, in order (the message stays open until now: text

@@ -38,7 +38,7 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from meshnode.serve.client import ChatMessage, ToolCall
 from meshnode.serve.errors import InvalidRequestError
@@ -308,6 +308,9 @@ class ToolCallParser:
         self._ws = ""
         self._after_call = False
         self._started = False          # content other than whitespace was given out
+        # how many calls came before the content began (None: no content yet): where a
+        # whole answer's message stands among its calls, as a stream would have added it
+        self.content_at: int | None = None
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         content: list[str] = []
@@ -370,6 +373,8 @@ class ToolCallParser:
             out.append(self._ws + body)
             self._ws = text[len(body):]
             self._started = True
+            if self.content_at is None:
+                self.content_at = len(self.calls)
         else:
             self._ws += text
 
@@ -452,9 +457,17 @@ def _partial_suffix(buf: str, tag: str) -> int:
     return 0
 
 
-def split_tool_calls(text: str, tool_names: Sequence[str]) -> tuple[str, list[ToolCall]]:
-    """A whole answer read back: (content, calls)."""
+class ReadAnswer(NamedTuple):
+    """A whole answer read for tool calls."""
+
+    content: str
+    calls: list[ToolCall]
+    content_at: int        # how many calls stand before the content (0 when there is none)
+
+
+def split_tool_calls(text: str, tool_names: Sequence[str]) -> ReadAnswer:
+    """A whole answer read back: its content, its calls and where the content stands."""
     p = ToolCallParser(tool_names)
     content, _ = p.feed(text)
     tail, _ = p.finish()
-    return content + tail, p.calls
+    return ReadAnswer(content + tail, p.calls, p.content_at or 0)
