@@ -45,6 +45,7 @@ def test_an_answer_is_the_chat_completion_of_the_same_conversation(node):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     [message] = r.output
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert r.id.startswith("resp_") and chat.id.startswith("chatcmpl-")
     # streamed: the typed events, in order, numbered, adding up to the same text
     events = list(client.responses.create(**args, stream=True))
     kinds = [e.type for e in events]

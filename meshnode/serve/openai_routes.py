@@ -595,11 +595,11 @@ class _Chunks:
     """Builds one endpoint's response objects; ``id`` doubles as the engine request id.
     ``n`` choices; ``logprobs``: whether they were asked for."""
 
-    prefix = ""
+    prefix = ""           # the ids' start, as OpenAI spells it
     done_marker = True    # the stream ends with ``data: [DONE]``
 
     def __init__(self, model: str, include_usage: bool = False) -> None:
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.id = f"{self.prefix}{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
@@ -650,7 +650,7 @@ class _ChatChunks(_Chunks):
     (:class:`~meshnode.serve.tools.ToolCallParser`): they stream in OpenAI's delta shape
     and the finish reason of an answer that made calls is ``tool_calls``."""
 
-    prefix = "chatcmpl"
+    prefix = "chatcmpl-"
 
     def __init__(self, model: str, include_usage: bool, tool_names: list[str] | None = None) -> None:
         super().__init__(model, include_usage)
@@ -750,7 +750,7 @@ class _ChatChunks(_Chunks):
 
 
 class _TextChunks(_Chunks):
-    prefix = "cmpl"
+    prefix = "cmpl-"
 
     def __init__(self, model: str, include_usage: bool = False) -> None:
         super().__init__(model, include_usage)
@@ -794,7 +794,7 @@ class _ResponsesChunks(_Chunks):
     with ``tool_names`` the answer is read for tool calls as a chat answer is, each call a
     ``function_call`` item."""
 
-    prefix = "resp"
+    prefix = "resp_"
     done_marker = False
 
     def __init__(self, body: ResponsesRequest, tool_names: list[str] | None, store: ResponseStore | None = None,
@@ -887,7 +887,7 @@ class _LlamaCppChunks(_Chunks):
     """llama.cpp server's ``/completion`` and ``/infill`` shape: ``{"content", "stop"}``
     objects; its stream has no ``[DONE]``."""
 
-    prefix = "llamacpp"
+    prefix = "llamacpp-"
     done_marker = False
 
     def _obj(self, content: str, stop: bool, **extra: Any) -> InfillResponse:
