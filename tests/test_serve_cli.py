@@ -48,6 +48,21 @@ def test_a_smallest_window_above_the_largest_is_refused_up_front(tmp_path, meshn
     assert not (tmp_path / "data").exists()   # nothing was fetched
 
 
+@pytest.mark.parametrize("content, expect", [
+    (None, "model file not found: "),
+    (b"garbage\n", "is not a GGUF file"),
+    (b"GGUF" + bytes(60), "GGUF"),
+])
+def test_a_model_path_that_is_not_a_model_is_refused_up_front(tmp_path, content, expect, meshnode_main):
+    model = tmp_path / "m.gguf"
+    if content is not None:
+        model.write_bytes(content)
+    r = meshnode_main("--home", str(tmp_path / "home"), "serve", "--headless", "--model", str(model))
+    assert r.returncode != 0
+    assert expect in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "home" / "state").exists()   # no node was started
+
+
 @pytest.mark.parametrize("argv, expect", [
     (("confg",), "unknown command 'confg' (commands: bench, "),     # a mistyped command
     (("--port", "0", "stauts"), "unknown command 'stauts'"),

@@ -167,12 +167,21 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise MeshnodeError("give either --split or --stages, not both")
     if args.stages:
         parse_explicit(args.stages)  # raises PlanError with what is wrong
-    if args.model and (args.model.endswith(".gguf") or "/" in args.model) and not Path(args.model).expanduser().exists():
-        raise MeshnodeError(f"model file not found: {args.model}")
+    if args.model and (args.model.endswith(".gguf") or "/" in args.model):
+        _check_model_file(Path(args.model).expanduser())
     if args.draft_model and args.no_draft:
         raise MeshnodeError("--draft-model and --no-draft contradict each other")
     if args.draft_min is not None and args.draft_max is not None and args.draft_min > args.draft_max:
         raise MeshnodeError(f"--draft-min {args.draft_min} is larger than --draft-max {args.draft_max}")
+
+
+def _check_model_file(path) -> None:
+    """A model given as a path: there, and a GGUF whose summary reads (a file that is not
+    one is the user's mistake, named before the node starts, not a node left without a
+    model). Raises MeshnodeError."""
+    from meshnode.models.gguf_info import read_model_info
+
+    read_model_info(path)
 
 
 def _node_kwargs(args: argparse.Namespace, paths, config=None) -> dict:
