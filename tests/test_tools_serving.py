@@ -126,6 +126,37 @@ def test_streamed_tool_calls_have_openai_delta_shape(client):
         jsonschema_rs.validate(SCHEMAS[c["name"]], json.loads(c["arguments"]))
 
 
+def test_legacy_functions_loop(client):
+    # OpenAI's deprecated spelling, as older clients send it: the call is the message's
+    # function_call, streamed or not, and its result comes back as a role "function" message
+    functions = [t["function"] for t in TOOLS]
+    args = dict(model=client.model_id, messages=ASK, functions=functions, function_call={"name": "get_weather"},
+                temperature=0, max_tokens=120)
+    r = client.chat.completions.create(**args)
+    choice = r.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    call = choice.message.function_call
+    assert call.name == "get_weather"
+    jsonschema_rs.validate(WEATHER_PARAMS, json.loads(call.arguments))
+    streamed = {"name": None, "arguments": ""}
+    finish = None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            if ch.delta.function_call is not None:
+                streamed["name"] = streamed["name"] or ch.delta.function_call.name
+                streamed["arguments"] += ch.delta.function_call.arguments or ""
+    # (the streamed arguments are the text as it came; the whole answer's are read back)
+    assert finish == "function_call" and streamed["name"] == call.name
+    assert json.loads(streamed["arguments"]) == json.loads(call.arguments)
+    messages = ASK + [choice.message.model_dump(exclude_none=True),
+                      {"role": "function", "name": "get_weather", "content": json.dumps({"forecast": "sunny"})}]
+    r2 = client.chat.completions.create(model=client.model_id, messages=messages, functions=functions,
+                                        function_call="none", temperature=0, max_tokens=20)
+    assert r2.choices[0].message.function_call is None and r2.choices[0].message.content
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens + r.usage.completion_tokens
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_named_tool_choice_is_always_a_valid_call_of_that_tool(client, seed):
     # sampled, not greedy: whatever the model picks, the grammar keeps it valid

@@ -265,6 +265,58 @@ def test_bad_shapes_name_the_field():
     assert e.value.param == "response_format.type"
 
 
+def test_legacy_functions_are_tools_of_one_call():
+    fn = _tool()["function"]
+    r = _req(functions=[fn, dict(fn, name="b")], function_call={"name": "b"})
+    assert r.legacy_functions and r.tool_names() == ["get_weather", "b"]
+    s = r.to_generation_request("r").structure
+    assert [t.name for t in s.tools] == ["b"] and s.max_calls == 1
+    s = _req(functions=[fn], function_call="auto").to_generation_request("r")
+    assert s.structure is None and [t.name for t in s.tools] == ["get_weather"]
+    assert _req(functions=[fn], function_call="none").tool_names() is None
+    # tools win over functions; a function_call naming no function is the caller's mistake
+    assert not _req(tools=[_tool("t")], functions=[fn]).legacy_functions
+    with pytest.raises(InvalidRequestError) as e:
+        _req(functions=[fn], function_call={"name": "other"}).to_generation_request("r")
+    assert e.value.param == "function_call.name"
+
+
+def test_a_legacy_call_and_its_result_are_a_tool_call_and_its_result():
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": "{}"}},
+            {"role": "function", "name": "get_weather", "content": "sunny"}]
+    req = _req(messages=msgs, functions=[_tool()["function"]]).to_generation_request("r")
+    call = req.messages[1].tool_calls[0]
+    assert (call.name, call.arguments) == ("get_weather", "{}")
+    assert req.messages[2] == ChatMessage("tool", "sunny", tool_call_id=call.id)
+
+
+@pytest.mark.parametrize("stream_step", [None, 1, 7])
+def test_a_legacy_answer_is_the_message_s_function_call(stream_step):
+    from meshnode.serve.client import Finished, TextDelta, Usage
+    from meshnode.serve.openai_routes import _ChatChunks, _Choice
+
+    text = f"{ANSWER}\n{ANSWER}"     # a second call is not part of a legacy answer
+    chunks = _ChatChunks("m", False, ["get_weather"], legacy=True)
+    done = Finished("stop", Usage(10, 5))
+    if stream_step is None:
+        choice = _Choice()
+        choice.parts, choice.finished = [text], done
+        out = chunks.full_response([choice]).model_dump(mode="json", exclude_none=True)["choices"][0]
+        assert out["finish_reason"] == "function_call" and "tool_calls" not in out["message"]
+        call = out["message"]["function_call"]
+    else:
+        pieces = [text[i:i + stream_step] for i in range(0, len(text), stream_step)]
+        out = [c for t in pieces for c in chunks.deltas(TextDelta(t))] + chunks.tail(done, [done])
+        deltas = [ch["delta"] for c in out for ch in c["choices"]]
+        assert not any("tool_calls" in d for d in deltas)
+        fc = [d["function_call"] for d in deltas if "function_call" in d]
+        assert [d.get("name") for d in fc] == ["get_weather"] + [None] * (len(fc) - 1)   # named once, first
+        call = {"name": "get_weather", "arguments": "".join(d["arguments"] for d in fc)}
+        assert [ch["finish_reason"] for c in out for ch in c["choices"] if ch.get("finish_reason")] == ["function_call"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris", "days": 3}
+
+
 def test_fallback_prompt_carries_tools_calls_and_results():
     msgs = [ChatMessage("user", "weather?"),
             ChatMessage("assistant", "", tool_calls=(ToolCall("c1", "get_weather", '{"city": "Paris", "days": 1}'),)),

@@ -236,7 +236,7 @@ def make_openai_router(
     @router.post("/chat/completions", response_model=None, **_post_docs(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         body = await _parse(ChatCompletionRequest, request)
-        chunks = _ChatChunks(body.model, body.include_usage, body.tool_names())
+        chunks = _ChatChunks(body.model, body.include_usage, body.tool_names(), body.legacy_functions)
         return await _serve(request, body, [body.to_generation_request(chunks.id)], chunks, "messages")
 
     kept = ResponseStore()   # the Responses API's answers, for previous_response_id and GET
@@ -652,9 +652,12 @@ class _ChatChunks(_Chunks):
 
     prefix = "chatcmpl-"
 
-    def __init__(self, model: str, include_usage: bool, tool_names: list[str] | None = None) -> None:
+    def __init__(self, model: str, include_usage: bool, tool_names: list[str] | None = None,
+                 legacy: bool = False) -> None:
         super().__init__(model, include_usage)
         self.tool_names = tool_names
+        # the request named its tools `functions`: its one call is the message's function_call
+        self.legacy = legacy
         self._parsers: dict[int, ToolCallParser] = {}   # per choice, when tools are read back
         # per choice, the logprobs of tokens whose text the reader holds back (a possible
         # call's start, whitespace next to a call): they ride on the choice's next chunk
@@ -684,13 +687,20 @@ class _ChatChunks(_Chunks):
         if content:
             out.append(self.delta(replace(event, text=content, logprobs=tuple(entries))))
             entries = []
+        if self.legacy:   # (one call: a later one is not part of the answer)
+            calls = [c for c in calls if c.index == 0]
         if calls:
             lp = ChatLogprobs.of(entries) if entries else None
-            out.append(self._chunk([ChatChunkChoice(index=event.index, logprobs=lp, delta=ChatDelta(tool_calls=[
-                ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
-                              function=FunctionCallDelta(name=c.name, arguments=c.arguments))
-                for c in calls]))]))
+            out.append(self._chunk([ChatChunkChoice(index=event.index, logprobs=lp, delta=self._calls_delta(calls))]))
         return out
+
+    def _calls_delta(self, calls: list[CallDelta]) -> ChatDelta:
+        if self.legacy:
+            return ChatDelta(function_call=FunctionCallDelta(name=calls[0].name, arguments="".join(
+                c.arguments for c in calls)))
+        return ChatDelta(tool_calls=[ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
+                                                   function=FunctionCallDelta(name=c.name, arguments=c.arguments))
+                                     for c in calls])
 
     def tail(self, event: Finished, finished: list[Finished]) -> list[dict[str, Any]]:
         parser = self._parser(event.index)
@@ -701,18 +711,27 @@ class _ChatChunks(_Chunks):
             head.append(self._chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(),
                                                      logprobs=ChatLogprobs.of(held))]))
         if parser.calls and event.finish_reason == "stop":
-            event = replace(event, finish_reason="tool_calls")
+            event = replace(event, finish_reason=self._called)
         return head + super().tail(event, finished)
+
+    @property
+    def _called(self) -> str:
+        """The finish reason of an answer that made calls."""
+        return "function_call" if self.legacy else "tool_calls"
 
     def _message(self, c: _Choice) -> tuple[ChatMessageOut, str]:
         message, reason = ChatMessageOut(content=c.text), c.finished.finish_reason if c.finished else "stop"
         if self.tool_names:
             content, calls, _ = split_tool_calls(c.text, self.tool_names)
-            if calls:
+            if calls and self.legacy:
+                message = ChatMessageOut(content=content or None, function_call=FunctionCallOut(
+                    name=calls[0].name, arguments=calls[0].arguments))
+            elif calls:
                 message = ChatMessageOut(content=content or None, tool_calls=[
                     ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
                     for t in calls])
-                reason = "tool_calls" if reason == "stop" else reason
+            if calls:
+                reason = self._called if reason == "stop" else reason
         return message, reason
 
     def _chunk(self, choices: list[ChatChunkChoice], **extra: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -100,6 +101,10 @@ class ChatMessageIn(_Lenient):
     content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: str | None = Field(default=None, max_length=256)
+    # the legacy spelling (before tools): an assistant's call, and the function a role
+    # "function" message answers
+    function_call: FunctionCallIn | None = None
+    name: str | None = Field(default=None, max_length=256)
 
     @model_validator(mode="after")
     def _known_role(self) -> ChatMessageIn:
@@ -254,22 +259,60 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
+    # OpenAI's deprecated spelling of tools, still sent by older clients: one call at most,
+    # answered as the message's function_call with finish_reason "function_call"
+    functions: Annotated[list[FunctionDef], Field(max_length=MAX_TOOLS)] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the tools come as ``functions`` (and calls go back as ``function_call``)."""
+        return bool(self.functions) and not self.tools
+
+    def _tools(self) -> tuple[list[ToolDef], Any, bool | None]:
+        """(tools, tool_choice, parallel_tool_calls), from ``functions`` in the legacy spelling."""
+        if not self.legacy_functions:
+            return self.tools or [], self.tool_choice, self.parallel_tool_calls
+        choice = self.function_call
+        if isinstance(choice, NamedFunction):
+            if choice.name not in {f.name for f in self.functions or ()}:
+                raise InvalidRequestError("function_call.name",
+                                          f"function_call names {choice.name[:80]!r}, which is not in functions.")
+            choice = NamedToolChoice(type="function", function=choice)
+        return [ToolDef(type="function", function=f) for f in self.functions or ()], choice, False
 
     def tool_names(self) -> list[str] | None:
         """The tools whose calls the answer is read back for (None: plain content)."""
-        if not self.tools or self.tool_choice == "none":
+        tools, choice, _ = self._tools()
+        if not tools or choice == "none":
             return None
-        return [t.function.name for t in self.tools]
+        return [t.function.name for t in tools]
+
+    def _messages(self) -> tuple[ChatMessage, ...]:
+        """The conversation, a legacy function call as a tool call and a role "function"
+        message as the tool result that answers the latest call of its function."""
+        out, call_ids = [], {}
+        for i, m in enumerate(self.messages):
+            msg = _flatten_message(i, m)
+            if m.function_call is not None and not m.tool_calls:
+                call = ToolCall(f"call_{i}", m.function_call.name, m.function_call.arguments)
+                call_ids[call.name] = call.id
+                msg = replace(msg, tool_calls=(call,))
+            elif m.role == "function":
+                msg = replace(msg, role="tool", tool_call_id=msg.tool_call_id or call_ids.get(m.name or "", f"call_{i}"))
+            out.append(msg)
+        return tuple(out)
 
     def to_generation_request(self, request_id: str) -> GenerationRequest:
         """The engine request; raises UnsupportedValueError / InvalidRequestError."""
         self._common_checks()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "top_logprobs needs 'logprobs': true.")
-        messages = tuple(_flatten_message(i, m) for i, m in enumerate(self.messages))
+        messages = self._messages()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        tools = tool_specs(self.tools or [])
-        structure, _ = tool_structure(tools, self.tool_choice, self.parallel_tool_calls)
+        tool_defs, choice, parallel = self._tools()
+        tools = tool_specs(tool_defs)
+        structure, _ = tool_structure(tools, choice, parallel)
         if structure is None:
             structure = json_structure(self.response_format)
         prediction = None
@@ -610,6 +653,7 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=_omit_none)
+    function_call: FunctionCallOut | None = Field(default=None, exclude_if=_omit_none)   # legacy functions
 
 
 class TopLogprobOut(BaseModel):
@@ -691,6 +735,7 @@ class ChatDelta(BaseModel):
     role: str | None = Field(default=None, exclude_if=_omit_none)
     content: str | None = Field(default=None, exclude_if=_omit_none)
     tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_omit_none)
+    function_call: FunctionCallDelta | None = Field(default=None, exclude_if=_omit_none)   # legacy functions
 
 
 class ChatChunkChoice(BaseModel):
