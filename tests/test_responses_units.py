@@ -40,6 +40,13 @@ def test_items_become_messages_with_one_turns_calls_in_one_message():
     assert [t.function.name for t in chat.tools] == ["f", "g"] and chat.tool_choice.function.name == "g"
 
 
+def test_allowed_tools_are_chat_s():
+    chat = _chat(input="x", tools=[{"type": "function", "name": "f"}, {"type": "function", "name": "g"}],
+                 tool_choice={"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "g"}]})
+    assert chat.tool_names() == ["g"] and [t.function.name for t in chat.tools] == ["f", "g"]
+    assert [t.name for t in chat.to_generation_request("r").structure.tools] == ["g"]
+
+
 def test_text_format_is_the_response_format():
     chat = _chat(input="x", text={"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"},
                                              "strict": True}})

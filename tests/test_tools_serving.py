@@ -168,6 +168,21 @@ def test_named_tool_choice_is_always_a_valid_call_of_that_tool(client, seed):
     _valid_call(call)
 
 
+def test_allowed_tools_keep_every_tool_in_the_prompt_and_call_only_those(client):
+    named = client.chat.completions.create(model=client.model_id, messages=ASK, tools=TOOLS, temperature=0,
+                                           max_tokens=80, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    r = client.chat.completions.create(
+        model=client.model_id, messages=ASK, tools=TOOLS, temperature=0, max_tokens=80, parallel_tool_calls=False,
+        tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+            {"type": "function", "function": {"name": "get_time"}}]}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
+    _valid_call(call)
+    # the same prompt (every tool listed) as a named choice of it, and so the same call
+    assert r.usage.prompt_tokens == named.usage.prompt_tokens
+    assert call.function.arguments == named.choices[0].message.tool_calls[0].function.arguments
+
+
 def test_json_schema_and_json_object_outputs_validate(client):
     for seed in (1, 2):
         r = client.chat.completions.create(

@@ -265,6 +265,22 @@ def test_bad_shapes_name_the_field():
     assert e.value.param == "response_format.type"
 
 
+def test_allowed_tools_narrow_what_may_be_called_but_not_the_prompt():
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "b"}}]}}
+    r = _req(tools=[_tool(), _tool("b")], tool_choice=allowed)
+    req = r.to_generation_request("r")
+    assert [t.name for t in req.tools] == ["get_weather", "b"]            # the prompt lists every tool
+    assert [t.name for t in req.structure.tools] == ["b"] and r.tool_names() == ["b"]
+    allowed["allowed_tools"]["mode"] = "auto"
+    r = _req(tools=[_tool(), _tool("b")], tool_choice=allowed)
+    assert r.to_generation_request("r").structure is None and r.tool_names() == ["b"]
+    allowed["allowed_tools"]["tools"][0]["function"]["name"] = "other"
+    with pytest.raises(InvalidRequestError) as e:
+        _req(tools=[_tool()], tool_choice=allowed).to_generation_request("r")
+    assert e.value.param == "tool_choice.allowed_tools.tools[0].function.name"
+
+
 def test_legacy_functions_are_tools_of_one_call():
     fn = _tool()["function"]
     r = _req(functions=[fn, dict(fn, name="b")], function_call={"name": "b"})

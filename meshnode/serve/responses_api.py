@@ -88,6 +88,14 @@ class FunctionChoice(_Lenient):
     name: str = Field(max_length=256)
 
 
+class AllowedToolsChoice(_Lenient):
+    """Every tool in the prompt, only these callable (chat's ``allowed_tools``)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[FunctionChoice], Field(min_length=1, max_length=MAX_TOOLS)]
+
+
 class TextFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, max_length=256)
@@ -110,7 +118,7 @@ class ResponsesRequest(_Lenient):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)   # (not OpenAI's: chat's)
     stream: bool | None = False
     tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     previous_response_id: str | None = None
@@ -161,6 +169,10 @@ class ResponsesRequest(_Lenient):
             body["tools"] = [_chat_tool(param, t) for param, t, _ in functions]
         if isinstance(self.tool_choice, FunctionChoice):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif isinstance(self.tool_choice, AllowedToolsChoice):
+            body["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {
+                "mode": self.tool_choice.mode,
+                "tools": [{"type": "function", "function": {"name": t.name}} for t in self.tool_choice.tools]}}
         elif self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice
         fmt = self.text.format if self.text is not None else None
@@ -282,7 +294,7 @@ class ResponseEvents:
             "reasoning": {"effort": None, "summary": None}, "store": r.store is not False,
             "temperature": 1.0 if r.temperature is None else r.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
-            "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, FunctionChoice)
+            "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, (FunctionChoice, AllowedToolsChoice))
                             else r.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
             "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": "disabled",

@@ -227,6 +227,19 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
+class AllowedTools(_Lenient):
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[NamedToolChoice], Field(min_length=1, max_length=MAX_TOOLS)]
+
+
+class AllowedToolsChoice(_Lenient):
+    """OpenAI's ``allowed_tools`` choice: every tool is in the prompt (so it stays the same
+    from turn to turn), but only these may be called."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class JsonSchemaFormat(_Lenient):
     name: str | None = Field(default=None, max_length=256)
     description: str | None = None
@@ -255,7 +268,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # tools and structured output (meshnode.serve.tools)
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
@@ -281,9 +294,22 @@ class ChatCompletionRequest(_SamplingRequest):
             choice = NamedToolChoice(type="function", function=choice)
         return [ToolDef(type="function", function=f) for f in self.functions or ()], choice, False
 
+    def _callable(self, tools: list[ToolDef], choice: Any) -> tuple[list[ToolDef], Any]:
+        """(the tools that may be called, the choice among them): ``allowed_tools`` narrows
+        the tools and is its mode."""
+        if not isinstance(choice, AllowedToolsChoice):
+            return tools, choice
+        by_name = {t.function.name: t for t in tools}
+        for i, t in enumerate(choice.allowed_tools.tools):
+            if t.function.name not in by_name:
+                raise InvalidRequestError(f"tool_choice.allowed_tools.tools[{i}].function.name",
+                                          f"tool_choice allows {t.function.name[:80]!r}, which is not in tools.")
+        return [by_name[t.function.name] for t in choice.allowed_tools.tools], choice.allowed_tools.mode
+
     def tool_names(self) -> list[str] | None:
         """The tools whose calls the answer is read back for (None: plain content)."""
         tools, choice, _ = self._tools()
+        tools, choice = self._callable(tools, choice)
         if not tools or choice == "none":
             return None
         return [t.function.name for t in tools]
@@ -312,7 +338,9 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         tool_defs, choice, parallel = self._tools()
         tools = tool_specs(tool_defs)
-        structure, _ = tool_structure(tools, choice, parallel)
+        callable_defs, choice = self._callable(tool_defs, choice)
+        callable_names = {t.function.name for t in callable_defs}
+        structure, _ = tool_structure(tuple(t for t in tools if t.name in callable_names), choice, parallel)
         if structure is None:
             structure = json_structure(self.response_format)
         prediction = None
