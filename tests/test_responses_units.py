@@ -146,6 +146,20 @@ def test_a_whole_answer_lists_its_items_as_its_stream_does(before):
     assert whole[at]["content"][0]["text"] == f"{before}Done."
 
 
+def test_a_call_cut_short_is_the_text_the_model_wrote():
+    # as a chat answer's: not an empty message (the block had begun as a call of f)
+    from meshnode.serve.client import Finished, Usage
+    from meshnode.serve.openai_routes import _Choice, _ResponsesChunks
+
+    body = ResponsesRequest.model_validate({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f"}]})
+    chunks = _ResponsesChunks(body, ["f"])
+    choice = _Choice()
+    choice.parts, choice.finished = ['<tool_call>\n{"name": "f", "arguments": {"a": "lo'], Finished("length", Usage(3, 9))
+    r = chunks.full_response([choice]).model_dump(mode="json")
+    assert r["status"] == "incomplete" and [o["type"] for o in r["output"]] == ["message"]
+    assert r["output"][0]["content"][0]["text"] == choice.text
+
+
 def test_an_answer_cut_short_is_incomplete_and_an_empty_one_is_an_empty_message():
     ev = _events(max_output_tokens=3)
     out = ev.start() + ev.finish(usage_object(1, 0, 3), "max_output_tokens")

@@ -213,6 +213,9 @@ def test_a_call_cut_short_is_not_a_call():
     p.feed(ANSWER[:50])
     p.finish()
     assert p.calls == []
+    # a block cut before its call began is the text the model wrote, no closing tag added
+    cut = f'{TOOL_OPEN}\n{{"name": "get_weather",'
+    assert split_tool_calls(cut, ["get_weather"]) == (cut, [], 0)
 
 
 # --- the request -------------------------------------------------------------------------

@@ -868,6 +868,8 @@ class _ResponsesChunks(_Chunks):
     def full_response(self, choices: list[_Choice]) -> ResponseObject:
         c = choices[0]
         content, calls, at = split_tool_calls(c.text, self.tool_names) if self.tool_names else (c.text, [], 0)
+        if not calls:   # (as chat's answer: a call cut short is the text the model wrote)
+            content = c.text
         self.events.set_calls(calls)
         lp = c.logprobs if self.logprobs else None
         self.events.set_text(content, _text_logprobs(lp, content) if lp and self.tool_names else lp, at)

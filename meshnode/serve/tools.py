@@ -354,7 +354,7 @@ class ToolCallParser:
         else:
             block, self._block = self._block, None
             block.add(rest)
-            deltas, text = self._close_block(block)
+            deltas, text = self._close_block(block, closed=False)
             self._read(text, content)
         if not self._after_call:
             content.append(self._ws)     # the answer's own trailing whitespace
@@ -412,9 +412,9 @@ class ToolCallParser:
             b.unsent = b.unsent[safe:]
         return out
 
-    def _close_block(self, b: _Block) -> tuple[list[CallDelta], str]:
+    def _close_block(self, b: _Block, closed: bool = True) -> tuple[list[CallDelta], str]:
         """The deltas that complete ``b``, and text to give back as content ('' when
-        the block was a call)."""
+        the block was a call; ``closed``: the model wrote its closing tag)."""
         call = _parse_call(b.text, self._names)
         if b.id is not None:
             # announced already: finish its arguments from the same text
@@ -425,7 +425,7 @@ class ToolCallParser:
             # pieces are out already (as with OpenAI's finish_reason "length")
             return ([CallDelta(b.index, arguments=rest)] if rest else []), ""
         if call is None:
-            return [], f"{TOOL_OPEN}{b.text}{TOOL_CLOSE}"
+            return [], f"{TOOL_OPEN}{b.text}{TOOL_CLOSE if closed else ''}"
         call = ToolCall(new_call_id(), call.name, call.arguments)
         self.calls.append(call)
         return [CallDelta(b.index, id=call.id, name=call.name), CallDelta(b.index, arguments=call.arguments)], ""
