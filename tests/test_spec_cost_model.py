@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshnode.spec.cost_model import CostModel, expected_tokens
+from meshnode.spec.cost_model import OUTLIER, CostModel, expected_tokens
 
 
 def test_expected_tokens():
@@ -87,3 +87,25 @@ def test_a_fast_route_measured_at_one_draft_still_tries_two():
     cpu.observe(0, 0.0092)
     cpu.observe(1, 0.0172)
     assert cpu.seconds(2) == pytest.approx(0.0172 + cpu.prior(2) - cpu.prior(1))
+
+
+def test_one_step_slowed_by_other_work_does_not_shut_its_window_out():
+    # a 2-draft window measured while a build took the cores (1.3 s instead of ~30 ms)
+    c = CostModel()
+    for k, ms in ((0, 16.0), (1, 25.0), (3, 32.0), (4, 40.0)):
+        c.observe(k, ms / 1000)
+    expected = c.seconds(2)
+    c.observe(2, 1.3)
+    assert c.observed[2] <= OUTLIER * expected                 # one sample counts at most this much
+    assert c.seconds(2) <= c.seconds(3)                        # and never above a wider window
+    assert c.best_window(0.9, hi=3) == 3 and c.speedup(2, 0.9) > c.speedup(1, 0.9)
+    # a lasting change still gets through, a few samples later
+    for _ in range(12):
+        c.observe(4, 0.4)
+    assert c.observed[4] == pytest.approx(0.4, rel=0.05)
+
+
+def test_the_first_measurement_is_taken_as_it_is():
+    c = CostModel(step_s=0.008)
+    c.observe(0, 0.5)        # a slow machine, far from the prior: nothing to weigh it against
+    assert c.seconds(0) == 0.5

@@ -6,7 +6,11 @@ Theory of operation. With per-token acceptance ``a``, a window of ``k`` drafts y
 :class:`CostModel` learns ``seconds(k)`` for this route: an EWMA per window, interpolated
 between measured windows, extended above the widest by the slope among verify windows (a
 plain step is not one of them: :meth:`CostModel.seconds`), seeded with a linear prior (the hop latency plus a plain step
-that grows by ``row_slope`` steps per extra row; ~0.45 was measured on CPU). Its
+that grows by ``row_slope`` steps per extra row; ~0.45 was measured on CPU). A step
+measured while something else took the machine (a build on a laptop's cores) can take a
+hundred times its usual time: one sample moves an estimate by at most ``OUTLIER`` times
+what was expected, and no window is estimated dearer than a wider one measured, so one
+slow step cannot keep a window size out of use for the rest of the route. Its
 ``best_window`` (the ``k`` maximising ``E(k) / seconds(k)``) caps the adaptive window
 (:mod:`meshnode.spec.window`), and its ``speedup`` is the auto policy's fallback gate
 (:mod:`meshnode.spec.policy`) for windows reported without their time.
@@ -19,6 +23,10 @@ from __future__ import annotations
 from meshnode.limits import MAX_VERIFY_WINDOW
 
 __all__ = ["CostModel", "expected_tokens"]
+
+# How far above what was expected one sample may count (a sustained change still gets
+# there: each step may move the estimate up by (OUTLIER - 1) * alpha of itself).
+OUTLIER = 4.0
 
 
 def expected_tokens(k: int, a: float) -> float:
@@ -71,6 +79,11 @@ class CostModel:
         if not seconds >= 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
         old = self._ewma.get(window)
+        if old is None and not self._ewma:
+            self._ewma[window] = seconds     # the first measurement: nothing to weigh it against
+            return
+        expected = old if old is not None else self.seconds(window)
+        seconds = min(seconds, OUTLIER * expected)
         self._ewma[window] = seconds if old is None else old + self.alpha * (seconds - old)
 
     @property
@@ -98,8 +111,13 @@ class CostModel:
         return max(0.0, sxy / sxx)
 
     def seconds(self, window: int) -> float:
-        """Estimated seconds for a step of ``window`` drafts."""
+        """Estimated seconds for a step of ``window`` drafts: at most what any wider
+        window measured (more rows never cost less)."""
         k = max(0, window)
+        wider = min((v for x, v in self._ewma.items() if x > k), default=float("inf"))
+        return min(self._estimate(k), wider)
+
+    def _estimate(self, k: int) -> float:
         obs = self._ewma
         if k in obs:
             return obs[k]
