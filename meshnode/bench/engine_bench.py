@@ -58,7 +58,7 @@ def window_sizes(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshnode.argtypes import GPU_LAYERS_HELP, gpu_layers, non_negative_float, positive_int
+    from meshnode.argtypes import GPU_LAYERS_HELP, gpu_layers, non_negative_float, non_negative_int, positive_int
 
     parser.add_argument("model", nargs="?", default=None,
                         help="a GGUF path or a model name in the store (default: the default model)")
@@ -78,7 +78,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gap-ms", type=non_negative_float, default=12.0, metavar="MS",
                         help="idle gap before every other step of the idle-gap measurement "
                              "(default 12: a 2-stage SmolLM2 split's wait; 0 skips it)")
+    parser.add_argument("--load", type=non_negative_int, default=0, metavar="N",
+                        help="keep N other processes busy (one core each) while measuring: a node's "
+                             "speed while its machine does other work (default 0)")
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
+
+
+def busy_processes(n: int) -> list:
+    """``n`` processes that each keep a core busy (a build, a browser tab); end them with
+    :func:`end_processes`."""
+    import os
+    import subprocess
+    import sys
+
+    # (each one stops by itself once this process is gone, killed by a timeout or not)
+    spin = "import os, sys\nwhile os.getppid() == int(sys.argv[1]): pass"
+    return [subprocess.Popen([sys.executable, "-c", spin, str(os.getpid())]) for _ in range(n)]
+
+
+def end_processes(procs: list) -> None:
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
     paths_fwd = {"whole": whole_forward, "chain": chain_forward}
 
+    load = busy_processes(args.load)
     try:
         # ---- decode ------------------------------------------------------------------
         decode: dict[str, list[float]] = {"whole": [], "chain": []}
@@ -208,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
                     window_s[k].append(time.perf_counter() - t0)
                 whole.rollback(0, args.prefill)
     finally:
+        end_processes(load)
         whole.close()
         for eng in stages:
             eng.close()
@@ -226,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens": args.tokens,
         "prefill_tokens": args.prefill,
         "loadavg": list(os.getloadavg()),
+        "busy_processes": args.load,
         "decode_ms_per_token": {**dec, "ratio": dec["chain"] / dec["whole"]},
         "prefill_tokens_per_s": {**pre, "ratio": pre["chain"] / pre["whole"]},
         "decode_stage_ms": decode_stage_ms,
@@ -240,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
 
     names = [f"[{a},{b})" for a, b in ranges]
     print(f"meshnode bench engine: {ref.name} ({ref.n_layers} layers), stages {' '.join(names)}, "
-          f"{threads} thread(s), batch {args.batch}")
+          f"{threads} thread(s), batch {args.batch}"
+          + (f", {args.load} other busy process(es)" if args.load else ""))
     print(f"  {'':<22} {'whole':>10} {'chain':>10} {'chain/whole':>12}")
     print(f"  {'decode ms/token':<22} {dec['whole']:>10.2f} {dec['chain']:>10.2f} "
           f"{result['decode_ms_per_token']['ratio']:>12.3f}")

@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-35}
+PART=${1:?part 1-36}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -563,5 +563,33 @@ if [ "$PART" = 35 ]; then
   [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
   step 200 "2 greedy choices against the answer alone, 2 stages on one GPU" \
     "$PY" "$(dirname "$0")/concurrent_probe.py" --model "$SMOL" --gpu-layers all --stages 2 --choices 2
+fi
+# Part 36: a CPU node while its machine does other work (no GPU: CUDA hidden). bench
+# engine on the 1B shape (Q4_0 and f16) with every logical CPU's thread or one per physical
+# core, libgomp's default spin before a thread sleeps at a barrier or GOMP_SPINCOUNT 1000 /
+# 3000, alone and beside 4 busy processes (--load 4). Needs no carried model (~6 minutes
+# after the build).
+if [ "$PART" = 36 ]; then
+  "$PY" - >>"$LOG" 2>&1 <<'PY'
+import glob, os
+cores = {open(p).read().strip() for p in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/topology/core_cpus_list")}
+print(f"logical CPUs {os.cpu_count()}, physical cores {len(cores) or '?'}")
+PY
+  PHYS=$("$PY" -c "import glob; print(len({open(p).read() for p in glob.glob('/sys/devices/system/cpu/cpu[0-9]*/topology/core_cpus_list')}) or 1)")
+  [ -f "$M/l1bq.gguf" ] || step 120 "write 1b Q4_0" "$PY" "$KIT/mkmodels.py" 1b "$M/l1bq.gguf" Q4_0
+  [ -f "$M/l1b.gguf" ] || step 120 "write 1b f16" "$PY" "$KIT/mkmodels.py" 1b "$M/l1b.gguf"
+  for model in l1bq l1b; do
+    for threads in ${MEASURE_THREADS:-$(nproc) $PHYS}; do
+      for spin in ${MEASURE_SPINS:-default 1000 3000}; do
+        for load in 0 4; do
+          envs=(CUDA_VISIBLE_DEVICES=)
+          [ "$spin" = default ] || envs+=(GOMP_SPINCOUNT=$spin)
+          step 90 "cpu contention $model threads $threads spin $spin load $load" env "${envs[@]}" \
+            "$PY" -m meshnode bench engine "$M/$model.gguf" --gpu-layers 0 --splits 8 --threads "$threads" \
+            --tokens 32 --warmup 4 --reps 1 --prefill 64 --windows none --gap-ms 0 --load $load --json
+        done
+      done
+    done
+  done
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
