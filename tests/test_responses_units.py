@@ -156,7 +156,7 @@ def test_a_call_cut_short_is_the_text_the_model_wrote():
     choice = _Choice()
     choice.parts, choice.finished = ['<tool_call>\n{"name": "f", "arguments": {"a": "lo'], Finished("length", Usage(3, 9))
     r = chunks.full_response([choice]).model_dump(mode="json")
-    assert r["status"] == "incomplete" and [o["type"] for o in r["output"]] == ["message"]
+    assert r["status"] == "incomplete" and [(o["type"], o["status"]) for o in r["output"]] == [("message", "incomplete")]
     assert r["output"][0]["content"][0]["text"] == choice.text
 
 
@@ -168,6 +168,18 @@ def test_an_answer_cut_short_is_incomplete_and_an_empty_one_is_an_empty_message(
     assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [o["type"] for o in r["output"]] == ["message"] and r["output"][0]["content"][0]["text"] == ""
     assert "response.output_item.added" in [e["type"] for e in out]
+    # the item being written when the answer stopped is incomplete, in the stream and the response
+    assert r["output"][0]["status"] == "incomplete"
+    assert [e["item"]["status"] for e in out if e["type"] == "response.output_item.done"] == ["incomplete"]
+
+
+def test_only_the_last_item_of_an_answer_cut_short_is_incomplete():
+    ev = _events(max_output_tokens=9)
+    out = ev.start() + ev.text("Checking.") + ev.call(CallDelta(0, "call_a", "f", '{"x": ')) \
+        + ev.finish(usage_object(3, 0, 9), "max_output_tokens")
+    assert [(o["type"], o["status"]) for o in out[-1]["response"]["output"]] == \
+        [("message", "completed"), ("function_call", "incomplete")]
+    assert [e["item"]["status"] for e in out if e["type"] == "response.output_item.done"] == ["completed", "incomplete"]
 
 
 def test_namespaces_offer_their_functions_and_hosted_tools_are_left_out():

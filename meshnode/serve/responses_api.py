@@ -288,7 +288,7 @@ class ResponseEvents:
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "error": None, "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
-            "output": self.output() if status != "in_progress" else [],
+            "output": self.output(cut=status == "incomplete") if status != "in_progress" else [],
             "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": r.previous_response_id,
             "reasoning": {"effort": None, "summary": None}, "store": r.store is not False,
@@ -301,13 +301,17 @@ class ResponseEvents:
             "usage": usage, "user": r.user, "metadata": r.metadata or {},
         }
 
-    def output(self) -> list[dict[str, Any]]:
+    def output(self, cut: bool = False) -> list[dict[str, Any]]:
+        """The output items (``cut``: the answer stopped at max_output_tokens, in its last item)."""
         if self._order:   # streamed: as the items were added
-            return [self._message("completed") if key is None else dict(self._calls[key], status="completed")
-                    for key in self._order]
-        items = [dict(c, status="completed") for c in self._calls.values()]
-        if "".join(self._content) or not self._calls:
-            items.insert(self._message_at, self._message("completed"))
+            items = [self._message("completed") if key is None else dict(self._calls[key], status="completed")
+                     for key in self._order]
+        else:
+            items = [dict(c, status="completed") for c in self._calls.values()]
+            if "".join(self._content) or not self._calls:
+                items.insert(self._message_at, self._message("completed"))
+        if cut and items:
+            items[-1]["status"] = "incomplete"
         return items
 
     def _message(self, status: str) -> dict[str, Any]:
@@ -351,13 +355,13 @@ class ResponseEvents:
                                content_index=0, delta=delta, logprobs=entries))
         return out
 
-    def _close_message(self) -> list[dict[str, Any]]:
+    def _close_message(self, status: str) -> list[dict[str, Any]]:
         text, at = "".join(self._content), self._index(None)
         return [self._event("response.output_text.done", item_id=self._message_id, output_index=at,
                             content_index=0, text=text, logprobs=self._logprobs),
                 self._event("response.content_part.done", item_id=self._message_id, output_index=at,
                             content_index=0, part=self._part(text, self._logprobs)),
-                self._event("response.output_item.done", output_index=at, item=self._message("completed"))]
+                self._event("response.output_item.done", output_index=at, item=self._message(status))]
 
     def _index(self, key: int | None) -> int:
         """An item's place in a stream's ``output`` (``key``: None the message, else a call)."""
@@ -414,14 +418,16 @@ class ResponseEvents:
         out = [] if self._calls or self._order else self._open_message()
         self._order += [i for i in self._calls if i not in self._order]
         for key in self._order:
+            # (cut short: the item being written when the answer stopped)
+            item_status = "incomplete" if incomplete and key == self._order[-1] else "completed"
             if key is None:
-                out += self._close_message()
+                out += self._close_message(item_status)
                 continue
             item = self._calls[key]
             out += [self._event("response.function_call_arguments.done", item_id=item["id"],
                                 output_index=self._index(key), arguments=item["arguments"]),
                     self._event("response.output_item.done", output_index=self._index(key),
-                                item=dict(item, status="completed"))]
+                                item=dict(item, status=item_status))]
         status = "incomplete" if incomplete else "completed"
         out.append(self._event(f"response.{status}", response=self.response(status, usage, incomplete)))
         return out
