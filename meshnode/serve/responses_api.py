@@ -272,10 +272,9 @@ class ResponseEvents:
         self._content: list[str] = []
         self._logprobs: list[dict[str, Any]] = []     # the output text's, when asked for
         self._calls: dict[int, dict[str, Any]] = {}   # call index -> its function_call item
-        # a stream's output items in the order they were added: None the message, else a
+        # the output items in the order a stream added them: None the message, else a
         # call's index (a text after a call adds the message after it when none came before)
         self._order: list[int | None] = []
-        self._message_at = 0      # a whole answer's: how many calls stand before its message
         self._namespaces = request.namespaces()
 
     # -- the response object --------------------------------------------------------------
@@ -303,13 +302,8 @@ class ResponseEvents:
 
     def output(self, cut: bool = False) -> list[dict[str, Any]]:
         """The output items (``cut``: the answer stopped at max_output_tokens, in its last item)."""
-        if self._order:   # streamed: as the items were added
-            items = [self._message("completed") if key is None else dict(self._calls[key], status="completed")
-                     for key in self._order]
-        else:
-            items = [dict(c, status="completed") for c in self._calls.values()]
-            if "".join(self._content) or not self._calls:
-                items.insert(self._message_at, self._message("completed"))
+        items = [self._message("completed") if key is None else dict(self._calls[key], status="completed")
+                 for key in self._order]
         if cut and items:
             items[-1]["status"] = "incomplete"
         return items
@@ -405,10 +399,13 @@ class ResponseEvents:
         return {"role": "assistant", "content": "".join(self._content) or None, **({"tool_calls": calls} if calls else {})}
 
     def set_text(self, text: str, logprobs: list[TokenLogprob] | None = None, at: int = 0) -> None:
-        """The whole answer's text (``at``: how many of its calls came before it)."""
+        """The whole answer's text (``at``: how many of its calls came before it), after
+        :meth:`set_calls`: the items stand in the order its stream would have added them
+        (a message when there is text, or nothing else)."""
         self._content = [text]
         self._logprobs = _logprobs(logprobs or ())
-        self._message_at = at
+        calls = list(self._calls)
+        self._order = [*calls[:at], None, *calls[at:]] if text or not calls else calls
 
     def finish(self, usage: dict[str, Any], incomplete: str | None) -> list[dict[str, Any]]:
         """The items' ``.done`` events, in order (the message stays open until now: text

@@ -282,37 +282,34 @@ class ChatCompletionRequest(_SamplingRequest):
         """Whether the tools come as ``functions`` (and calls go back as ``function_call``)."""
         return bool(self.functions) and not self.tools
 
-    def _tools(self) -> tuple[list[ToolDef], Any, bool | None]:
-        """(tools, tool_choice, parallel_tool_calls), from ``functions`` in the legacy spelling."""
-        if not self.legacy_functions:
-            return self.tools or [], self.tool_choice, self.parallel_tool_calls
-        choice = self.function_call
-        if isinstance(choice, NamedFunction):
-            if choice.name not in {f.name for f in self.functions or ()}:
-                raise InvalidRequestError("function_call.name",
-                                          f"function_call names {choice.name[:80]!r}, which is not in functions.")
-            choice = NamedToolChoice(type="function", function=choice)
-        return [ToolDef(type="function", function=f) for f in self.functions or ()], choice, False
-
-    def _callable(self, tools: list[ToolDef], choice: Any) -> tuple[list[ToolDef], Any]:
-        """(the tools that may be called, the choice among them): ``allowed_tools`` narrows
-        the tools and is its mode."""
-        if not isinstance(choice, AllowedToolsChoice):
-            return tools, choice
-        by_name = {t.function.name: t for t in tools}
-        for i, t in enumerate(choice.allowed_tools.tools):
-            if t.function.name not in by_name:
-                raise InvalidRequestError(f"tool_choice.allowed_tools.tools[{i}].function.name",
-                                          f"tool_choice allows {t.function.name[:80]!r}, which is not in tools.")
-        return [by_name[t.function.name] for t in choice.allowed_tools.tools], choice.allowed_tools.mode
+    def _tools(self) -> tuple[list[ToolDef], list[str], Any, bool | None]:
+        """(the tools of the prompt, the names of those that may be called, the choice
+        among them, parallel_tool_calls): ``functions`` in the legacy spelling; an
+        ``allowed_tools`` choice narrows what may be called and is its mode."""
+        tools, choice, parallel = self.tools or [], self.tool_choice, self.parallel_tool_calls
+        if self.legacy_functions:
+            tools, parallel = [ToolDef(type="function", function=f) for f in self.functions or ()], False
+            if isinstance(choice := self.function_call, NamedFunction):
+                if choice.name not in {t.function.name for t in tools}:
+                    raise InvalidRequestError("function_call.name",
+                                              f"function_call names {choice.name[:80]!r}, which is not in functions.")
+                choice = NamedToolChoice(type="function", function=choice)
+        names = [t.function.name for t in tools]
+        if isinstance(choice, AllowedToolsChoice):
+            allowed = [t.function.name for t in choice.allowed_tools.tools]
+            for i, name in enumerate(allowed):
+                if name not in names:
+                    raise InvalidRequestError(f"tool_choice.allowed_tools.tools[{i}].function.name",
+                                              f"tool_choice allows {name[:80]!r}, which is not in tools.")
+            names, choice = allowed, choice.allowed_tools.mode
+        return tools, names, choice, parallel
 
     def tool_names(self) -> list[str] | None:
         """The tools whose calls the answer is read back for (None: plain content)."""
-        tools, choice, _ = self._tools()
-        tools, choice = self._callable(tools, choice)
-        if not tools or choice == "none":
+        _, names, choice, _ = self._tools()
+        if not names or choice == "none":
             return None
-        return [t.function.name for t in tools]
+        return names
 
     def _messages(self) -> tuple[ChatMessage, ...]:
         """The conversation, a legacy function call as a tool call and a role "function"
@@ -336,10 +333,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError("top_logprobs", "top_logprobs needs 'logprobs': true.")
         messages = self._messages()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        tool_defs, choice, parallel = self._tools()
+        tool_defs, names, choice, parallel = self._tools()
         tools = tool_specs(tool_defs)
-        callable_defs, choice = self._callable(tool_defs, choice)
-        callable_names = {t.function.name for t in callable_defs}
+        callable_names = set(names)
         structure, _ = tool_structure(tuple(t for t in tools if t.name in callable_names), choice, parallel)
         if structure is None:
             structure = json_structure(self.response_format)

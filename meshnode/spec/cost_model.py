@@ -79,11 +79,8 @@ class CostModel:
         if not seconds >= 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
         old = self._ewma.get(window)
-        if old is None and not self._ewma:
-            self._ewma[window] = seconds     # the first measurement: nothing to weigh it against
-            return
-        expected = old if old is not None else self.seconds(window)
-        seconds = min(seconds, OUTLIER * expected)
+        if self._ewma:   # (the first measurement has nothing to be weighed against)
+            seconds = min(seconds, OUTLIER * (old if old is not None else self.seconds(window)))
         self._ewma[window] = seconds if old is None else old + self.alpha * (seconds - old)
 
     @property
