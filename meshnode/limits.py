@@ -110,6 +110,17 @@ def cpu_pad_rows() -> int:
     return _env_count(CPU_PAD_ROWS_ENV, 1, MAX_GPU_PAD_ROWS, 1)
 
 
+# CPU engines adapt their llama.cpp thread count to the cores the machine has free
+# (engine/threads.py); MESHNODE_ADAPT_THREADS=0 keeps every engine at its configured count.
+ADAPT_THREADS_ENV = "MESHNODE_ADAPT_THREADS"
+
+
+def adapt_threads() -> bool:
+    """Whether this node's CPU engines adapt their thread count: $MESHNODE_ADAPT_THREADS
+    is 1 (the default) or 0."""
+    return bool(_env_count(ADAPT_THREADS_ENV, 0, 1, 1))
+
+
 # How many calls a GPU stage keeps padding its small calls to the widest exact width
 # (gpu_exact_window_rows: 4 rows at pad 2) after a verify window wider than its pad width
 # (StageEngine._width), where that wins. llama.cpp replays a captured CUDA graph while

@@ -26,6 +26,12 @@ llama_decode per stage instead of one in all.
   so where ``cost(k)`` grows like ``k`` (a CPU computing every row) drafts only save the
   round trips (docs/speculative.md).
 
+- adaptive threads (``--adapt``): decode on a second copy of the whole model whose
+  thread count adapts to the cores the machine has free (engine/threads.py), alternating
+  token by token with the whole model at the fixed ``--threads`` (every other section
+  keeps its count fixed). With ``--load`` it shows what adapting wins on a busy
+  machine; without, what its tries cost on an idle one.
+
 Per-stage medians show where the chain's time goes. The last line with ``--json`` is one
 JSON object.
 """
@@ -81,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", type=non_negative_int, default=0, metavar="N",
                         help="keep N other processes busy (one core each) while measuring: a node's "
                              "speed while its machine does other work (default 0)")
+    parser.add_argument("--adapt", action="store_true",
+                        help="also decode with an engine whose thread count adapts to the free cores, "
+                             "against the fixed --threads in the same run")
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
 
 
@@ -141,8 +150,10 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = np.asarray(text_ids[:32], dtype=np.int32)
 
     n_ctx = max(args.prefill + max(windows, default=0), 32 + args.warmup + 2 * args.tokens) + 8
-    common = dict(n_ctx=n_ctx, n_batch=args.batch, n_seq_max=1, n_threads=threads, gpu_layers=args.gpu_layers)
+    common = dict(n_ctx=n_ctx, n_batch=args.batch, n_seq_max=1, n_threads=threads, gpu_layers=args.gpu_layers,
+                  adapt_threads=False)
     whole = StageEngine(EngineConfig(ref.path, **common))
+    adaptive = StageEngine(EngineConfig(ref.path, **{**common, "adapt_threads": True})) if args.adapt else None
     stages = [
         StageEngine(EngineConfig(p, takes_tokens=(i == 0), has_head=(i == len(ranges) - 1), **common))
         for i, p in enumerate(slice_paths)
@@ -165,25 +176,31 @@ def run(args: argparse.Namespace) -> int:
         return whole.forward([Segment(0, pos, tokens=rows, n_logits=n_logits)])[0]
 
     paths_fwd = {"whole": whole_forward, "chain": chain_forward}
+    if adaptive is not None:
+        paths_fwd["adaptive"] = lambda pos, rows, n_logits, record: adaptive.forward(
+            [Segment(0, pos, tokens=rows, n_logits=n_logits)])[0]
+    threads_used: list[int] = []
 
     load = busy_processes(args.load)
     try:
         # ---- decode ------------------------------------------------------------------
-        decode: dict[str, list[float]] = {"whole": [], "chain": []}
+        decode: dict[str, list[float]] = {name: [] for name in paths_fwd}
         logits = {name: fwd(0, prompt_ids, 1, False) for name, fwd in paths_fwd.items()}
-        exact = bool(np.array_equal(logits["whole"], logits["chain"]))
+        exact = all(np.array_equal(logits["whole"], v) for v in logits.values())
         nxt = int(logits["whole"][-1].argmax())
         pos = len(prompt_ids)
         for step in range(args.warmup + args.tokens):
             measured = step >= args.warmup
-            order = ("whole", "chain") if step % 2 == 0 else ("chain", "whole")
+            order = list(paths_fwd) if step % 2 == 0 else list(paths_fwd)[::-1]
             row = np.asarray([nxt], dtype=np.int32)
             for name in order:
                 t0 = time.perf_counter()
                 logits[name] = paths_fwd[name](pos, row, 1, measured)
                 if measured:
                     decode[name].append(time.perf_counter() - t0)
-            exact = exact and bool(np.array_equal(logits["whole"], logits["chain"]))
+            if adaptive is not None and measured:
+                threads_used.append(adaptive.threads)
+            exact = exact and all(np.array_equal(logits["whole"], v) for v in logits.values())
             nxt = int(logits["whole"][-1].argmax())
             pos += 1
         decode_stage_ms = [1000 * float(np.median(t)) for t in stage_times]
@@ -233,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         end_processes(load)
         whole.close()
+        if adaptive is not None:
+            adaptive.close()
         for eng in stages:
             eng.close()
 
@@ -252,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
         "loadavg": list(os.getloadavg()),
         "busy_processes": args.load,
         "decode_ms_per_token": {**dec, "ratio": dec["chain"] / dec["whole"]},
+        "adaptive_threads": None if adaptive is None else {
+            "ms_per_token": dec["adaptive"], "ratio": dec["adaptive"] / dec["whole"],
+            "threads_used": {str(n): threads_used.count(n) for n in sorted(set(threads_used))}},
         "prefill_tokens_per_s": {**pre, "ratio": pre["chain"] / pre["whole"]},
         "decode_stage_ms": decode_stage_ms,
         "prefill_stage_ms_per_chunk": [
@@ -276,6 +298,11 @@ def run(args: argparse.Namespace) -> int:
         f"{n} {t:.2f}" for n, t in zip(names, decode_stage_ms)))
     print("             prefill ms/chunk " + ", ".join(
         f"{n} {t:.1f}" for n, t in zip(names, result["prefill_stage_ms_per_chunk"])))
+    if adaptive is not None:
+        ad = result["adaptive_threads"]
+        print(f"  whole model, adaptive threads: {dec['adaptive']:.2f} ms/token against {dec['whole']:.2f} "
+              f"with {threads} fixed ({ad['ratio']:.3f}x); steps by threads: "
+              + ", ".join(f"{n}: {c}" for n, c in ad["threads_used"].items()))
     if idle is not None:
         print(f"  whole model, one step after {args.gap_ms:g} ms idle: {idle['after_gap']:.2f} ms against "
               f"{idle['back_to_back']:.2f} right after the previous one "
@@ -284,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  verify windows, whole model, {args.prefill} tokens cached: " + ", ".join(
             f"{k} row{'s' if k > 1 else ''} {ms:.1f} ms" + (f" ({ms / one_row:.2f} steps)" if one_row and k != 1 else "")
             for k, ms in win_ms.items()))
-    print(f"  decode logits identical on both paths: {'yes' if exact else 'NO'}; "
+    print(f"  decode logits identical on {'every path' if adaptive is not None else 'both paths'}: "
+          f"{'yes' if exact else 'NO'}; "
           f"load average {' '.join(f'{x:.2f}' for x in result['loadavg'])}")
     if args.json:
         print(json.dumps(result))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from .errors import (
     EngineInputError,
     ModelLoadError,
 )
+from .threads import ThreadGovernor
 from meshnode import timeline
 from meshnode.limits import (
     CPU_PAD_ROWS_ENV,
@@ -51,6 +53,7 @@ from meshnode.limits import (
     GPU_STICKY_CALLS,
     KV_CACHE_TYPES,
     MAX_VERIFY_WINDOW,
+    adapt_threads,
     cpu_pad_rows,
     gpu_exact_window_rows,
     gpu_pad_rows,
@@ -111,6 +114,10 @@ class EngineConfig:
     # counts do not change any result; with an f16/f32 KV cache, 1 keeps one-row steps equal
     # to verify windows past 512 cells (docs/speculative.md, "Exactness").
     decode_threads: int | None = None
+    # Adapt the thread count, within 1..n_threads, to the cores the machine has free
+    # (engine/threads.py). None: on (unless $MESHNODE_ADAPT_THREADS=0) where no count
+    # changes a result: a CPU engine with the q8_0 KV cache and one count for all calls.
+    adapt_threads: bool | None = None
     # Layers to offload to a GPU: a count, offload.GPU_LAYERS_ALL, or GPU_LAYERS_AUTO (as
     # many as the free VRAM holds). Resolved to 0 on a build without a GPU device.
     gpu_layers: int = 0
@@ -266,6 +273,10 @@ class StageEngine:
             # has the same heads, so they all make the same choice.
             kv_type = "f16"
         self.kv_type = kv_type
+        adapts = (config.adapt_threads if config.adapt_threads is not None else adapt_threads())
+        exact_any_count = (flash and kv_type == "q8_0" and not self.gpu_layers
+                           and config.decode_threads is None)
+        self._governor = ThreadGovernor(threads) if adapts and exact_any_count and threads > 1 else None
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
         cparams.swa_full = True   # exact rollback inside sliding-window layers
         cparams.no_perf = True
@@ -429,6 +440,17 @@ class StageEngine:
         """CPU threads llama.cpp computes a call of ``rows`` rows with (a padded one-row
         call is a batch of ``pad_rows`` rows)."""
         return self.n_threads_decode if rows == 1 and self.pad_rows == 1 else self.n_threads_batch
+
+    @property
+    def threads(self) -> int:
+        """The CPU threads of the engine's next call (of several rows)."""
+        return self.n_threads_batch
+
+    def _set_threads(self, threads: int) -> None:
+        """Compute the next calls with ``threads`` CPU threads (the governor's choice)."""
+        llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
+        log.debug("%s: %d CPU thread(s) from now", Path(self.config.path).name, threads)
+        self.n_threads_decode = self.n_threads_batch = threads
 
     def rollback(self, session: int, pos: int) -> None:
         """Forget positions >= ``pos`` of ``session`` (rejected draft tokens)."""
@@ -739,11 +761,16 @@ class StageEngine:
         self._batch.n_tokens = total
         if self._tap is not None:
             self._tap.reset()
+        t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
         if rc == 1:
             raise EngineBusyError("no KV cache slot for this batch (too many long sessions)")
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc}")
+        if self._governor is not None:
+            threads = self._governor.observe(total, time.perf_counter() - t0)
+            if threads != self.n_threads_batch:
+                self._set_threads(threads)
         self._copies_queued = False     # the decode ran every queued stream copy first
         if not self.has_head:
             assert self._tap is not None and self._tap.stop_layer is not None

@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-36}
+PART=${1:?part 1-37}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -590,6 +590,20 @@ PY
         done
       done
     done
+  done
+fi
+# Part 37: a CPU node's thread count adapting to a busy machine (engine/threads.py; no GPU:
+# CUDA hidden). bench engine --adapt on the 1B shape in Q4_0 with every logical CPU's
+# thread: the whole model at that fixed count against a copy that adapts, token by token,
+# alone and beside MEASURE_LOADS busy processes (default 0 4 8). Needs no carried model
+# (~5 minutes after the build).
+if [ "$PART" = 37 ]; then
+  [ -f "$M/l1bq.gguf" ] || step 120 "write 1b Q4_0" "$PY" "$KIT/mkmodels.py" 1b "$M/l1bq.gguf" Q4_0
+  for load in ${MEASURE_LOADS:-0 4 8}; do
+    step 170 "adaptive threads l1bq threads $(nproc) load $load" env CUDA_VISIBLE_DEVICES= \
+      "$PY" -m meshnode bench engine "$M/l1bq.gguf" --gpu-layers 0 --splits 8 --threads "$(nproc)" \
+      --tokens ${MEASURE_TOKENS:-300} --warmup 4 --reps 1 --prefill 64 --windows none --gap-ms 0 \
+      --load $load --adapt --json
   done
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
