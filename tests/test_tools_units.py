@@ -123,6 +123,21 @@ def test_streamed_calls_reassemble_whatever_the_chunking(step):
     assert [c.id for c in p.calls] == [by_index[0]["id"], by_index[1]["id"]]
 
 
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_a_call_announced_and_then_not_one_keeps_its_index(step):
+    # its head went out as call 0; the next call must not reuse 0 (a client would append
+    # its arguments to the broken one)
+    head = '{"name": "get_weather", "arguments": '
+    text = f"{TOOL_OPEN}{head}{TOOL_CLOSE}{ANSWER}"
+    content, by_index, p = _stream(text, step)
+    assert len(p.calls) == 1
+    if step < len(text):
+        assert sorted(by_index) == [0, 1] and by_index[1]["id"] == p.calls[0].id
+    else:      # read whole in one piece: the broken block never looked like a call
+        assert sorted(by_index) == [0] and by_index[0]["id"] == p.calls[0].id
+    assert json.loads(by_index[max(by_index)]["arguments"]) == {"city": "Paris", "days": 3}
+
+
 def test_pages_of_spaces_in_a_call_stream_out_and_close_in_linear_time():
     # a model can be led to write them; reading the wrapper's end with a regex backtracked
     # over every run of spaces (minutes for this block), and each token rescanned them all

@@ -379,11 +379,13 @@ class ResponseEvents:
         """The calls of the answer as read back whole: for a streamed answer, the
         arguments its ``.done`` events and the response carry (the deltas were the text
         as it came)."""
-        for i, c in enumerate(calls):
-            if i in self._calls:
-                self._calls[i].update(call_id=c.id, name=c.name, arguments=c.arguments)
+        streamed = {item["call_id"]: key for key, item in self._calls.items()}
+        for c in calls:
+            key = streamed.get(c.id)
+            if key is not None:
+                self._calls[key].update(name=c.name, arguments=c.arguments)
             else:
-                self._calls[i] = self._item(c.id, c.name, c.arguments)
+                self._calls[max(self._calls, default=-1) + 1] = self._item(c.id, c.name, c.arguments)
 
     def _item(self, call_id: str, name: str, arguments: str) -> dict[str, Any]:
         item = {"type": "function_call", "id": _new_id("fc"), "call_id": call_id, "name": name,

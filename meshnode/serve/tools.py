@@ -270,7 +270,7 @@ class _Block:
     the block closes, or while it is short enough to look for its head), and ``unsent``
     holds the arguments not streamed yet: a token costs the same however long the block."""
 
-    index: int
+    index: int = -1            # the call's index in the stream, once it sends a delta
     parts: list[str] = field(default_factory=list)
     size: int = 0              # characters so far
     id: str | None = None      # set once announced (streaming mode)
@@ -300,6 +300,10 @@ class ToolCallParser:
         self._buf = ""                 # outside a block: text that may start TOOL_OPEN
         self._block: _Block | None = None
         self.calls: list[ToolCall] = []
+        # Indices of streamed calls: one per block that sent a delta, in order. A block
+        # announced as a call that then is not one (cut short, malformed) keeps its
+        # index, so the next call does not reuse it and merge into it at the client.
+        self._indices = 0
         # Whitespace next to a call is not content, except that text on both sides of
         # calls keeps the whitespace that stood before them. Content's trailing
         # whitespace waits in _ws until what follows shows whether a call does; after a
@@ -326,7 +330,7 @@ class ToolCallParser:
                     break
                 self._content(self._buf[:i], content)
                 self._buf = self._buf[i + len(TOOL_OPEN):]
-                self._block = _Block(len(self.calls))
+                self._block = _Block()
             else:
                 j = self._buf.find(TOOL_CLOSE)
                 if j < 0:
@@ -397,6 +401,7 @@ class ToolCallParser:
             if m is None or m.group(1) not in self._names:
                 return []
             b.args_at, b.id = m.end(), new_call_id()
+            b.index = self._next_index()
             b.unsent = b.text[b.args_at:]
             self._called()
             out = [CallDelta(b.index, id=b.id, name=m.group(1))]
@@ -428,7 +433,12 @@ class ToolCallParser:
             return [], f"{TOOL_OPEN}{b.text}{TOOL_CLOSE if closed else ''}"
         call = ToolCall(new_call_id(), call.name, call.arguments)
         self.calls.append(call)
+        b.index = self._next_index()
         return [CallDelta(b.index, id=call.id, name=call.name), CallDelta(b.index, arguments=call.arguments)], ""
+
+    def _next_index(self) -> int:
+        self._indices += 1
+        return self._indices - 1
 
 
 def _parse_call(text: str, names: set[str]) -> ToolCall | None:
