@@ -24,9 +24,12 @@ class Cycle:
         self.next = itertools.cycle(counts)
         self.used: list[int] = []
 
-    def observe(self, rows: int, seconds: float) -> int:
-        self.used.append(int(llama_cpp.llama_n_threads_batch(self.engine._ctx)))
+    def threads_for(self, rows: int) -> int:
         return next(self.next)
+
+    def observe(self, rows: int, seconds: float, threads: int) -> None:
+        self.used.append(int(llama_cpp.llama_n_threads_batch(self.engine._ctx)))
+        assert threads == self.used[-1]
 
 
 PROMPT = 600   # past 512 cells, where llama.cpp would split an f16 cache's attention by thread
@@ -89,11 +92,18 @@ def test_an_engine_adapts_only_where_no_count_changes_a_result(smollm2, monkeypa
 def test_the_governor_s_count_reaches_llama_cpp(smollm2):
     with StageEngine(EngineConfig(smollm2.path, n_ctx=64, n_seq_max=1, n_threads=2)) as eng:
         gov = eng._governor
-        gov._since = gov._interval            # a try starts at the next call
-        eng.forward([Segment(0, 0, tokens=np.asarray([1, 2, 3], np.int32))])
-        assert gov.trying == 1
+        for pos in range(4):                  # four one-row calls: a shape to try with
+            eng.forward([Segment(0, pos, tokens=np.asarray([1 + pos], np.int32))])
+        gov._since = gov._interval            # a try starts after the next one-row call
+        eng.forward([Segment(0, 4, tokens=np.asarray([5], np.int32))])
+        assert gov.trying == 1 and eng.threads == 2
+        eng.forward([Segment(0, 5, tokens=np.asarray([6, 7], np.int32))])   # another shape: settled count
+        assert llama_cpp.llama_n_threads_batch(eng._ctx) == 2
+        eng.forward([Segment(0, 7, tokens=np.asarray([8], np.int32))])      # the tried shape
         assert llama_cpp.llama_n_threads_batch(eng._ctx) == 1 == llama_cpp.llama_n_threads(eng._ctx)
-        assert eng.threads == 1 and eng.threads_for(1) == 1
+        # whatever the count, the engine's calls stay on its compute thread (never inline)
+        gov.threads = 1
+        assert eng.threads == 1 and eng.threads_for(1) == 2
 
 
 def test_bench_engine_compares_the_adaptive_count_with_the_fixed_one(tmp_path, smollm2):

@@ -34,10 +34,10 @@ def cliff(cores: int, busy: int, one_thread_s: float = 0.020):
 
 def run(gov: ThreadGovernor, seconds, calls: int, rows: int = 1) -> list[int]:
     used = []
-    n = gov.threads
     for _ in range(calls):
+        n = gov.threads_for(rows)
         used.append(n)
-        n = gov.observe(rows, seconds(n))
+        gov.observe(rows, seconds(n), n)
     return used
 
 
@@ -80,16 +80,18 @@ def test_a_machine_getting_busy_is_noticed_soon_even_after_long_quiet():
 
 def test_calls_of_other_shapes_are_not_compared():
     """A prefill chunk between decode steps neither counts as a decode step nor breaks a
-    try: only calls of one row count compare with one-row calls."""
+    try, and runs at the settled count: a try runs calls of one shape only."""
     gov = ThreadGovernor(2)
     sec = machine(2, 1)
-    n = gov.threads
+    big = []
     for i in range(3000):
-        if i % 5 == 4:
-            n = gov.observe(64, 40 * sec(n))    # a big call, much slower than a step
-        else:
-            n = gov.observe(1, sec(n))
+        rows = 64 if i % 5 == 4 else 1       # a big call, much slower than a step
+        n = gov.threads_for(rows)
+        if rows == 64:
+            big.append((n, gov.threads))
+        gov.observe(rows, (40 if rows == 64 else 1) * sec(n), n)
     assert gov.threads == 1
+    assert all(n == settled for n, settled in big)
 
 
 def test_one_thread_has_nothing_to_try():
@@ -108,8 +110,9 @@ def test_a_count_must_be_positive():
 def test_the_count_stays_within_one_and_the_configured(most, calls):
     gov = ThreadGovernor(most)
     for rows, seconds in calls:
-        n = gov.observe(rows, seconds)
+        n = gov.threads_for(rows)
         assert 1 <= n <= most
+        gov.observe(rows, seconds, n)
         assert 1 <= gov.threads <= most
 
 

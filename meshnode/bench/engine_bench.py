@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     if adaptive is not None:
         ad = result["adaptive_threads"]
         print(f"  whole model, adaptive threads: {dec['adaptive']:.2f} ms/token against {dec['whole']:.2f} "
-              f"with {threads} fixed ({ad['ratio']:.3f}x); steps by threads: "
+              f"with {threads} fixed ({ad['ratio']:.3f}x); steps by settled thread count: "
               + ", ".join(f"{n}: {c}" for n, c in ad["threads_used"].items()))
     if idle is not None:
         print(f"  whole model, one step after {args.gap_ms:g} ms idle: {idle['after_gap']:.2f} ms against "

@@ -277,6 +277,7 @@ class StageEngine:
         exact_any_count = (flash and kv_type == "q8_0" and not self.gpu_layers
                            and config.decode_threads is None)
         self._governor = ThreadGovernor(threads) if adapts and exact_any_count and threads > 1 else None
+        self._threads_now = threads    # what llama.cpp computes the next call with
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
         cparams.swa_full = True   # exact rollback inside sliding-window layers
         cparams.no_perf = True
@@ -437,20 +438,22 @@ class StageEngine:
         return self._next_pos.get(session, 0)
 
     def threads_for(self, rows: int) -> int:
-        """CPU threads llama.cpp computes a call of ``rows`` rows with (a padded one-row
-        call is a batch of ``pad_rows`` rows)."""
+        """CPU threads llama.cpp computes a call of ``rows`` rows with, as configured (a
+        padded one-row call is a batch of ``pad_rows`` rows). An engine that adapts its
+        count (:attr:`threads`) stays a many-thread engine: its calls stay on the one
+        compute thread (EngineWorker), whose OpenMP team llama.cpp reuses; steps run
+        inline on the event loop at a count that came and went measured twice as slow."""
         return self.n_threads_decode if rows == 1 and self.pad_rows == 1 else self.n_threads_batch
 
     @property
     def threads(self) -> int:
-        """The CPU threads of the engine's next call (of several rows)."""
-        return self.n_threads_batch
+        """The CPU threads the engine settled on (a try may run a call with another count)."""
+        return self._governor.threads if self._governor is not None else self.n_threads_batch
 
     def _set_threads(self, threads: int) -> None:
         """Compute the next calls with ``threads`` CPU threads (the governor's choice)."""
         llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
-        log.debug("%s: %d CPU thread(s) from now", Path(self.config.path).name, threads)
-        self.n_threads_decode = self.n_threads_batch = threads
+        self._threads_now = threads
 
     def rollback(self, session: int, pos: int) -> None:
         """Forget positions >= ``pos`` of ``session`` (rejected draft tokens)."""
@@ -761,6 +764,10 @@ class StageEngine:
         self._batch.n_tokens = total
         if self._tap is not None:
             self._tap.reset()
+        if self._governor is not None:
+            threads = self._governor.threads_for(total)
+            if threads != self._threads_now:
+                self._set_threads(threads)
         t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
         if rc == 1:
@@ -768,9 +775,7 @@ class StageEngine:
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc}")
         if self._governor is not None:
-            threads = self._governor.observe(total, time.perf_counter() - t0)
-            if threads != self.n_threads_batch:
-                self._set_threads(threads)
+            self._governor.observe(total, time.perf_counter() - t0, self._threads_now)
         self._copies_queued = False     # the decode ran every queued stream copy first
         if not self.has_head:
             assert self._tap is not None and self._tap.stop_layer is not None
