@@ -103,7 +103,9 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--wire-dtype", choices=["f32", "f16"], default="f32",
                    help="hidden states on the wire: f32 (exact, default) or f16 (half the bytes)")
     m.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="llama.cpp threads per stage (default: all cores; 1 for a stage wholly on the GPU)")
+                   help="llama.cpp threads per stage, at most (default: all cores; 1 for a stage wholly on "
+                        "the GPU). A CPU stage computes with fewer while other programs keep cores busy "
+                        "(MESHNODE_ADAPT_THREADS=0: always N)")
     m.add_argument("--decode-threads", type=positive_int, default=None, metavar="N",
                    help="llama.cpp threads for one-token steps (default: --threads). 1 makes "
                         "greedy output bit-identical with and without speculation, and across "
