@@ -172,13 +172,15 @@ def run(args: argparse.Namespace) -> int:
         assert h is not None
         return h
 
-    def whole_forward(pos: int, rows: np.ndarray, n_logits: int, record: bool) -> np.ndarray:
-        return whole.forward([Segment(0, pos, tokens=rows, n_logits=n_logits)])[0]
+    def forward_on(eng: StageEngine):
+        def forward(pos: int, rows: np.ndarray, n_logits: int, record: bool) -> np.ndarray:
+            return eng.forward([Segment(0, pos, tokens=rows, n_logits=n_logits)])[0]
+        return forward
 
+    whole_forward = forward_on(whole)
     paths_fwd = {"whole": whole_forward, "chain": chain_forward}
     if adaptive is not None:
-        paths_fwd["adaptive"] = lambda pos, rows, n_logits, record: adaptive.forward(
-            [Segment(0, pos, tokens=rows, n_logits=n_logits)])[0]
+        paths_fwd["adaptive"] = forward_on(adaptive)
     threads_used: list[int] = []
 
     load = busy_processes(args.load)

@@ -440,9 +440,9 @@ class StageEngine:
     def threads_for(self, rows: int) -> int:
         """CPU threads llama.cpp computes a call of ``rows`` rows with, as configured (a
         padded one-row call is a batch of ``pad_rows`` rows). An engine that adapts its
-        count (:attr:`threads`) stays a many-thread engine: its calls stay on the one
-        compute thread (EngineWorker), whose OpenMP team llama.cpp reuses; steps run
-        inline on the event loop at a count that came and went measured twice as slow."""
+        count (:attr:`threads`) reports the configured one here, so EngineWorker keeps its
+        calls on the compute thread at any count: steps that moved between the event loop
+        (run inline at 1 thread) and the compute thread took twice as long at 2."""
         return self.n_threads_decode if rows == 1 and self.pad_rows == 1 else self.n_threads_batch
 
     @property

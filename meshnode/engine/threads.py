@@ -65,7 +65,7 @@ class ThreadGovernor:
         self.changes = 0
         self._interval = FIRST_INTERVAL
         self._since = 0
-        self._recent: dict[int, deque[float]] = {}    # rows -> last seconds at self.threads
+        self._recent: dict[int, deque[float]] = {}    # rows -> last calls' seconds at self.threads
         self._settled: dict[int, float] = {}         # rows -> median when last settled
         self._restart_search(down=True)
         self._trial: int | None = None
@@ -94,13 +94,13 @@ class ThreadGovernor:
                 self._reject()
         if threads != self.threads:
             return
-        recent = self._recent.setdefault(rows, deque(maxlen=2 * TRIAL_CALLS))
+        recent = self._recent.setdefault(rows, deque(maxlen=TRIAL_CALLS))
         recent.append(seconds)
         if self._trial is not None or len(recent) < TRIAL_CALLS:
             return
         self._since += 1
         self._shapes[rows] = self._shapes.get(rows, 0) + 1
-        now = median(list(recent)[-TRIAL_CALLS:])
+        now = median(recent)
         settled = self._settled.setdefault(rows, now)
         if not settled / SLOWDOWN <= now <= SLOWDOWN * settled:
             self._settled[rows] = now
@@ -119,7 +119,6 @@ class ThreadGovernor:
         choice = self._next_choice()
         if choice is None:
             return
-        self._down = choice < self.threads
         self._trial = choice
         self._trial_rows = rows
         self._trial_calls = []
@@ -144,7 +143,7 @@ class ThreadGovernor:
         self._trial_calls.append(seconds)
         if len(self._trial_calls) < TRIAL_CALLS:
             return
-        before = median(list(self._recent[self._trial_rows])[-TRIAL_CALLS:])
+        before = median(self._recent[self._trial_rows])
         tried = median(self._trial_calls)
         log.debug("%d-row calls with %s threads: %.2f ms against %.2f with %d: %s", self._trial_rows,
                   self._trial, 1e3 * tried, 1e3 * before, self.threads, "kept" if tried < before else "not kept")
@@ -158,7 +157,7 @@ class ThreadGovernor:
         self.threads = self._trial
         self.changes += 1
         # what other shapes cost at the old count says nothing about the new one
-        self._recent = {self._trial_rows: deque(self._trial_calls, maxlen=2 * TRIAL_CALLS)}
+        self._recent = {self._trial_rows: deque(self._trial_calls, maxlen=TRIAL_CALLS)}
         self._settled = {self._trial_rows: median(self._trial_calls)}
         self._interval = FIRST_INTERVAL   # and try further the same way soon
         self._failed = set()
