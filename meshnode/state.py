@@ -143,6 +143,27 @@ class StageInfo:
     detail: str = ""        # e.g. failure reason, load progress
     backend: str = ""       # what the stage computes on: cpu | cuda | ... ("" not known yet)
     gpu_pad_rows: int = 0   # its node's GPU pad width (Capabilities.gpu_pad_rows)
+    # CPU threads its engine computes with now, of the most it may use (a CPU engine adapts
+    # its count to the cores the machine has free: meshnode.engine.threads); 0: not known
+    # (a peer's stage, seen from its coordinator) or not a CPU stage
+    threads: int = 0
+    max_threads: int = 0
+
+    @property
+    def compute(self) -> str:
+        """What the stage computes on, as the TUI and ``meshnode status`` print it."""
+        return compute_label(self.backend, self.threads, self.max_threads)
+
+
+def compute_label(backend: str, threads: int = 0, max_threads: int = 0) -> str:
+    """``cpu, 2 threads``; ``cpu, 1 of 4 threads`` while it adapted to a busy machine; the
+    backend alone where the thread count is not known ("" when nothing is)."""
+    if not backend or threads <= 0:
+        return backend
+    plural = "s" if max(threads, max_threads) != 1 else ""
+    if 0 < max_threads and threads < max_threads:
+        return f"{backend}, {threads} of {max_threads} thread{plural}"
+    return f"{backend}, {threads} thread{plural}"
 
 
 @dataclass(frozen=True, slots=True)

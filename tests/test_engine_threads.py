@@ -11,6 +11,7 @@ import pytest
 
 import llama_cpp
 from meshnode.engine import EngineConfig, Segment, StageEngine
+from meshnode.state import StageInfo, StageState
 
 pytestmark = pytest.mark.slow
 
@@ -104,6 +105,9 @@ def test_the_governor_s_count_reaches_llama_cpp(smollm2):
         # whatever the count, the engine's calls stay on its compute thread (never inline)
         gov.threads = 1
         assert eng.threads == 1 and eng.threads_for(1) == 2
+        # and the settled count is what the TUI and `meshnode status` show for the stage
+        shown = eng.describe(StageInfo(0, "n", "n", 0, 30, StageState.READY))
+        assert (shown.backend, shown.threads, shown.max_threads, shown.compute) == ("cpu", 1, 2, "cpu, 1 of 2 threads")
 
 
 def test_bench_engine_compares_the_adaptive_count_with_the_fixed_one(tmp_path, smollm2):

@@ -192,6 +192,8 @@ def test_each_node_loads_with_its_own_gpu_layers(synthetic_gguf):
         status = coord.get("/status")
         backends = [s.get("backend") for s in status["stages"]]
         pads = [s.get("gpu_pad_rows") for s in status["stages"]]
+        threads = [(s.get("threads"), s.get("max_threads")) for s in status["stages"]]
+        served = server.get("/status")["stages"]
         coord_log, server_log = coord.log_tail(200_000), server.log_tail(200_000)
     # stage 0 was built from the coordinator's flag, stage 1 from the stage server's own
     assert re.search(r"--gpu-layers all, \d+ layer\(s\) offloaded", coord_log), coord_log[-2000:]
@@ -200,6 +202,11 @@ def test_each_node_loads_with_its_own_gpu_layers(synthetic_gguf):
     assert backends == [expected, expected]
     # each stage's pad width is its own node's (what caps the windows sent to it)
     assert pads == [8, 6]
+    # a CPU stage's threads show where its engine runs: the coordinator knows its own
+    # stage's, the stage server's own status shows the one it serves
+    cpu = 1 if expected == "cpu" else 0
+    assert threads == [(cpu, cpu), (0, 0)]
+    assert [(s["index"], s["backend"], s["threads"], s["max_threads"]) for s in served] == [(1, expected, cpu, cpu)]
 
 
 @cuda_only

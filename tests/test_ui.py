@@ -23,7 +23,7 @@ from starlette.routing import Route
 from rich.console import Console
 from textual.widgets import DataTable, Input, RichLog, Static
 
-from meshnode.state import PeerInfo
+from meshnode.state import PeerInfo, compute_label
 from tests.fake_node import NOW, FakeNode
 from ui.app import SCREENS, MeshnodeApp, make_app
 from ui.screens.chat import ChatMessage, ChatScreen
@@ -172,6 +172,30 @@ async def test_nodes_that_share_a_name_are_told_apart_in_the_table_and_the_stage
         assert str(table.get_row("n-charlie")[0]) == "charlie"
         legend = str(app.screen.query_one(StageMap).render())
         assert "alpha#n-alph" in legend and "alpha#n-brav" in legend and "charlie" in legend
+
+
+def test_compute_label_names_the_threads_only_where_they_are_known():
+    assert compute_label("cpu", 2, 2) == "cpu, 2 threads"
+    assert compute_label("cpu", 1, 4) == "cpu, 1 of 4 threads"
+    assert compute_label("cpu", 1, 1) == "cpu, 1 thread"
+    assert compute_label("cuda") == "cuda" and compute_label("cpu", 0, 2) == "cpu"
+    assert compute_label("", 2, 2) == ""
+
+
+async def test_the_stage_map_says_what_each_stage_computes_on():
+    # stage 0 adapted to a busy machine (1 of its 2 threads); a peer's stage: its backend only
+    node = FakeNode()
+    snap = node.snapshot()
+    stages = (replace(snap.stages[0], backend="cpu", threads=1, max_threads=2),
+              replace(snap.stages[1], backend="cuda"), *snap.stages[2:])
+    node.set_snapshot(replace(snap, stages=stages))
+    app = new_app(node)
+    async with app.run_test(size=(120, 30)) as pilot:
+        stage_map = app.screen.query_one(StageMap)
+        await wait_for(pilot, lambda: "1 of 2" in str(stage_map.render()))
+        legend = str(stage_map.render()).splitlines()
+        assert any("S0" in line and "on cpu, 1 of 2 threads" in line for line in legend), legend
+        assert any("S1" in line and "on cuda" in line and "thread" not in line for line in legend), legend
 
 
 async def test_logs_filter_by_level():

@@ -81,7 +81,7 @@ def fetch_status(paths, timeout: float = 5.0) -> dict:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from meshnode.state import format_step_costs, node_labels, printable as pr   # names and details come from other machines
+    from meshnode.state import compute_label, format_step_costs, node_labels, printable as pr   # names and details come from other machines
 
     data = fetch_status(_paths(args), args.timeout)
     if args.json:
@@ -100,7 +100,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for s in stages:
             a, b = s["layers"]
             detail = f"  ({pr(s['detail'])})" if s.get("detail") else ""
-            on = f" ({pr(s['backend'])})" if s.get("backend") else ""
+            compute = compute_label(str(s.get("backend") or ""), int(s.get("threads") or 0), int(s.get("max_threads") or 0))
+            on = f" ({pr(compute)})" if compute else ""
             print(f"       stage {s['index']}: layers [{a},{b}) on {labels[s['node_id']]}{on}: {pr(s['state'])}{detail}")
     for sp in data.get("spec") or []:   # docs/speculative.md, "Telemetry"
         if sp.get("strategy") in (None, "none"):

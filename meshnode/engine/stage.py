@@ -27,6 +27,7 @@ Every method blocks (llama_decode): call them on the process's one compute threa
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import time
@@ -47,6 +48,7 @@ from .errors import (
 )
 from .threads import ThreadGovernor
 from meshnode import timeline
+from meshnode.state import StageInfo
 from meshnode.limits import (
     CPU_PAD_ROWS_ENV,
     DEFAULT_KV_TYPE,
@@ -449,6 +451,13 @@ class StageEngine:
     def threads(self) -> int:
         """The CPU threads the engine settled on (a try may run a call with another count)."""
         return self._governor.threads if self._governor is not None else self.n_threads_batch
+
+    def describe(self, stage: StageInfo) -> StageInfo:
+        """``stage`` as the UI shows it when this engine computes it: its backend and, on a
+        CPU, the threads it settled on of the most it may use."""
+        cpu = self.backend == "cpu"
+        return dataclasses.replace(stage, backend=self.backend, threads=self.threads if cpu else 0,
+                                   max_threads=self.n_threads_batch if cpu else 0)
 
     def _set_threads(self, threads: int) -> None:
         """Compute the next calls with ``threads`` CPU threads (the governor's choice)."""

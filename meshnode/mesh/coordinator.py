@@ -100,18 +100,19 @@ class ServingModel:
 
     def stages(self) -> list[StageInfo]:
         """Every stage of the plan as the UI and ``meshnode status --json`` show it, with
-        the backend each runs on: stage 0's from its loaded engine, a peer's as its
-        capabilities advertise it over the authenticated link."""
+        the backend each runs on: stage 0's from its loaded engine (with its CPU threads),
+        a peer's as its capabilities advertise it over the authenticated link (its threads
+        show on that node's own status)."""
         caps = {p.node_id: p.capabilities for p in self.runtime.fabric.peers()}
         out = []
         for st in self.control.stages:
             if st.index == 0:
-                backend = self._worker.engine.backend if self._worker is not None else ""
-                pad = gpu_pad_rows()
+                st = dataclasses.replace(st, gpu_pad_rows=gpu_pad_rows())
+                out.append(self._worker.engine.describe(st) if self._worker is not None else st)
             else:
                 c = caps.get(st.node_id)
                 backend, pad = (c.backend, c.gpu_pad_rows) if c is not None else ("", 0)
-            out.append(dataclasses.replace(st, backend=backend, gpu_pad_rows=pad))
+                out.append(dataclasses.replace(st, backend=backend, gpu_pad_rows=pad))
         return out
 
     @property

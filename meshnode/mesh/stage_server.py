@@ -132,10 +132,14 @@ class StageServerRuntime:
     # ---- reading -----------------------------------------------------------------
 
     def stages(self) -> list[StageInfo]:
-        """The stage this node serves for another node (empty while idle); a stopped or
-        failed stage stays listed, with its reason, until the next claim."""
+        """The stage this node serves for another node (empty while idle), with what its
+        engine computes on once loaded; a stopped or failed stage stays listed, with its
+        reason, until the next claim."""
         st = self.control.stage
-        return [] if st is None else [st]
+        if st is None:
+            return []
+        host = self._host
+        return [host.worker.engine.describe(st) if host is not None else st]
 
     def sessions(self) -> list[int]:
         """Sessions whose KV this node holds for the stage it serves."""

@@ -66,7 +66,8 @@ def status_json(snapshot: Any) -> dict[str, Any]:
         "stages": [
             {"index": s.index, "node_id": s.node_id, "node": s.node_name,
              "layers": [s.layer_start, s.layer_end], "state": s.state.value, "detail": s.detail,
-             "backend": s.backend, "gpu_pad_rows": s.gpu_pad_rows}
+             "backend": s.backend, "gpu_pad_rows": s.gpu_pad_rows,
+             "threads": s.threads, "max_threads": s.max_threads}
             for s in snapshot.stages
         ],
         "requests": to_jsonable(snapshot.requests[:20]),

@@ -96,8 +96,8 @@ class StageMap(Widget):
             legend.append(f"[{s.layer_start},{s.layer_end})".ljust(10))
             legend.append(f"{self._label(s):<12} ")
             legend.append(s.state.value, style=style)
-            if s.backend:
-                legend.append(f" on {printable(s.backend, 16)}")
+            if s.compute:
+                legend.append(f" on {printable(s.compute, 32)}")
             if s.detail:
                 legend.append(f"  {printable(s.detail)}", style="dim")
             lines.append("\n")
