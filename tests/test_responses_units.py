@@ -146,18 +146,49 @@ def test_a_whole_answer_lists_its_items_as_its_stream_does(before):
     assert whole[at]["content"][0]["text"] == f"{before}Done."
 
 
-def test_a_call_cut_short_is_the_text_the_model_wrote():
-    # as a chat answer's: not an empty message (the block had begun as a call of f)
-    from meshnode.serve.client import Finished, Usage
+def _cut_answer(text: str, *, stream: bool, pieces: int = 3):
+    """The output items of a Responses answer with tool f cut short at ``text``, as
+    the stream's last event has them or as the non-streamed response object."""
+    from meshnode.serve.client import Finished, TextDelta, Usage
     from meshnode.serve.openai_routes import _Choice, _ResponsesChunks
 
     body = ResponsesRequest.model_validate({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f"}]})
     chunks = _ResponsesChunks(body, ["f"])
-    choice = _Choice()
-    choice.parts, choice.finished = ['<tool_call>\n{"name": "f", "arguments": {"a": "lo'], Finished("length", Usage(3, 9))
-    r = chunks.full_response([choice]).model_dump(mode="json")
-    assert r["status"] == "incomplete" and [(o["type"], o["status"]) for o in r["output"]] == [("message", "incomplete")]
-    assert r["output"][0]["content"][0]["text"] == choice.text
+    end = Finished("length", Usage(3, 9))
+    if stream:
+        step = max(1, len(text) // pieces)
+        for i in range(0, len(text), step):
+            chunks.deltas(TextDelta(text[i:i + step]))
+        r = chunks.tail(end, [end])[-1]["response"]
+    else:
+        choice = _Choice()
+        choice.parts, choice.finished = [text], end
+        r = chunks.full_response([choice]).model_dump(mode="json")
+    assert r["status"] == "incomplete"
+    return [(o["type"], o["status"], o.get("name"), o.get("arguments"),
+             o["content"][0]["text"] if o["type"] == "message" else None) for o in r["output"]]
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "f", "arguments": {"a": "lo',          # cut in the arguments
+    'Let me look.\n<tool_call>\n{"name": "f", "arguments": {"a',  # after some text
+    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "arg',  # a second call
+    '<tool_call>\n{"name": "f", "argu',                          # before the call was announced
+    '<tool_call>\n{"name": "g", "arguments": {',                 # not one of its tools
+    'Just text, cut sho',
+])
+def test_an_answer_cut_short_has_the_same_items_streamed_or_not(text):
+    whole = _cut_answer(text, stream=False)
+    assert whole == _cut_answer(text, stream=True) == _cut_answer(text, stream=True, pieces=len(text))
+    assert whole[-1][1] == "incomplete" and all(o[1] == "completed" for o in whole[:-1])
+
+
+def test_a_call_cut_short_is_an_incomplete_call_once_announced_else_the_text():
+    assert _cut_answer('<tool_call>\n{"name": "f", "arguments": {"a": "lo', stream=False) == \
+        [("function_call", "incomplete", "f", '{"a": "lo', None)]
+    # not a call yet when it stopped: the text the model wrote (not an empty message)
+    text = '<tool_call>\n{"name": "f", "argu'
+    assert _cut_answer(text, stream=False) == [("message", "incomplete", None, None, text)]
 
 
 def test_an_answer_cut_short_is_incomplete_and_an_empty_one_is_an_empty_message():

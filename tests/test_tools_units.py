@@ -176,6 +176,13 @@ def test_any_answer_streams_to_the_calls_it_reads_as_whole(pieces, step):
     if set(streamed) == {c.id for c in p.calls}:
         assert content == whole_content
         assert (p.content_at or 0) == whole_at
+    # a block's deltas, a call's or one cut short, are the same text however the answer
+    # was cut (a non-streamed answer cut short reads its text in one piece); read in one
+    # piece only its calls and an unclosed last block are announced, token by token
+    # also a malformed block whose head came before its end
+    stepped = iter([(e["name"], e["arguments"]) for e in by_index.values()])
+    at_once = _stream(text, max(1, len(text)))[1]
+    assert all(block in stepped for block in [(e["name"], e["arguments"]) for e in at_once.values()])
 
 
 @pytest.mark.parametrize("step", [1, 2, 5, 1000])

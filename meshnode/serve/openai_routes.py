@@ -867,17 +867,40 @@ class _ResponsesChunks(_Chunks):
 
     def full_response(self, choices: list[_Choice]) -> ResponseObject:
         c = choices[0]
-        content, calls, at = split_tool_calls(c.text, self.tool_names) if self.tool_names else (c.text, [], 0)
-        if not calls:   # (as chat's answer: a call cut short is the text the model wrote)
-            content = c.text
-        self.events.set_calls(calls)
         lp = c.logprobs if self.logprobs else None
-        self.events.set_text(content, _text_logprobs(lp, content) if lp and self.tool_names else lp, at)
         finished = [x.finished for x in choices if x.finished is not None]
         reason = _incomplete(finished[0]) if finished else None
+        if reason and self._parser is not None:
+            self._replay(c.text, lp or [])
+        else:
+            content, calls, at = split_tool_calls(c.text, self.tool_names) if self.tool_names else (c.text, [], 0)
+            if not calls:   # (as chat's answer: a text that only looks like a call is the text)
+                content = c.text
+            self.events.set_calls(calls)
+            self.events.set_text(content, _text_logprobs(lp, content) if lp and self.tool_names else lp, at)
         response = self.events.response("incomplete" if reason else "completed", _responses_usage(finished), reason)
         self._keep(response)
         return ResponseObject.model_validate(response)
+
+
+    def _replay(self, text: str, logprobs: list[TokenLogprob]) -> None:
+        """A whole answer cut short at max_output_tokens, read as its stream was: a call
+        the stream had announced when the answer stopped is an ``incomplete``
+        function_call item with the arguments written so far, here as there (read whole,
+        such a call is no call and its text would be the message)."""
+        content, calls = self._parser.feed(text)
+        more, rest = self._parser.finish()
+        lp = tuple(_text_logprobs(logprobs, content + more))
+        # (the items in the stream's order: a text after the calls opens the message there)
+        if content:
+            self.events.text(content + more, lp)
+        for d in calls:
+            self.events.call(d)
+        if more and not content:
+            self.events.text(more, lp)
+        for d in rest:
+            self.events.call(d)
+        self.events.set_calls(self._parser.calls)
 
 
 def _text_logprobs(entries: list[TokenLogprob], content: str) -> list[TokenLogprob]:

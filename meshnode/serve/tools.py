@@ -240,9 +240,6 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.\-]{1,64})"\s*,\s*"argum
 # but read whole when it closes: the match runs at every token, and a model led to write
 # pages of spaces first would make each one scan them all.
 HEAD_WINDOW = 1024
-# A streamed call's arguments hold back at most this many trailing characters (spaces and
-# braces that may be the wrapper's end); a longer run of them goes out as arguments.
-HOLD_BACK = 256
 
 
 def _args_end(args: str) -> int:
@@ -276,6 +273,8 @@ class _Block:
     id: str | None = None      # set once announced (streaming mode)
     args_at: int = -1          # where the arguments start (streaming mode)
     unsent: str = ""           # the arguments after what was streamed (once announced)
+    args_sent: bool = False    # some of the arguments went out
+    held: int = 0              # unsent[:held] is spaces and braces only (scanned already)
 
     def add(self, text: str) -> None:
         if text:
@@ -407,14 +406,19 @@ class ToolCallParser:
             out = [CallDelta(b.index, id=b.id, name=m.group(1))]
         else:
             out = []
-        # hold back what may be the wrapper's closing brace and the spaces around it: of
-        # the last HOLD_BACK characters at most, so a run of spaces is not rescanned
-        start = max(0, len(b.unsent) - HOLD_BACK)
-        tail = b.unsent[start:].rstrip()
-        safe = start + (len(tail.rstrip("}").rstrip()) if tail.endswith("}") else len(tail))
-        if safe > 0:
+        if not b.args_sent:
+            # the spaces before the arguments are not theirs (the head's pattern takes
+            # them when they came with it): the same deltas however the text is cut
+            b.unsent = b.unsent.lstrip()
+        # hold back the trailing run of spaces and braces: it may hold the wrapper's
+        # closing brace, however long the run. Only the text after the part of it scanned
+        # already is read, so a model writing pages of spaces costs once per character.
+        safe = b.held + _run_start(b.unsent, b.held)
+        if safe > b.held:
             out.append(CallDelta(b.index, arguments=b.unsent[:safe]))
             b.unsent = b.unsent[safe:]
+            b.args_sent = True
+        b.held = len(b.unsent)
         return out
 
     def _close_block(self, b: _Block, closed: bool = True) -> tuple[list[CallDelta], str]:
@@ -423,7 +427,8 @@ class ToolCallParser:
         call = _parse_call(b.text, self._names)
         if b.id is not None:
             # announced already: finish its arguments from the same text
-            rest = b.unsent[:max(0, _args_end(b.unsent))]
+            unsent = b.unsent if b.args_sent else b.unsent.lstrip()
+            rest = unsent[:max(0, _args_end(unsent))]
             if call is not None:
                 self.calls.append(ToolCall(b.id, call.name, call.arguments))
             # else: cut short (max_tokens) or malformed: not a call; its streamed
@@ -457,6 +462,15 @@ def _parse_call(text: str, names: set[str]) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall("", obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _run_start(text: str, start: int) -> int:
+    """Where, counted from ``start``, the trailing run of whitespace and "}" of
+    ``text[start:]`` begins (0: all of it is such a run)."""
+    i = len(text)
+    while i > start and (text[i - 1] == "}" or text[i - 1].isspace()):
+        i -= 1
+    return i - start
 
 
 def _partial_suffix(buf: str, tag: str) -> int:
