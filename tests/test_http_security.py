@@ -273,6 +273,15 @@ def test_a_body_over_the_cap_is_refused_413() -> None:
         assert error_of(post(base, chat("x" * (cap // 2))), 400)["code"] == "context_length_exceeded"
 
 
+def test_a_route_the_node_lacks_is_a_404_that_names_the_ones_it_has(url: str) -> None:
+    err = error_of(post(url, {"model": "m", "input": "hi"}, path="/v1/embeddings"), 404)
+    assert err["code"] == "not_found" and "POST /v1/embeddings" in err["message"]
+    assert "/v1/chat/completions" in err["message"] and "GET /openapi.json" in err["message"]
+    # the path is the client's: printable and cut short in the message
+    err = error_of(httpx.get(url + "/v1/" + "%1b[2J" + "x" * 5000, timeout=10), 404)
+    assert "\x1b" not in err["message"] and len(err["message"]) < 600
+
+
 def test_hostile_json_is_400_not_500(url: str) -> None:
     for raw in (b'{"model": "tiny", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
                 b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b', "messages": []}',

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic.json_schema import models_json_schema
 
 from meshnode import __version__
+from meshnode.state import printable
 from meshnode.serve.http_guard import HttpGuard, HttpSecurity
 from meshnode.serve.node_routes import PullRequest, RefreshRequest
 from meshnode.serve.schemas import (
@@ -61,8 +62,19 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": code}},
+    message = str(exc.detail)
+    if exc.status_code == 404:
+        # a client pointed at a route this server lacks (embeddings, audio) is told which
+        # it has, not just "Not Found" (the path is the client's: shown printable, cut)
+        path = printable(request.url.path, 120)
+        message = (f"No route {request.method} {path} on this node: it serves {', '.join(SERVED)} "
+                   "(every route: GET /openapi.json; docs/api.md). Embeddings, images and audio are not served.")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
                         status_code=exc.status_code, headers=exc.headers)
+
+
+# The OpenAI API's routes a node answers (what a 404 names)
+SERVED = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
