@@ -105,10 +105,16 @@ def fsync_dir(directory: Path) -> None:
 
 def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
     """Hex sha256 of a file; ``progress(n)`` is called with each chunk's size."""
+    return sha256_files([path], progress)
+
+
+def sha256_files(paths: list[Path], progress: Callable[[int], None] | None = None) -> str:
+    """Hex sha256 of the files one after another (of their concatenation)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            if progress:
-                progress(len(chunk))
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+                if progress:
+                    progress(len(chunk))
     return h.hexdigest()

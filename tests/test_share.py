@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.nodeproc import start_node, wait_for
+from tests.gguf_split import split_gguf
+from tests.nodeproc import meshnode_cmd, start_node, wait_for
 from tests.test_split_serving import (  # noqa: F401 - single_node_outputs is a fixture
     NODE_FLAGS,
     _complete_all,
@@ -49,6 +50,38 @@ def test_empty_store_serves_middle_stage(smollm2, single_node_outputs, tmp_path)
             peer = next(p for p in coord.status()["peers"] if p["node_id"] == helpers[0].node_id)
             return (peer.get("capabilities") or {}).get("fetch_bytes_per_s", 0)
         wait_for(lambda: measured() > 0, 10)
+    except BaseException:
+        for n in nodes:
+            print(n.log()[-4000:])
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_a_split_model_is_served_split_by_a_node_with_an_empty_store(smollm2, single_node_outputs, tmp_path):  # noqa: F811
+    """n0 holds SmolLM2 as 3 files (llama-gguf-split's parts), n1 nothing: n1 fetches the
+    package of its layers, sliced from the parts, and the greedy text equals the whole
+    file's on one node. A whole split model is not pulled (a transfer is one file)."""
+    first = split_gguf(smollm2.path, tmp_path / "parts", 3)
+    homes = [_home_with_model(tmp_path, "n0", first), tmp_path / "n1"]
+    homes[1].mkdir()
+    _same_mesh(homes)
+    helper = start_node(homes[1], "n1", "--no-model", *NODE_FLAGS)
+    nodes = [helper]
+    try:
+        helper.wait_up(30)
+        coord = start_node(homes[0], "n0", "--model", str(first), "--split", "2", *NODE_FLAGS).wait_up(30)
+        nodes.append(coord)
+        _wait_ready(coord, 180)
+        stages = coord.status()["stages"]
+        assert [s["state"] for s in stages] == ["ready"] * 2 and stages[1]["node_id"] == helper.node_id, stages
+        assert _complete_all(coord.info["http_port"]) == single_node_outputs
+        (package,) = homes[1].rglob("*.gguf")
+        assert "slices" in str(package)
+        sha = coord.status()["node"]["capabilities"]["models"][0]["sha256"]
+        pulled = meshnode_cmd("models", "pull", sha, "--home", str(homes[1]))
+        assert pulled.returncode != 0 and "is a split model (3 files)" in pulled.stderr, pulled
     except BaseException:
         for n in nodes:
             print(n.log()[-4000:])

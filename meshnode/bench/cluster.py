@@ -194,16 +194,21 @@ class LocalCluster:
 
 
 def link_model(home: Path, model: Path) -> Path:
-    """Put ``model`` into the store of the node home ``home`` (hard link: no copy of the
-    bytes, a copy across file systems) and return its path there."""
-    dest = home / "data" / "models" / model.stem / model.name
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if not dest.exists():
-        try:
-            os.link(model, dest)
-        except OSError:
-            shutil.copy2(model, dest)
-    return dest
+    """Put ``model`` (every part of a split model) into the store of the node home
+    ``home`` (hard links: no copy of the bytes, a copy across file systems) and return
+    its path there."""
+    from meshnode.models.gguf_info import model_files
+
+    folder = home / "data" / "models" / model.stem
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in model_files(model):
+        dest = folder / f.name
+        if not dest.exists():
+            try:
+                os.link(f, dest)
+            except OSError:
+                shutil.copy2(f, dest)
+    return folder / model.name
 
 
 def free_udp_port() -> int:

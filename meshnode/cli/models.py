@@ -244,6 +244,7 @@ def cmd_share_state(args: argparse.Namespace) -> int:
     """``models share|unshare|rm``: change the store, then tell a running node."""
     import shutil
 
+    from meshnode.models.gguf_info import model_files
     from meshnode.models.index import partial_pulls, record_path
     from meshnode.models.sharing import set_shared
     from meshnode.models.transfer import part_paths, remove_partial
@@ -262,7 +263,8 @@ def cmd_share_state(args: argparse.Namespace) -> int:
                             else f"{args.model!r} names {len(refs)} models; give the sha256")
     ref = refs[0]
     if args.action == "rm":
-        ref.path.unlink()
+        for f in model_files(ref.path):   # every part of a split model
+            f.unlink(missing_ok=True)
         record_path(ref.path).unlink(missing_ok=True)
         if ref.path.parent != paths.models and not any(ref.path.parent.iterdir()):
             shutil.rmtree(ref.path.parent, ignore_errors=True)
@@ -279,6 +281,7 @@ def cmd_share_state(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from meshnode.models.gguf_info import model_size
     from meshnode.models.index import partial_pulls
     from meshnode.models.progress import TqdmProgress
     from meshnode.models.transfer import part_paths
@@ -301,7 +304,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("no models in the store (`meshnode models fetch` gets the default one)")
         return 0
     for r in refs:
-        size = r.path.stat().st_size
+        size = model_size(r.path)
         print(f"{r.name:32} {r.architecture:8} {r.n_layers:3d} layers  {_mib(size):>10}  "
               f"{r.sha256[:12]}  {r.path}")
     for name, dest, held in partial:
@@ -320,7 +323,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from meshnode.models.gguf_info import read_model_info
+    from meshnode.models.gguf_info import model_files, read_model_info
     from meshnode.models.store import resolve_model
 
     ref = resolve_model(args.model, _paths(args))
@@ -329,7 +332,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         body = {
             "name": ref.name, "path": str(info.path), "sha256": ref.sha256,
             "architecture": info.architecture, "n_layers": info.n_layers, "n_embd": info.n_embd,
-            "n_vocab": info.n_vocab, "size": info.size, "file_type": info.file_type_name,
+            "n_vocab": info.n_vocab, "size": info.size, "files": [str(f) for f in model_files(info.path)],
+            "file_type": info.file_type_name,
             "tied_embeddings": info.tied_embeddings, "chat_template": info.chat_template,
         }
         if args.tensors:
@@ -347,7 +351,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"n_embd        {info.n_embd}")
     print(f"n_vocab       {info.n_vocab}")
     print(f"file type     {info.file_type_name or info.file_type}")
-    print(f"size          {_mib(info.size)}")
+    parts = len(model_files(info.path))
+    print(f"size          {_mib(info.size)}" + (f" in {parts} files (a split model)" if parts > 1 else ""))
     print(f"tied head     {'yes' if info.tied_embeddings else 'no'}")
     tmpl = info.chat_template
     print(f"chat template {'none' if tmpl is None else f'{len(tmpl)} chars'}")
@@ -386,6 +391,7 @@ def cmd_slice(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from meshnode.engine.quantize import requantize
+    from meshnode.models.gguf_info import model_size
     from meshnode.models.index import file_record, record_path
     from meshnode.models.progress import TqdmProgress
     from meshnode.models.store import resolve_model
@@ -401,7 +407,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         if folder.exists():
             raise UsageError(f"{name} is already in the store ({folder}): pick another --name, "
                              f"or delete it first with `meshnode models rm {name}`")
-        size = ref.path.stat().st_size
+        size = model_size(ref.path)
         dest = folder / f"{name}.gguf"
         cancelled = threading.Event()
         failed: list[BaseException] = []

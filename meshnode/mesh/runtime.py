@@ -199,10 +199,10 @@ def node_capabilities(paths: NodePaths, *, max_memory: int | None = None,
 
 
 def _size(path: Any) -> int:
-    try:
-        return int(path.stat().st_size)
-    except OSError:
-        return 0
+    """Bytes of the model at ``path`` (every part of a split model; 0 when missing)."""
+    from meshnode.models.gguf_info import model_size
+
+    return model_size(Path(path))
 
 
 # ---- the planner's view of a model ----------------------------------------------------

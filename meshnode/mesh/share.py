@@ -38,6 +38,7 @@ from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.runtime import find_held_model
 from meshnode.models.errors import ModelFileError, SliceRangeError, UnsupportedArchitectureError
+from meshnode.models.gguf_info import model_files
 from meshnode.models.transfer import (
     CHUNK_SIZE,
     ChunkPlan,
@@ -196,6 +197,11 @@ class ShareService:
             raise _Refused(wire.ErrorCode.BAD_FIELD, f"{name} holds no model with sha256 {msg.model_sha256[:16]}")
         if msg.whole:
             path, what = Path(model.path), "model"
+            parts = len(model_files(path))
+            if parts > 1:
+                # a transfer is one file; the layers a member serves come as one package
+                raise _Refused(wire.ErrorCode.BAD_FIELD, f"{model.name} is a split model ({parts} files): "
+                               "members pull the layers they serve, not the whole model")
         else:
             try:
                 check_range(msg.layer_start, msg.layer_end, model.n_layers, model.name)

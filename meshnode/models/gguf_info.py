@@ -8,6 +8,17 @@ file, so nothing is read until touched) and turns every way a file can be wrong 
 the end of the file). :func:`read_model_info` then summarises the file as a frozen
 :class:`GGUFInfo`: architecture, block count, widths, vocabulary, chat template and the
 tensor list grouped by block.
+
+Split models. A model too big for one file comes as parts written by llama.cpp's
+``llama-gguf-split`` (or gguf-py): ``<name>-00001-of-0000N.gguf`` ... each holding
+``split.no``, ``split.count`` and ``split.tensors.count``; the first part holds every
+other metadata key. The first part's path stands for the model everywhere (llama.cpp
+loads the others from beside it by the same naming): :func:`open_gguf` opens every part
+and returns a :class:`SplitReader`, which reads as one file (the first part's metadata
+without the ``split.*`` keys, every part's tensors in order), so slicing, the planner and
+``models info`` need nothing else; a later part given alone is refused naming the first.
+:func:`model_files` lists a model's files by name alone (what sizes, hashes and record
+checks go by).
 """
 
 from __future__ import annotations
@@ -29,8 +40,11 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 __all__ = [
     "GGUFInfo",
     "TensorEntry",
+    "SplitReader",
     "block_index",
     "field_value",
+    "model_files",
+    "model_size",
     "open_gguf",
     "read_model_info",
     "require_field",
@@ -56,7 +70,7 @@ class GGUFInfo:
     n_layers: int                     # {arch}.block_count
     n_embd: int                       # {arch}.embedding_length
     n_vocab: int                      # {arch}.vocab_size, else len(tokenizer tokens), else token_embd
-    size: int                         # file size in bytes
+    size: int                         # bytes of the file (of every part of a split model)
     file_type: int | None             # general.file_type (llama_ftype), None when absent
     chat_template: str | None         # tokenizer.chat_template
     name: str | None                  # general.name
@@ -92,19 +106,119 @@ class GGUFInfo:
         )
 
 
+# llama.cpp's name for part i (1-based) of n: llama_split_path, "%s-%05d-of-%05d.gguf"
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+MAX_SPLIT_PARTS = 999   # llama-gguf-split's own limit is far above any real model's parts
+
+
+def split_part(path: Path) -> tuple[int, int] | None:
+    """(part number from 1, part count) when ``path`` is named as a part of a split
+    model, else None (by name alone)."""
+    m = _SPLIT_NAME.match(path.name)
+    if m is None:
+        return None
+    no, count = int(m["no"]), int(m["count"])
+    return (no, count) if 1 <= no <= count <= MAX_SPLIT_PARTS and count > 1 else None
+
+
+def split_part_path(part: Path, no: int, count: int) -> Path:
+    """Part ``no`` (from 1) of the split model that ``part`` (named as a part) belongs to."""
+    m = _SPLIT_NAME.match(part.name)
+    assert m is not None
+    return part.with_name(f"{m['prefix']}-{no:05d}-of-{count:05d}.gguf")
+
+
+def model_files(path: Path) -> list[Path]:
+    """The files of the model at ``path``: every part when it is named as the first part
+    of a split model, else ``path`` alone. By name only: :func:`open_gguf` checks them."""
+    part = split_part(path)
+    if part is None or part[0] != 1:
+        return [path]
+    return [split_part_path(path, i, part[1]) for i in range(1, part[1] + 1)]
+
+
+def model_size(path: Path) -> int:
+    """Bytes of the model at ``path``, every part of a split model (0 for a part missing)."""
+    total = 0
+    for f in model_files(path):
+        try:
+            total += f.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+class SplitReader:
+    """The parts of a split model read as one GGUF (module docstring): ``fields`` are the
+    first part's without the ``split.*`` keys, ``tensors`` every part's in order. Has what
+    meshnode reads of a :class:`gguf.GGUFReader`: ``fields``, ``get_field``, ``tensors``,
+    ``byte_order``."""
+
+    def __init__(self, parts: list[GGUFReader], paths: list[Path]) -> None:
+        self.parts = parts
+        self.paths = paths
+        self.fields = {k: v for k, v in parts[0].fields.items() if k not in SPLIT_KEYS}
+        self.tensors = [t for r in parts for t in r.tensors]
+        self.byte_order = parts[0].byte_order
+
+    def get_field(self, key: str) -> Any:
+        return self.fields.get(key)
+
+
 def block_index(tensor_name: str) -> int | None:
     """The block number of ``blk.{i}.*`` tensor names, None for the others."""
     m = _BLOCK_RE.match(tensor_name)
     return int(m.group(1)) if m else None
 
 
-def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    """Open ``path`` with :class:`~meshnode.gguf_reader.BulkReader` (memory-mapped, read-only).
+def open_gguf(path: str | os.PathLike[str]) -> Any:
+    """Open ``path`` with :class:`~meshnode.gguf_reader.BulkReader` (memory-mapped, read-only);
+    the first part of a split model opens every part, as a :class:`SplitReader`.
 
     Raises :class:`ModelFileError` (naming the file) when it is missing, not a regular
-    file, empty, not GGUF, of an unsupported version, or truncated.
+    file, empty, not GGUF, of an unsupported version, or truncated; for a split model also
+    when a part is missing or not the part its name says, or a later part is given.
     """
     p = Path(path)
+    reader = _open_one(p)
+    count = field_value(reader, "split.count")
+    if count is None or count == 1:
+        return reader
+    no = field_value(reader, "split.no")
+    where = split_part(p)
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 < count <= MAX_SPLIT_PARTS \
+            or not isinstance(no, int) or isinstance(no, bool) or not 0 <= no < count:
+        raise ModelFileError(f"{p}: bad split metadata (split.no {no!r}, split.count {count!r})")
+    if where is None or where != (no + 1, count):
+        raise ModelFileError(f"{p} is part {no + 1} of {count} of a split model but not named as one "
+                             f"(llama.cpp finds the parts by name: <name>-{no + 1:05d}-of-{count:05d}.gguf)")
+    if no != 0:
+        first = split_part_path(p, 1, count)
+        raise ModelFileError(f"{p} is part {no + 1} of {count} of a split model: give its first part, {first.name}")
+    parts, paths = [reader], [p]
+    for i in range(2, count + 1):
+        q = split_part_path(p, i, count)
+        if not q.exists():
+            raise ModelFileError(f"{p} is part 1 of {count} of a split model, but part {i} is missing: {q}")
+        r = _open_one(q)
+        if (field_value(r, "split.no"), field_value(r, "split.count")) != (i - 1, count):
+            raise ModelFileError(f"{q} is not part {i} of {count} of {p.name}'s model (its split metadata differ)")
+        if r.byte_order != reader.byte_order:
+            raise ModelFileError(f"{q}: its byte order differs from the first part's")
+        parts.append(r)
+        paths.append(q)
+    split = SplitReader(parts, paths)
+    names = [t.name for t in split.tensors]
+    declared = field_value(reader, "split.tensors.count")
+    if len(set(names)) != len(names) or (isinstance(declared, int) and declared != len(names)):
+        raise ModelFileError(f"{p}: the parts of this split model hold {len(names)} tensors "
+                             f"({len(set(names))} names), its metadata says {declared}")
+    return split
+
+
+def _open_one(p: Path) -> GGUFReader:
+    """One GGUF file (:func:`open_gguf` without the split model's parts)."""
     try:
         st = p.stat()
     except FileNotFoundError:
@@ -219,7 +333,7 @@ def info_from_reader(reader: GGUFReader, path: Path) -> GGUFInfo:
         n_layers=n_layers,
         n_embd=n_embd,
         n_vocab=int(n_vocab),
-        size=path.stat().st_size,
+        size=model_size(path),
         file_type=file_type if isinstance(file_type, int) else None,
         chat_template=chat_template if isinstance(chat_template, str) else None,
         name=name if isinstance(name, str) else None,

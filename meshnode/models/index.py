@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshnode.fsutil import atomic_write, sha256_file
+from meshnode.fsutil import atomic_write, sha256_file, sha256_files
 from meshnode.models.errors import ModelFileError
-from meshnode.models.gguf_info import read_model_info
+from meshnode.models.gguf_info import model_files, read_model_info, split_part
 from meshnode.models.progress import ProgressFn
 from meshnode.models.transfer import PART_SUFFIX
 from meshnode.paths import NodePaths
@@ -56,23 +56,34 @@ class ModelRef:
     architecture: str
 
 
+def _stamp(gguf: Path) -> tuple[int, int]:
+    """(bytes, newest mtime_ns) of the model's files (every part of a split model): what
+    a record is trusted by. Raises OSError when one is missing."""
+    stats = [f.stat() for f in model_files(gguf)]
+    return sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats)
+
+
 def file_record(gguf: Path, record: Path, name: str, *, progress: ProgressFn | None) -> ModelRef:
     """ModelRef for ``gguf``, hashing it only when ``record`` is missing or stale."""
-    st = gguf.stat()
+    gguf.stat()   # (the model's own file missing: OSError, as before any part is read)
+    try:
+        size, mtime_ns = _stamp(gguf)
+    except OSError:
+        size, mtime_ns = -1, -1   # a part missing: read_model_info says which
     data: Any = None
     with contextlib.suppress(OSError, ValueError):
         data = json.loads(record.read_text())
     if (
         isinstance(data, dict)
-        and data.get("size") == st.st_size
-        and data.get("mtime_ns") == st.st_mtime_ns
+        and data.get("size") == size
+        and data.get("mtime_ns") == mtime_ns
         and isinstance(data.get("sha256"), str)
         and isinstance(data.get("n_layers"), int)
         and isinstance(data.get("architecture"), str)
     ):
         return ModelRef(name, gguf, data["sha256"], data["n_layers"], data["architecture"])
-    info = read_model_info(gguf)  # validates the file before we vouch for it
-    sha = hash_with_progress(gguf, st.st_size, progress)
+    info = read_model_info(gguf)  # validates the file (every part) before we vouch for it
+    sha = hash_with_progress(gguf, info.size, progress)
     write_record(record, gguf, sha, info.n_layers, info.architecture, {})
     return ModelRef(name, gguf, sha, info.n_layers, info.architecture)
 
@@ -80,12 +91,12 @@ def file_record(gguf: Path, record: Path, name: str, *, progress: ProgressFn | N
 def write_record(
     record: Path, gguf: Path, sha: str, n_layers: int, architecture: str, extra: dict[str, Any]
 ) -> None:
-    st = gguf.stat()
+    size, mtime_ns = _stamp(gguf)
     body = {
         "file": str(gguf.name),
         "sha256": sha,
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
+        "size": size,
+        "mtime_ns": mtime_ns,
         "n_layers": n_layers,
         "architecture": architecture,
         **extra,
@@ -110,6 +121,8 @@ def vouch_for(gguf: Path, sha: str, name: str, extra: dict[str, Any] | None = No
 
 
 def hash_with_progress(path: Path, total: int, progress: ProgressFn | None) -> str:
+    """The model's sha256: of its file, or of a split model's parts one after another
+    (what their concatenation would hash to: one id however the model was split)."""
     done = 0
 
     def tick(n: int) -> None:
@@ -118,7 +131,8 @@ def hash_with_progress(path: Path, total: int, progress: ProgressFn | None) -> s
         if progress is not None:
             progress("hash", done, total)
 
-    return sha256_file(path, tick)
+    files = model_files(path)
+    return sha256_file(files[0], tick) if len(files) == 1 else sha256_files(files, tick)
 
 
 def record_path(gguf: Path) -> Path:
@@ -156,15 +170,32 @@ def store_entries(paths: NodePaths) -> list[tuple[str, Path]]:
     for entry in sorted(root.iterdir()):
         if entry.name.startswith("."):
             continue
-        if entry.is_file() and entry.suffix == ".gguf":
-            out.append((entry.stem, entry))
+        if entry.is_file() and entry.suffix == ".gguf" and not _later_part(entry):
+            out.append((_model_stem(entry), entry))
         elif entry.is_dir():
-            ggufs = sorted(p for p in entry.glob("*.gguf") if not p.name.startswith("."))
+            ggufs = _model_ggufs(entry)
             if len(ggufs) == 1:
                 out.append((entry.name, ggufs[0]))
             else:
-                out.extend((f"{entry.name}/{g.stem}", g) for g in ggufs)
+                out.extend((f"{entry.name}/{_model_stem(g)}", g) for g in ggufs)
     return out
+
+
+def _later_part(path: Path) -> bool:
+    """``path`` is named as part 2 or later of a split model (listed by its first part)."""
+    part = split_part(path)
+    return part is not None and part[0] > 1
+
+
+def _model_stem(path: Path) -> str:
+    """The name a GGUF in the store goes by: its stem, a split model's without the
+    ``-00001-of-0000N`` of its first part."""
+    return path.stem[:-len("-00001-of-00000")] if split_part(path) is not None else path.stem
+
+
+def _model_ggufs(folder: Path) -> list[Path]:
+    """The models of ``folder``: its .gguf files, a split model by its first part."""
+    return sorted(p for p in folder.glob("*.gguf") if not p.name.startswith(".") and not _later_part(p))
 
 
 def list_models(paths: NodePaths, *, progress: ProgressFn | None = None) -> list[ModelRef]:
@@ -182,7 +213,7 @@ def model_ref_for_path(path: Path | str, paths: NodePaths, *, progress: Progress
     if not p.exists():
         raise ModelFileError(f"model file not found: {p}")
     if p.is_dir():
-        ggufs = sorted(g for g in p.glob("*.gguf") if not g.name.startswith("."))
+        ggufs = _model_ggufs(p)
         if len(ggufs) != 1:
             raise ModelFileError(f"{p} is a folder with {len(ggufs)} .gguf files; name one of them")
         p = ggufs[0]
@@ -192,4 +223,4 @@ def model_ref_for_path(path: Path | str, paths: NodePaths, *, progress: Progress
         record = record_path(p)
     except ValueError:
         record = _outside_record_path(p, paths)
-    return file_record(p, record, p.stem, progress=progress)
+    return file_record(p, record, _model_stem(p), progress=progress)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshnode.errors import MeshnodeError
+from meshnode.models.gguf_info import model_size
 from meshnode.serve.client import GenerationEvent, GenerationRequest, ModelCard
 from meshnode.serve.errors import EngineUnavailableError
 from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
@@ -356,7 +357,7 @@ class ModelService:
         ref = self.model_ref
         if ref is None:
             return ()
-        size = Path(ref.path).stat().st_size if Path(ref.path).exists() else 0
+        size = model_size(Path(ref.path))   # (every part of a split model; 0: gone)
         return (ModelInfo(ref.name, str(ref.path), ref.sha256, ref.n_layers, size, ref.architecture),)
 
     def transfers(self) -> tuple[TransferInfo, ...]:
