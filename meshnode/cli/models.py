@@ -54,10 +54,15 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
                     help="only the layer package of blocks A to B (into the slice cache, as a stage would fetch it)")
     pp.set_defaults(func=cmd_pull)
 
-    fp = models_sub.add_parser("fetch", help="fetch (or re-check) the default model or a known model")
+    fp = models_sub.add_parser("fetch", help="fetch (or re-check) the default model, a known model, or a GGUF by URL")
     add_common_options(fp)
     fp.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                    help="known model name (default: the default model)")
+                    help="known model name (default: the default model), or the URL of a .gguf file: "
+                         "https://.../FILE.gguf or hf:OWNER/REPO[@REVISION]/FILE.gguf (a split model's "
+                         "first part brings every part; a stopped download resumes)")
+    fp.add_argument("--name", default=None, help="with a URL: the store name (default: the file's name)")
+    fp.add_argument("--sha256", default=None, type=_sha256_arg,
+                    help="with a URL: the sha256 the model must have (of a split model's parts one after another)")
     fp.add_argument("--verify", action="store_true", help="rehash an existing file against its known sha256")
     fp.add_argument("--source-dir", metavar="DIR", default=None,
                     help="take wheels from DIR instead of the network (also $MESHNODE_MODEL_SOURCE_DIR)")
@@ -139,8 +144,6 @@ def parse_range(text: str) -> tuple[int, int]:
         raise UsageError(f"--range must look like A:B with integers, got {text!r}") from None
 
 
-# a store name: one path component, nothing hidden
-_STORE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 # a quantization at the end of a model's name: -q4_1, .Q8_0, -f16, -q4_k_m, ...
 _QUANT_SUFFIX = re.compile(r"[-._](?:i?q\d\w*|bf16|f16|f32)$", re.IGNORECASE)
 
@@ -313,10 +316,25 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sha256_arg(text: str) -> str:
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
+        raise argparse.ArgumentTypeError(f"a sha256 is 64 hex digits, got {text!r}")
+    return text.lower()
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
+    from meshnode.models.progress import TqdmProgress
     from meshnode.models.store import DEFAULT_MODEL, fetch_model
+    from meshnode.models.url_fetch import fetch_url, model_url
 
     name = args.model or DEFAULT_MODEL.name
+    if model_url(name) is not None:
+        with TqdmProgress() as bar:
+            ref = fetch_url(name, _paths(args), name=args.name, sha256=args.sha256, progress=bar)
+        print(f"{ref.name}: {ref.path} (sha256 {ref.sha256}{', verified' if args.sha256 else ''})")
+        return 0
+    if args.name or args.sha256:
+        raise UsageError("--name and --sha256 go with a URL (a known model has its own)")
     ref = fetch_model(name, _paths(args), source_dir=args.source_dir, verify=args.verify)
     print(f"{ref.name}: {ref.path} (sha256 {ref.sha256}{', verified' if args.verify else ''})")
     return 0
@@ -392,7 +410,7 @@ def cmd_slice(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from meshnode.engine.quantize import requantize
     from meshnode.models.gguf_info import model_size
-    from meshnode.models.index import file_record, record_path
+    from meshnode.models.index import STORE_NAME, file_record, record_path
     from meshnode.models.progress import TqdmProgress
     from meshnode.models.store import resolve_model
 
@@ -400,7 +418,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     with TqdmProgress() as bar:
         ref = resolve_model(args.model, paths, progress=bar)
         name = derived_name(ref.name, args.type) if args.name is None else args.name
-        if not _STORE_NAME.fullmatch(name):
+        if not STORE_NAME.fullmatch(name):
             raise UsageError(f"--name {name!r}: use letters, digits, '.', '_', '+' and '-' "
                              "(starting with a letter or digit), at most 128 characters")
         folder = paths.models / name

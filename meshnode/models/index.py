@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ RECORD_SUFFIX = ".meta.json"
 
 __all__ = [
     "RECORD_SUFFIX",
+    "STORE_NAME",
     "ModelRef",
     "file_record",
     "hash_with_progress",
@@ -40,6 +42,7 @@ __all__ = [
     "partial_pulls",
     "record_path",
     "store_entries",
+    "store_name",
     "vouch_for",
     "write_record",
 ]
@@ -171,13 +174,13 @@ def store_entries(paths: NodePaths) -> list[tuple[str, Path]]:
         if entry.name.startswith("."):
             continue
         if entry.is_file() and entry.suffix == ".gguf" and not _later_part(entry):
-            out.append((_model_stem(entry), entry))
+            out.append((store_name(entry), entry))
         elif entry.is_dir():
             ggufs = _model_ggufs(entry)
             if len(ggufs) == 1:
                 out.append((entry.name, ggufs[0]))
             else:
-                out.extend((f"{entry.name}/{_model_stem(g)}", g) for g in ggufs)
+                out.extend((f"{entry.name}/{store_name(g)}", g) for g in ggufs)
     return out
 
 
@@ -187,7 +190,11 @@ def _later_part(path: Path) -> bool:
     return part is not None and part[0] > 1
 
 
-def _model_stem(path: Path) -> str:
+# A name the store takes for a model folder (`--name` of `models quantize` / `fetch`)
+STORE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+
+
+def store_name(path: Path) -> str:
     """The name a GGUF in the store goes by: its stem, a split model's without the
     ``-00001-of-0000N`` of its first part."""
     return path.stem[:-len("-00001-of-00000")] if split_part(path) is not None else path.stem
@@ -223,4 +230,4 @@ def model_ref_for_path(path: Path | str, paths: NodePaths, *, progress: Progress
         record = record_path(p)
     except ValueError:
         record = _outside_record_path(p, paths)
-    return file_record(p, record, _model_stem(p), progress=progress)
+    return file_record(p, record, store_name(p), progress=progress)

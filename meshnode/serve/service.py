@@ -151,7 +151,7 @@ class ModelService:
         try:
             self._set(ModelStatus.FETCHING, o.model or "default model")
             ref = await asyncio.to_thread(resolve_model, o.model, self.node.paths,
-                                          progress=self._progress(o.model or "default model"))
+                                          progress=self._progress(o.model or "default model"), allow_url=True)
             self._transfers.clear()
             self.model_ref = ref
             self.node.advertise_models()

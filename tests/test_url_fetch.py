@@ -1,0 +1,188 @@
+"""Fetching a GGUF by URL (meshnode/models/url_fetch.py) over real HTTP from a local
+server: into the store, a split model's every part, a stopped download resumed with a
+Range request, a server that ignores Range, bad sizes, sha256s, names and files."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from meshnode.models.errors import ChecksumError, ModelFetchError, ModelFileError
+from meshnode.models.gguf_info import model_files
+from meshnode.models.index import list_models
+from meshnode.models.store import resolve_model
+from meshnode.models.url_fetch import DOWNLOAD_SUFFIX, fetch_url, model_url
+from meshnode.paths import NodePaths
+from tests.gguf_split import split_gguf
+
+
+class Files:
+    """What the server serves and how it misbehaves (per test)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cut_after: int | None = None   # close the connection after this many bytes (once)
+        self.ranges = True                  # honour Range requests
+        self.requests: list[tuple[str, str | None]] = []
+
+
+def _handler(files: Files) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            name = self.path.rsplit("/", 1)[-1]
+            rng = self.headers.get("Range")
+            files.requests.append((name, rng))
+            path = files.root / name
+            if not path.is_file():
+                self.send_error(404)
+                return
+            data = path.read_bytes()
+            start = int(rng.split("=")[1].rstrip("-")) if rng and files.ranges else 0
+            body = data[start:]
+            self.send_response(206 if start else 200)
+            if start:
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if files.cut_after is not None:
+                self.wfile.write(body[:files.cut_after])
+                files.cut_after = None
+                self.wfile.flush()
+                self.connection.shutdown(2)
+                return
+            self.wfile.write(body)
+
+    return Handler
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[tuple[str, Files]]:
+    files = Files(tmp_path / "served")
+    files.root.mkdir()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(files))
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/models/", files
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture
+def paths(tmp_path) -> NodePaths:
+    return NodePaths.resolve(tmp_path / "home").ensure()
+
+
+def _sha(*files: Path) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def test_hf_names_map_to_hugging_face_download_urls():
+    assert model_url("hf:bartowski/Llama-3.2-1B-Instruct-GGUF/Llama-3.2-1B-Instruct-Q4_K_M.gguf") == \
+        "https://huggingface.co/bartowski/Llama-3.2-1B-Instruct-GGUF/resolve/main/Llama-3.2-1B-Instruct-Q4_K_M.gguf"
+    assert model_url("hf:o/r@v1.0/sub/m.gguf") == "https://huggingface.co/o/r/resolve/v1.0/sub/m.gguf"
+    assert model_url("smollm2") is None and model_url("/home/me/m.gguf") is None
+    for bad in ("hf:o/m.gguf", "hf:o/r/m.bin", "https://example.com/m.bin", "https://example.com/models/"):
+        with pytest.raises(ModelFetchError):
+            model_url(bad)
+
+
+def test_a_url_is_fetched_into_the_store_once(server, paths, synthetic_gguf):
+    base, files = server
+    src = synthetic_gguf("tiny-q8.gguf", n_layer=2)
+    (files.root / src.name).write_bytes(src.read_bytes())
+    progress: list[tuple[str, int, int | None]] = []
+    ref = fetch_url(base + src.name, paths, progress=lambda *a: progress.append(a))
+    assert ref.name == "tiny-q8" and ref.path == paths.models / "tiny-q8" / "tiny-q8.gguf"
+    assert ref.sha256 == _sha(src) and ref.path.read_bytes() == src.read_bytes()
+    assert progress[-1] == ("download", src.stat().st_size, src.stat().st_size)
+    assert [r.name for r in list_models(paths)] == ["tiny-q8"]
+    again = fetch_url(base + src.name, paths)           # in the store: no second download
+    assert again.sha256 == ref.sha256 and len(files.requests) == 1
+    # `serve --model URL` resolves the same way (only where URLs are allowed)
+    assert resolve_model(base + src.name, paths, allow_url=True).sha256 == ref.sha256
+    with pytest.raises(ModelFileError):
+        resolve_model(base + src.name, paths)
+
+
+def test_a_stopped_download_resumes_with_a_range_request(server, paths, synthetic_gguf):
+    base, files = server
+    src = synthetic_gguf("m.gguf", n_layer=3)
+    (files.root / src.name).write_bytes(src.read_bytes())
+    files.cut_after = 100_000
+    with pytest.raises(ModelFetchError, match="stopped at 100000 of .* the same command resumes it"):
+        fetch_url(base + src.name, paths)
+    part = paths.models / "m" / ("m.gguf" + DOWNLOAD_SUFFIX)
+    assert part.stat().st_size == 100_000 and not (paths.models / "m" / "m.gguf").exists()
+    assert list_models(paths) == []                      # not a model until whole
+    ref = fetch_url(base + src.name, paths)
+    assert files.requests[-1] == ("m.gguf", "bytes=100000-")
+    assert ref.sha256 == _sha(src) and ref.path.read_bytes() == src.read_bytes() and not part.exists()
+
+
+def test_a_server_that_ignores_range_starts_the_file_over(server, paths, synthetic_gguf):
+    base, files = server
+    src = synthetic_gguf("m.gguf", n_layer=3)
+    (files.root / src.name).write_bytes(src.read_bytes())
+    files.cut_after, files.ranges = 50_000, False
+    with pytest.raises(ModelFetchError):
+        fetch_url(base + src.name, paths)
+    ref = fetch_url(base + src.name, paths)
+    assert ref.sha256 == _sha(src) and ref.path.read_bytes() == src.read_bytes()
+
+
+def test_a_split_model_brings_every_part(server, paths, synthetic_gguf):
+    base, files = server
+    src = synthetic_gguf("big.gguf", n_layer=4)
+    first = split_gguf(src, files.root, 3)
+    files.cut_after = 20_000                              # stop inside the first part once
+    with pytest.raises(ModelFetchError):
+        fetch_url(base + first.name, paths)
+    ref = fetch_url(base + first.name, paths)
+    got = model_files(ref.path)
+    assert [f.name for f in got] == [f.name for f in model_files(first)] and ref.name == "big"
+    assert ref.sha256 == _sha(*model_files(first)) and ref.n_layers == 4
+    assert [r for _, r in files.requests] == [None, "bytes=20000-", None, None]
+
+
+def test_a_wrong_sha256_or_a_file_that_is_no_gguf_leaves_nothing(server, paths, synthetic_gguf):
+    base, files = server
+    src = synthetic_gguf("m.gguf", n_layer=2)
+    (files.root / src.name).write_bytes(src.read_bytes())
+    with pytest.raises(ChecksumError, match="expected 0000"):
+        fetch_url(base + src.name, paths, sha256="0" * 64)
+    assert not (paths.models / "m").exists()
+    (files.root / "junk.gguf").write_bytes(b"not a model" * 100)
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        fetch_url(base + "junk.gguf", paths)
+    assert not (paths.models / "junk").exists()
+    assert list_models(paths) == []
+    with pytest.raises(ModelFetchError, match="--name"):
+        fetch_url(base + src.name, paths, name="../escape")
+    with pytest.raises(ModelFetchError, match="HTTP 404"):
+        fetch_url(base + "missing.gguf", paths)
+
+
+def test_the_cli_fetches_a_url_with_a_name_and_a_checked_sha256(server, tmp_path, synthetic_gguf, meshnode_main):
+    base, files = server
+    src = synthetic_gguf("m.gguf", n_layer=2)
+    (files.root / src.name).write_bytes(src.read_bytes())
+    home = str(tmp_path / "cli")
+    r = meshnode_main("--home", home, "models", "fetch", base + src.name, "--name", "mine", "--sha256", _sha(src))
+    assert r.returncode == 0 and f"mine: " in r.stdout and "verified" in r.stdout, r
+    bad = meshnode_main("--home", home, "models", "fetch", base + src.name, "--sha256", "12")
+    assert bad.returncode == 2 and "64 hex digits" in bad.stderr
+    named = meshnode_main("--home", home, "models", "fetch", "smollm2-135m-instruct-q4_1", "--name", "x")
+    assert named.returncode == 2 and "go with a URL" in named.stderr
