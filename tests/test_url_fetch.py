@@ -27,6 +27,7 @@ class Files:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.cut_after: int | None = None   # close the connection after this many bytes (once)
+        self.cut_file: str | None = None    # ... of this file only (None: the next one asked for)
         self.ranges = True                  # honour Range requests
         self.requests: list[tuple[str, str | None]] = []
 
@@ -52,7 +53,7 @@ def _handler(files: Files) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if files.cut_after is not None:
+            if files.cut_after is not None and files.cut_file in (None, name):
                 self.wfile.write(body[:files.cut_after])
                 files.cut_after = None
                 self.wfile.flush()
@@ -130,6 +131,33 @@ def test_a_stopped_download_resumes_with_a_range_request(server, paths, syntheti
     ref = fetch_url(base + src.name, paths)
     assert files.requests[-1] == ("m.gguf", "bytes=100000-")
     assert ref.sha256 == _sha(src) and ref.path.read_bytes() == src.read_bytes() and not part.exists()
+
+
+def test_a_stopped_fetch_is_listed_apart_and_removed_by_rm(server, tmp_path, synthetic_gguf, meshnode_main):
+    base, files = server
+    src = synthetic_gguf("big.gguf", n_layer=4)
+    first = split_gguf(src, files.root, 3)
+    home = tmp_path / "cli"
+    files.cut_after, files.cut_file = 20_000, first.name.replace("00001-of", "00002-of")
+    r = meshnode_main("--home", str(home), "models", "fetch", base + first.name)
+    assert r.returncode != 0 and "the same command resumes it" in r.stderr, r
+    # part 1 is whole, 2 and 3 are not there: the folder is no model yet (listing works)
+    assert (home / "data" / "models" / "big" / first.name).exists()
+    listed = meshnode_main("--home", str(home), "models", "list")
+    assert listed.returncode == 0 and "big" in listed.stdout and "a download stopped" in listed.stdout, listed
+    assert f"`meshnode models fetch {base + first.name}` resumes it" in listed.stdout
+    gone = meshnode_main("--home", str(home), "models", "rm", "big")
+    assert gone.returncode == 0 and not (home / "data" / "models" / "big").exists(), gone
+
+
+def test_a_name_taken_by_another_model_is_refused(server, paths, synthetic_gguf):
+    base, files = server
+    a, b = synthetic_gguf("a.gguf", n_layer=2), synthetic_gguf("b.gguf", n_layer=3)
+    for src in (a, b):
+        (files.root / src.name).write_bytes(src.read_bytes())
+    fetch_url(base + "a.gguf", paths, name="mine")
+    with pytest.raises(ModelFetchError, match="mine is already in the store"):
+        fetch_url(base + "b.gguf", paths, name="mine")
 
 
 def test_a_server_that_ignores_range_starts_the_file_over(server, paths, synthetic_gguf):

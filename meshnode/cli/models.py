@@ -252,6 +252,7 @@ def cmd_share_state(args: argparse.Namespace) -> int:
     from meshnode.models.sharing import set_shared
     from meshnode.models.transfer import part_paths, remove_partial
     from meshnode.models.store import list_models
+    from meshnode.models.url_fetch import stopped_downloads
 
     paths = _paths(args)
     refs = [r for r in list_models(paths) if args.model in (r.name, r.sha256)
@@ -260,6 +261,11 @@ def cmd_share_state(args: argparse.Namespace) -> int:
     if args.action == "rm" and not refs and partial:
         remove_partial(partial[0])
         print(f"removed the partial pull of {args.model} ({part_paths(partial[0])[0]})")
+        return 0
+    stopped = [folder for name, folder, _, _ in stopped_downloads(paths) if name == args.model]
+    if args.action == "rm" and stopped:
+        shutil.rmtree(stopped[0])
+        print(f"removed the stopped download of {args.model} ({stopped[0]})")
         return 0
     if len(refs) != 1:
         raise MeshnodeError(f"no model {args.model!r} in the store (`meshnode models list`)" if not refs
@@ -289,6 +295,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     from meshnode.models.progress import TqdmProgress
     from meshnode.models.transfer import part_paths
     from meshnode.models.store import list_models
+    from meshnode.models.url_fetch import stopped_downloads
+    from meshnode.state import printable as pr
 
     if args.mesh:
         return cmd_list_mesh(args)
@@ -303,7 +311,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         ], indent=2))
         return 0
     partial = partial_pulls(_paths(args))
-    if not refs and not partial:
+    stopped = stopped_downloads(_paths(args))
+    if not refs and not partial and not stopped:
         print("no models in the store (`meshnode models fetch` gets the default one)")
         return 0
     for r in refs:
@@ -313,6 +322,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     for name, dest, held in partial:
         print(f"{name:32} a pull stopped with {_mib(held)} here: `meshnode models pull {name}` "
               f"resumes it, `meshnode models rm {name}` removes it ({part_paths(dest)[0]})")
+    for name, folder, held, url in stopped:
+        print(f"{name:32} a download stopped with {_mib(held)} here: `meshnode models fetch {pr(url)}` "
+              f"resumes it, `meshnode models rm {name}` removes it ({folder})")
     return 0
 
 

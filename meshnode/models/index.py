@@ -30,8 +30,12 @@ from meshnode.models.transfer import PART_SUFFIX
 from meshnode.paths import NodePaths
 
 RECORD_SUFFIX = ".meta.json"
+# In a model's folder while a fetch by URL is unfinished (its URL): the folder holds no
+# model yet (meshnode.models.url_fetch)
+FETCH_NOTE = ".fetch-url"
 
 __all__ = [
+    "FETCH_NOTE",
     "RECORD_SUFFIX",
     "STORE_NAME",
     "ModelRef",
@@ -175,7 +179,7 @@ def store_entries(paths: NodePaths) -> list[tuple[str, Path]]:
             continue
         if entry.is_file() and entry.suffix == ".gguf" and not _later_part(entry):
             out.append((store_name(entry), entry))
-        elif entry.is_dir():
+        elif entry.is_dir() and not (entry / FETCH_NOTE).exists():
             ggufs = _model_ggufs(entry)
             if len(ggufs) == 1:
                 out.append((entry.name, ggufs[0]))

@@ -42,11 +42,11 @@ from meshnode.fsutil import CHUNK, fsync_dir
 from meshnode.models.errors import ChecksumError, ModelFetchError, ModelFileError
 from meshnode.models.fetch import DOWNLOAD_TIMEOUT_S, check_free_space
 from meshnode.models.gguf_info import model_files
-from meshnode.models.index import STORE_NAME, ModelRef, file_record, record_path, store_name, vouch_for
+from meshnode.models.index import FETCH_NOTE, STORE_NAME, ModelRef, file_record, record_path, store_name, vouch_for
 from meshnode.models.progress import ProgressFn
 from meshnode.paths import NodePaths
 
-__all__ = ["DOWNLOAD_SUFFIX", "fetch_url", "model_url"]
+__all__ = ["DOWNLOAD_SUFFIX", "fetch_url", "model_url", "stopped_downloads"]
 
 DOWNLOAD_SUFFIX = ".download"        # a file being downloaded, kept to resume
 HF_PREFIX = "hf:"
@@ -107,8 +107,15 @@ def fetch_url(
                               "(starting with a letter or digit), at most 128 characters")
     dest = paths.models / name / file_name
     files = model_files(dest)
-    if sha256 is None and all(f.is_file() for f in files):
+    note = dest.parent / FETCH_NOTE
+    if sha256 is None and not note.exists() and all(f.is_file() for f in files):
         return file_record(dest, record_path(dest), dest.parent.name, progress=progress)
+    others = sorted(set(dest.parent.glob("*.gguf")) - set(files)) if dest.parent.is_dir() else []
+    if others:
+        raise ModelFetchError(f"{name} is already in the store with another file ({others[0]}): "
+                              "pick another --name, or `meshnode models rm` it first")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    note.write_text(spec + "\n")    # what `models list` says resumes a stopped fetch
     whole = hashlib.sha256()
     for i, f in enumerate(files, 1):
         phase = "download" if len(files) == 1 else f"download {i}/{len(files)}"
@@ -121,10 +128,29 @@ def fetch_url(
     except (ChecksumError, ModelFileError):
         for f in files:
             f.unlink(missing_ok=True)
+        note.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             dest.parent.rmdir()
         raise
+    note.unlink(missing_ok=True)
     return ref
+
+
+def stopped_downloads(paths: NodePaths) -> list[tuple[str, Path, int, str]]:
+    """(store name, its folder, bytes there, what the user typed) of each fetch by URL that
+    stopped before its model was whole: never listed as a model, resumed by the same
+    ``models fetch``, removed by ``models rm``."""
+    out = []
+    for note in sorted(paths.models.glob(f"*/{FETCH_NOTE}")) if paths.models.is_dir() else ():
+        folder = note.parent
+        held = 0
+        for f in folder.iterdir():
+            with contextlib.suppress(OSError):
+                st = f.stat()
+                held += st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            out.append((folder.name, folder, held, note.read_text().strip()[:500]))
+    return out
 
 
 def _hash_file(path: Path, h: Any) -> None:
