@@ -3,6 +3,7 @@ channel, HTTP); a node with an empty store fetches its layers from the holders."
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,21 @@ from tests.test_split_serving import (  # noqa: F401 - single_node_outputs is a 
 pytestmark = [pytest.mark.slow, pytest.mark.net]
 
 
+@contextlib.contextmanager
+def _stopped_after(nodes: list):
+    """``nodes`` (a test appends the ones it starts) stopped at the end; their logs
+    printed when the test fails."""
+    try:
+        yield nodes
+    except BaseException:
+        for n in nodes:
+            print(n.log()[-4000:])
+        raise
+    finally:
+        for n in nodes:
+            n.stop()
+
+
 def test_empty_store_serves_middle_stage(smollm2, single_node_outputs, tmp_path):  # noqa: F811
     """n1 holds nothing: Prepare fetches the middle package (from n0 and n2, verified chunk
     by chunk) and the 3-stage split's greedy text equals one node's."""
@@ -29,8 +45,7 @@ def test_empty_store_serves_middle_stage(smollm2, single_node_outputs, tmp_path)
     (tmp_path / "n1").mkdir()
     _same_mesh(homes)
     helpers = [start_node(homes[i], f"n{i}", "--no-model", *NODE_FLAGS) for i in (1, 2)]
-    nodes = list(helpers)
-    try:
+    with _stopped_after(list(helpers)) as nodes:
         for h in helpers:
             h.wait_up(30)
         coord = start_node(homes[0], "n0", "--model", str(smollm2.path), "--split", "3", *NODE_FLAGS).wait_up(30)
@@ -50,13 +65,6 @@ def test_empty_store_serves_middle_stage(smollm2, single_node_outputs, tmp_path)
             peer = next(p for p in coord.status()["peers"] if p["node_id"] == helpers[0].node_id)
             return (peer.get("capabilities") or {}).get("fetch_bytes_per_s", 0)
         wait_for(lambda: measured() > 0, 10)
-    except BaseException:
-        for n in nodes:
-            print(n.log()[-4000:])
-        raise
-    finally:
-        for n in nodes:
-            n.stop()
 
 
 def test_a_split_model_is_served_split_by_a_node_with_an_empty_store(smollm2, single_node_outputs, tmp_path):  # noqa: F811
@@ -68,8 +76,7 @@ def test_a_split_model_is_served_split_by_a_node_with_an_empty_store(smollm2, si
     homes[1].mkdir()
     _same_mesh(homes)
     helper = start_node(homes[1], "n1", "--no-model", *NODE_FLAGS)
-    nodes = [helper]
-    try:
+    with _stopped_after([helper]) as nodes:
         helper.wait_up(30)
         coord = start_node(homes[0], "n0", "--model", str(first), "--split", "2", *NODE_FLAGS).wait_up(30)
         nodes.append(coord)
@@ -82,10 +89,3 @@ def test_a_split_model_is_served_split_by_a_node_with_an_empty_store(smollm2, si
         sha = coord.status()["node"]["capabilities"]["models"][0]["sha256"]
         pulled = meshnode_cmd("models", "pull", sha, "--home", str(homes[1]))
         assert pulled.returncode != 0 and "is a split model (3 files)" in pulled.stderr, pulled
-    except BaseException:
-        for n in nodes:
-            print(n.log()[-4000:])
-        raise
-    finally:
-        for n in nodes:
-            n.stop()
