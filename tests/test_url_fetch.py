@@ -4,6 +4,7 @@ Range request, a server that ignores Range, bad sizes, sha256s, names and files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections.abc import Iterator
@@ -30,6 +31,9 @@ class Files:
         self.cut_file: str | None = None    # ... of this file only (None: the next one asked for)
         self.ranges = True                  # honour Range requests
         self.requests: list[tuple[str, str | None]] = []
+        self.auth: list[str | None] = []    # the Authorization header of each request
+        self.redirect: str | None = None    # answer 302 to this base URL + the file name
+        self.refuse: int | None = None      # answer every request with this error status
 
 
 def _handler(files: Files) -> type[BaseHTTPRequestHandler]:
@@ -41,6 +45,16 @@ def _handler(files: Files) -> type[BaseHTTPRequestHandler]:
             name = self.path.rsplit("/", 1)[-1]
             rng = self.headers.get("Range")
             files.requests.append((name, rng))
+            files.auth.append(self.headers.get("Authorization"))
+            if files.refuse is not None:
+                self.send_error(files.refuse)
+                return
+            if files.redirect is not None:
+                self.send_response(302)
+                self.send_header("Location", files.redirect + name)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             path = files.root / name
             if not path.is_file():
                 self.send_error(404)
@@ -64,18 +78,24 @@ def _handler(files: Files) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-@pytest.fixture
-def server(tmp_path) -> Iterator[tuple[str, Files]]:
-    files = Files(tmp_path / "served")
-    files.root.mkdir()
+@contextlib.contextmanager
+def _serving(root: Path, host: str = "127.0.0.1") -> Iterator[tuple[str, Files]]:
+    files = Files(root)
+    files.root.mkdir(exist_ok=True)
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(files))
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
     t.start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}/models/", files
+        yield f"http://{host}:{httpd.server_address[1]}/models/", files
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[tuple[str, Files]]:
+    with _serving(tmp_path / "served") as served:
+        yield served
 
 
 @pytest.fixture
@@ -214,3 +234,27 @@ def test_the_cli_fetches_a_url_with_a_name_and_a_checked_sha256(server, tmp_path
     assert bad.returncode == 2 and "64 hex digits" in bad.stderr
     named = meshnode_main("--home", home, "models", "fetch", "smollm2-135m-instruct-q4_1", "--name", "x")
     assert named.returncode == 2 and "go with a URL" in named.stderr
+
+
+def test_the_token_goes_to_the_model_host_only_and_a_refusal_says_what_to_do(tmp_path, paths, synthetic_gguf,
+                                                                            monkeypatch):
+    # the host of the URL gets HF_TOKEN; the one it redirects to (a CDN) does not, and a
+    # resumed download's Range follows the redirect
+    import meshnode.models.url_fetch as url_fetch
+
+    src = synthetic_gguf("m.gguf", n_layer=2)
+    with _serving(tmp_path / "cdn", host="localhost") as (cdn_base, cdn), _serving(tmp_path / "hub") as (hub_base, hub):
+        (cdn.root / src.name).write_bytes(src.read_bytes())
+        hub.redirect = cdn_base
+        monkeypatch.setattr(url_fetch, "TOKEN_HOSTS", frozenset({"127.0.0.1"}))
+        monkeypatch.setenv("HF_TOKEN", "hf_secret")
+        cdn.cut_after = 30_000
+        with pytest.raises(ModelFetchError):
+            fetch_url(hub_base + src.name, paths)
+        ref = fetch_url(hub_base + src.name, paths)
+        assert ref.sha256 == _sha(src)
+        assert hub.auth == ["Bearer hf_secret"] * 2 and cdn.auth == [None, None]
+        assert cdn.requests == [("m.gguf", None), ("m.gguf", "bytes=30000-")]
+        hub.redirect, hub.refuse = None, 401    # a gated model without the token
+        with pytest.raises(ModelFetchError, match="HTTP 401.*accept its terms on its page and set HF_TOKEN"):
+            fetch_url(hub_base + "gated.gguf", paths)

@@ -18,7 +18,9 @@ one after another) is computed while the bytes arrive and checked against ``sha2
 when given; the file must then read as a GGUF (every part), or it is deleted. What the
 server sends is bounded by what it announced (Content-Length / Content-Range), and
 without an announcement by the disk's free space (checked every 256 MiB), so a server
-cannot fill the disk.
+cannot fill the disk. ``HF_TOKEN`` (a Hugging Face access token) is sent to
+huggingface.co for gated and private models, never to the host a download is redirected
+to.
 
 URLs are fetched only for what the user typed on this machine (``models fetch``,
 ``serve --model``): never for names that come from the network or from a model package.
@@ -87,9 +89,29 @@ def _part_url(url: str, name: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(path=f"{folder}/{urllib.parse.quote(name)}"))
 
 
+# Hosts that get the user's Hugging Face token (HF_TOKEN), for gated and private models
+TOKEN_HOSTS = frozenset({"huggingface.co"})
+TOKEN_ENV = "HF_TOKEN"
+
+
+class _NoAuthElsewhere(urllib.request.HTTPRedirectHandler):
+    """Follows redirects (Hugging Face sends downloads to its CDN) without taking the
+    token to another host; a Range header goes along."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlsplit(newurl).hostname != urllib.parse.urlsplit(req.full_url).hostname:
+            new.remove_header("Authorization")
+        return new
+
+
+def _urlopen(req: urllib.request.Request, timeout: float) -> Any:
+    return urllib.request.build_opener(_NoAuthElsewhere).open(req, timeout=timeout)
+
+
 def fetch_url(
     spec: str, paths: NodePaths, *, name: str | None = None, sha256: str | None = None,
-    progress: ProgressFn | None = None, opener: Callable[..., Any] = urllib.request.urlopen,
+    progress: ProgressFn | None = None, opener: Callable[..., Any] = _urlopen,
     timeout: float = DOWNLOAD_TIMEOUT_S,
 ) -> ModelRef:
     """The model at URL ``spec`` (:func:`model_url`) in the store, downloaded unless it is
@@ -175,6 +197,9 @@ def _download(url: str, dest: Path, whole: Any, phase: str, progress: ProgressFn
     from meshnode import __version__
 
     headers = {"User-Agent": f"meshnode/{__version__}"}
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token and urllib.parse.urlsplit(url).hostname in TOKEN_HOSTS:
+        headers["Authorization"] = f"Bearer {token}"
     if have:
         headers["Range"] = f"bytes={have}-"
     done, total = have, None
@@ -210,7 +235,11 @@ def _download(url: str, dest: Path, whole: Any, phase: str, progress: ProgressFn
     except urllib.error.HTTPError as exc:
         if exc.code == 416 and have:   # asked past the end: the file changed there; start over
             part.unlink(missing_ok=True)
-        raise ModelFetchError(f"cannot download {url}: HTTP {exc.code} {exc.reason}") from None
+        hint = ""
+        if exc.code in (401, 403) and urllib.parse.urlsplit(url).hostname in TOKEN_HOSTS:
+            hint = (f" (a gated or private model: accept its terms on its page and set {TOKEN_ENV} "
+                    "to an access token, https://huggingface.co/settings/tokens)")
+        raise ModelFetchError(f"cannot download {url}: HTTP {exc.code} {exc.reason}{hint}") from None
     except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise ModelFetchError(f"download of {url} stopped at {done} of {total or '?'} bytes ({reason}); "
