@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from meshnode.models.errors import ModelFileError
-from meshnode.models.gguf_info import model_files, open_gguf, read_model_info
+from meshnode.gguf_files import model_files
+from meshnode.models.gguf_info import open_gguf, read_model_info
 from meshnode.models.index import list_models
 from meshnode.models.slicer import write_slice
 from meshnode.paths import NodePaths

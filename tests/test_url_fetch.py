@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from meshnode.models.errors import ChecksumError, ModelFetchError, ModelFileError
-from meshnode.models.gguf_info import model_files
+from meshnode.gguf_files import model_files
 from meshnode.models.index import list_models
 from meshnode.models.store import resolve_model
 from meshnode.models.url_fetch import DOWNLOAD_SUFFIX, fetch_url, model_url
@@ -229,7 +229,7 @@ def test_the_cli_fetches_a_url_with_a_name_and_a_checked_sha256(server, tmp_path
     (files.root / src.name).write_bytes(src.read_bytes())
     home = str(tmp_path / "cli")
     r = meshnode_main("--home", home, "models", "fetch", base + src.name, "--name", "mine", "--sha256", _sha(src))
-    assert r.returncode == 0 and f"mine: " in r.stdout and "verified" in r.stdout, r
+    assert r.returncode == 0 and "mine: " in r.stdout and "verified" in r.stdout, r
     bad = meshnode_main("--home", home, "models", "fetch", base + src.name, "--sha256", "12")
     assert bad.returncode == 2 and "64 hex digits" in bad.stderr
     named = meshnode_main("--home", home, "models", "fetch", "smollm2-135m-instruct-q4_1", "--name", "x")

@@ -197,7 +197,7 @@ def link_model(home: Path, model: Path) -> Path:
     """Put ``model`` (every part of a split model) into the store of the node home
     ``home`` (hard links: no copy of the bytes, a copy across file systems) and return
     its path there."""
-    from meshnode.models.gguf_info import model_files
+    from meshnode.gguf_files import model_files
 
     folder = home / "data" / "models" / model.stem
     folder.mkdir(parents=True, exist_ok=True)

@@ -247,7 +247,7 @@ def cmd_share_state(args: argparse.Namespace) -> int:
     """``models share|unshare|rm``: change the store, then tell a running node."""
     import shutil
 
-    from meshnode.models.gguf_info import model_files
+    from meshnode.gguf_files import model_files
     from meshnode.models.index import partial_pulls, record_path
     from meshnode.models.sharing import set_shared
     from meshnode.models.transfer import part_paths, remove_partial
@@ -290,7 +290,7 @@ def cmd_share_state(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from meshnode.models.gguf_info import model_size
+    from meshnode.gguf_files import model_size
     from meshnode.models.index import partial_pulls
     from meshnode.models.progress import TqdmProgress
     from meshnode.models.transfer import part_paths
@@ -353,7 +353,8 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from meshnode.models.gguf_info import model_files, read_model_info
+    from meshnode.gguf_files import model_files
+    from meshnode.models.gguf_info import read_model_info
     from meshnode.models.store import resolve_model
 
     ref = resolve_model(args.model, _paths(args))
@@ -421,7 +422,7 @@ def cmd_slice(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from meshnode.engine.quantize import requantize
-    from meshnode.models.gguf_info import model_size
+    from meshnode.gguf_files import model_size
     from meshnode.models.index import STORE_NAME, file_record, record_path
     from meshnode.models.progress import TqdmProgress
     from meshnode.models.store import resolve_model

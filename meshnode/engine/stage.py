@@ -48,6 +48,7 @@ from .errors import (
 )
 from .threads import ThreadGovernor
 from meshnode import timeline
+from meshnode.gguf_files import model_size
 from meshnode.state import StageInfo
 from meshnode.limits import (
     CPU_PAD_ROWS_ENV,
@@ -216,7 +217,7 @@ class StageEngine:
 
         offload.backend_env_defaults()
         self.gpu_layers = offload.resolve_gpu_layers(
-            config.gpu_layers, file_bytes=path.stat().st_size,
+            config.gpu_layers, file_bytes=model_size(path),   # (every part of a split model)
             shape=lambda: _peek_shape(path, config.n_ctx * config.n_seq_max))
         self.backend = offload.backend_summary()[0] if self.gpu_layers else "cpu"
         mparams = llama_cpp.llama_model_default_params()

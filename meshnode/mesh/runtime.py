@@ -200,7 +200,7 @@ def node_capabilities(paths: NodePaths, *, max_memory: int | None = None,
 
 def _size(path: Any) -> int:
     """Bytes of the model at ``path`` (every part of a split model; 0 when missing)."""
-    from meshnode.models.gguf_info import model_size
+    from meshnode.gguf_files import model_size
 
     return model_size(Path(path))
 

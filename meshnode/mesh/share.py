@@ -38,7 +38,7 @@ from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.runtime import find_held_model
 from meshnode.models.errors import ModelFileError, SliceRangeError, UnsupportedArchitectureError
-from meshnode.models.gguf_info import model_files
+from meshnode.gguf_files import model_files
 from meshnode.models.transfer import (
     CHUNK_SIZE,
     ChunkPlan,

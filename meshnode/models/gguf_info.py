@@ -17,8 +17,8 @@ loads the others from beside it by the same naming): :func:`open_gguf` opens eve
 and returns a :class:`SplitReader`, which reads as one file (the first part's metadata
 without the ``split.*`` keys, every part's tensors in order), so slicing, the planner and
 ``models info`` need nothing else; a later part given alone is refused naming the first.
-:func:`model_files` lists a model's files by name alone (what sizes, hashes and record
-checks go by).
+:mod:`meshnode.gguf_files` lists a model's files by name alone (what sizes, hashes and
+record checks go by).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 from gguf import GGUFReader, GGUFValueType, LlamaFileType
 
+from meshnode.gguf_files import MAX_SPLIT_PARTS, model_size, split_part, split_part_path
 from meshnode.gguf_reader import PARSE_ERRORS, BulkReader
 from meshnode.models.errors import ModelFileError
 
@@ -43,8 +44,6 @@ __all__ = [
     "SplitReader",
     "block_index",
     "field_value",
-    "model_files",
-    "model_size",
     "open_gguf",
     "read_model_info",
     "require_field",
@@ -106,47 +105,7 @@ class GGUFInfo:
         )
 
 
-# llama.cpp's name for part i (1-based) of n: llama_split_path, "%s-%05d-of-%05d.gguf"
-_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
-MAX_SPLIT_PARTS = 999   # llama-gguf-split's own limit is far above any real model's parts
-
-
-def split_part(path: Path) -> tuple[int, int] | None:
-    """(part number from 1, part count) when ``path`` is named as a part of a split
-    model, else None (by name alone)."""
-    m = _SPLIT_NAME.match(path.name)
-    if m is None:
-        return None
-    no, count = int(m["no"]), int(m["count"])
-    return (no, count) if 1 <= no <= count <= MAX_SPLIT_PARTS and count > 1 else None
-
-
-def split_part_path(part: Path, no: int, count: int) -> Path:
-    """Part ``no`` (from 1) of the split model that ``part`` (named as a part) belongs to."""
-    m = _SPLIT_NAME.match(part.name)
-    assert m is not None
-    return part.with_name(f"{m['prefix']}-{no:05d}-of-{count:05d}.gguf")
-
-
-def model_files(path: Path) -> list[Path]:
-    """The files of the model at ``path``: every part when it is named as the first part
-    of a split model, else ``path`` alone. By name only: :func:`open_gguf` checks them."""
-    part = split_part(path)
-    if part is None or part[0] != 1:
-        return [path]
-    return [split_part_path(path, i, part[1]) for i in range(1, part[1] + 1)]
-
-
-def model_size(path: Path) -> int:
-    """Bytes of the model at ``path``, every part of a split model (0 for a part missing)."""
-    total = 0
-    for f in model_files(path):
-        try:
-            total += f.stat().st_size
-        except OSError:
-            pass
-    return total
 
 
 class SplitReader:

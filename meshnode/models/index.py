@@ -24,7 +24,8 @@ from typing import Any
 
 from meshnode.fsutil import atomic_write, sha256_file, sha256_files
 from meshnode.models.errors import ModelFileError
-from meshnode.models.gguf_info import model_files, read_model_info, split_part
+from meshnode.gguf_files import model_files, split_part
+from meshnode.models.gguf_info import read_model_info
 from meshnode.models.progress import ProgressFn
 from meshnode.models.transfer import PART_SUFFIX
 from meshnode.paths import NodePaths

@@ -43,7 +43,7 @@ from typing import Any
 from meshnode.fsutil import CHUNK, fsync_dir
 from meshnode.models.errors import ChecksumError, ModelFetchError, ModelFileError
 from meshnode.models.fetch import DOWNLOAD_TIMEOUT_S, check_free_space
-from meshnode.models.gguf_info import model_files
+from meshnode.gguf_files import model_files
 from meshnode.models.index import FETCH_NOTE, STORE_NAME, ModelRef, file_record, record_path, store_name, vouch_for
 from meshnode.models.progress import ProgressFn
 from meshnode.paths import NodePaths

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshnode.errors import MeshnodeError
-from meshnode.models.gguf_info import model_size
+from meshnode.gguf_files import model_size
 from meshnode.serve.client import GenerationEvent, GenerationRequest, ModelCard
 from meshnode.serve.errors import EngineUnavailableError
 from meshnode.serve.http_guard import DEFAULT_MAX_QUEUE
