@@ -258,3 +258,18 @@ def test_the_token_goes_to_the_model_host_only_and_a_refusal_says_what_to_do(tmp
         hub.redirect, hub.refuse = None, 401    # a gated model without the token
         with pytest.raises(ModelFetchError, match="HTTP 401.*accept its terms on its page and set HF_TOKEN"):
             fetch_url(hub_base + "gated.gguf", paths)
+
+
+def test_a_second_fetch_of_the_same_model_at_once_is_refused(server, paths, synthetic_gguf):
+    import fcntl
+
+    base, files = server
+    src = synthetic_gguf("m.gguf", n_layer=2)
+    (files.root / src.name).write_bytes(src.read_bytes())
+    folder = paths.models / "m"
+    folder.mkdir(parents=True)
+    with open(folder / ".fetch-url", "a+") as held:          # another process fetching it
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(ModelFetchError, match="another fetch of m is running"):
+            fetch_url(base + src.name, paths)
+    assert fetch_url(base + src.name, paths).sha256 == _sha(src)

@@ -137,11 +137,11 @@ def fetch_url(
         raise ModelFetchError(f"{name} is already in the store with another file ({others[0]}): "
                               "pick another --name, or `meshnode models rm` it first")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    note.write_text(spec + "\n")    # what `models list` says resumes a stopped fetch
-    whole = hashlib.sha256()
-    for i, f in enumerate(files, 1):
-        phase = "download" if len(files) == 1 else f"download {i}/{len(files)}"
-        whole = _download(_part_url(url, f.name), f, whole, phase, progress, opener, timeout)
+    with _only_fetch(note, spec):
+        whole = hashlib.sha256()
+        for i, f in enumerate(files, 1):
+            phase = "download" if len(files) == 1 else f"download {i}/{len(files)}"
+            whole = _download(_part_url(url, f.name), f, whole, phase, progress, opener, timeout)
     sha = whole.hexdigest()
     try:
         if sha256 is not None and sha != sha256.lower():
@@ -156,6 +156,27 @@ def fetch_url(
         raise
     note.unlink(missing_ok=True)
     return ref
+
+
+@contextlib.contextmanager
+def _only_fetch(note: Path, spec: str) -> Any:
+    """Write ``note`` (what `models list` says resumes a stopped fetch) and hold a lock on
+    it while the files download: a second fetch of the same model at once (a node's
+    ``--model URL`` and a ``models fetch``) would append to the same files."""
+    with open(note, "a+") as f:
+        try:
+            import fcntl
+
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:   # (no fcntl: Windows; one fetch at a time is up to the user)
+            pass
+        except OSError:
+            raise ModelFetchError(f"another fetch of {note.parent.name} is running (into {note.parent})") from None
+        f.seek(0)
+        f.truncate()
+        f.write(spec + "\n")
+        f.flush()
+        yield
 
 
 def stopped_downloads(paths: NodePaths) -> list[tuple[str, Path, int, str]]:
