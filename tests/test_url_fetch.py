@@ -17,7 +17,7 @@ from meshnode.models.errors import ChecksumError, ModelFetchError, ModelFileErro
 from meshnode.gguf_files import model_files
 from meshnode.models.index import list_models
 from meshnode.models.store import resolve_model
-from meshnode.models.url_fetch import DOWNLOAD_SUFFIX, fetch_url, model_url
+from meshnode.models.url_fetch import DOWNLOAD_SUFFIX, fetch_url, is_model_url, model_url
 from meshnode.paths import NodePaths
 from tests.gguf_split import split_gguf
 
@@ -34,6 +34,7 @@ class Files:
         self.auth: list[str | None] = []    # the Authorization header of each request
         self.redirect: str | None = None    # answer 302 to this base URL + the file name
         self.refuse: int | None = None      # answer every request with this error status
+        self.listing: bytes | None = None   # the body of /api/... (a Hugging Face listing)
 
 
 def _handler(files: Files) -> type[BaseHTTPRequestHandler]:
@@ -48,6 +49,12 @@ def _handler(files: Files) -> type[BaseHTTPRequestHandler]:
             files.auth.append(self.headers.get("Authorization"))
             if files.refuse is not None:
                 self.send_error(files.refuse)
+                return
+            if self.path.startswith("/api/") and files.listing is not None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(files.listing)))
+                self.end_headers()
+                self.wfile.write(files.listing)
                 return
             if files.redirect is not None:
                 self.send_response(302)
@@ -115,9 +122,10 @@ def test_hf_names_map_to_hugging_face_download_urls():
         "https://huggingface.co/bartowski/Llama-3.2-1B-Instruct-GGUF/resolve/main/Llama-3.2-1B-Instruct-Q4_K_M.gguf"
     assert model_url("hf:o/r@v1.0/sub/m.gguf") == "https://huggingface.co/o/r/resolve/v1.0/sub/m.gguf"
     assert model_url("smollm2") is None and model_url("/home/me/m.gguf") is None
-    for bad in ("hf:o/m.gguf", "hf:o/r/m.bin", "https://example.com/m.bin", "https://example.com/models/"):
+    assert model_url("hf:o/r:Q4_K_M") is None and is_model_url("hf:o/r:Q4_K_M") and is_model_url("hf:o/r")
+    for bad in ("hf:o/r/m.bin", "hf:o", "hf:o/r/../../x.gguf", "https://example.com/m.bin", "https://example.com/models/"):
         with pytest.raises(ModelFetchError):
-            model_url(bad)
+            is_model_url(bad)
 
 
 def test_a_url_is_fetched_into_the_store_once(server, paths, synthetic_gguf):
@@ -273,3 +281,50 @@ def test_a_second_fetch_of_the_same_model_at_once_is_refused(server, paths, synt
         with pytest.raises(ModelFetchError, match="another fetch of m is running"):
             fetch_url(base + src.name, paths)
     assert fetch_url(base + src.name, paths).sha256 == _sha(src)
+
+
+def _listing(*files: Path, sha: dict[str, str] | None = None) -> bytes:
+    import json
+
+    sha = sha or {}
+    return json.dumps([{"type": "directory", "path": "docs"}, {"type": "file", "path": "README.md", "size": 10}] + [
+        {"type": "file", "path": f.name, "size": f.stat().st_size,
+         "lfs": {"oid": sha.get(f.name, _sha(f)), "size": f.stat().st_size}} for f in files]).encode()
+
+
+def test_a_hugging_face_repository_gives_the_model_of_a_quantization(tmp_path, paths, synthetic_gguf, monkeypatch):
+    # a fake HF_ENDPOINT: the listing API and /resolve/ downloads, as huggingface.co has them
+    with _serving(tmp_path / "hub") as (base, hub):
+        monkeypatch.setenv("HF_ENDPOINT", base.removesuffix("/models/"))
+        q4 = synthetic_gguf("Tiny-Q4_K_M.gguf", n_layer=2)
+        q8 = synthetic_gguf("Tiny-Q8_0.gguf", n_layer=3)
+        big = split_gguf(synthetic_gguf("Big-Q4_0.gguf", n_layer=4), hub.root, 2)
+        for f in (q4, q8):
+            (hub.root / f.name).write_bytes(f.read_bytes())
+        hub.listing = _listing(hub.root / q4.name, hub.root / q8.name, *model_files(big))
+        ref = fetch_url("hf:me/tiny-GGUF:q8_0", paths)          # any case
+        assert ref.name == "Tiny-Q8_0" and ref.sha256 == _sha(q8) and ref.n_layers == 3
+        ref = fetch_url("hf:me/tiny-GGUF", paths)               # the default, Q4_K_M
+        assert ref.name == "Tiny-Q4_K_M" and ref.sha256 == _sha(q4)
+        ref = fetch_url("hf:me/tiny-GGUF:Q4_0", paths)          # a split model: every part
+        assert ref.name == "Big-Q4_0" and ref.sha256 == _sha(*model_files(big))
+        asked = len(hub.requests)
+        # fetched before: found in the store by the name typed, without asking the hub
+        assert fetch_url("hf:me/tiny-GGUF:q8_0", paths).sha256 == _sha(q8) and len(hub.requests) == asked
+        with pytest.raises(ModelFetchError, match="no model of IQ2_XS; it has: Big-Q4_0-00001-of-00002.gguf, "
+                                                  "Tiny-Q4_K_M.gguf, Tiny-Q8_0.gguf"):
+            fetch_url("hf:me/tiny-GGUF:IQ2_XS", paths)
+
+
+def test_a_file_unlike_its_listing_is_deleted(tmp_path, paths, synthetic_gguf, monkeypatch):
+    with _serving(tmp_path / "hub") as (base, hub):
+        monkeypatch.setenv("HF_ENDPOINT", base.removesuffix("/models/"))
+        q4 = synthetic_gguf("Tiny-Q4_K_M.gguf", n_layer=2)
+        (hub.root / q4.name).write_bytes(q4.read_bytes())
+        hub.listing = _listing(hub.root / q4.name, sha={q4.name: "ab" * 32})
+        with pytest.raises(ChecksumError, match="its repository lists abab"):
+            fetch_url("hf:me/tiny-GGUF", paths)
+        assert list_models(paths) == [] and not list((paths.models / "Tiny-Q4_K_M").glob("*.gguf*"))
+        hub.listing = b"<html>rate limited</html>"
+        with pytest.raises(ModelFetchError, match="not what Hugging Face sends"):
+            fetch_url("hf:me/tiny-GGUF", paths)

@@ -57,9 +57,10 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     fp = models_sub.add_parser("fetch", help="fetch (or re-check) the default model, a known model, or a GGUF by URL")
     add_common_options(fp)
     fp.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                    help="known model name (default: the default model), or the URL of a .gguf file: "
-                         "https://.../FILE.gguf or hf:OWNER/REPO[@REVISION]/FILE.gguf (a split model's "
-                         "first part brings every part; a stopped download resumes)")
+                    help="known model name (default: the default model), or a GGUF to download: "
+                         "https://.../FILE.gguf, hf:OWNER/REPO[:QUANT] (the repository's model of that "
+                         "quantization, Q4_K_M by default) or hf:OWNER/REPO[@REVISION]/FILE.gguf (a split "
+                         "model's first part brings every part; a stopped download resumes)")
     fp.add_argument("--name", default=None, help="with a URL: the store name (default: the file's name)")
     fp.add_argument("--sha256", default=None, type=_sha256_arg,
                     help="with a URL: the sha256 the model must have (of a split model's parts one after another)")
@@ -337,10 +338,10 @@ def _sha256_arg(text: str) -> str:
 def cmd_fetch(args: argparse.Namespace) -> int:
     from meshnode.models.progress import TqdmProgress
     from meshnode.models.store import DEFAULT_MODEL, fetch_model
-    from meshnode.models.url_fetch import fetch_url, model_url
+    from meshnode.models.url_fetch import fetch_url, is_model_url
 
     name = args.model or DEFAULT_MODEL.name
-    if model_url(name) is not None:
+    if is_model_url(name):
         with TqdmProgress() as bar:
             ref = fetch_url(name, _paths(args), name=args.name, sha256=args.sha256, progress=bar)
         print(f"{ref.name}: {ref.path} (sha256 {ref.sha256}{', verified' if args.sha256 else ''})")

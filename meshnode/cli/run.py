@@ -80,7 +80,7 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", default=None, metavar="MODEL",
                    help="GGUF path or store name to coordinate (default: SmolLM2-135M-Instruct, "
                         "fetched on first run), or a URL fetched into the store on first run: "
-                        "https://.../FILE.gguf or hf:OWNER/REPO[@REVISION]/FILE.gguf")
+                        "https://.../FILE.gguf, hf:OWNER/REPO[:QUANT] or hf:OWNER/REPO[@REVISION]/FILE.gguf")
     m.add_argument("--no-model", action="store_true",
                    help="coordinate no model: only lend this node's memory to peers' models")
     m.add_argument("--alias", action="append", default=[], metavar="NAME",
@@ -163,7 +163,7 @@ def _check_model_options(args: argparse.Namespace) -> None:
 
     from meshnode.errors import MeshnodeError
     from meshnode.mesh.planner import parse_explicit
-    from meshnode.models.url_fetch import model_url   # (checks a URL's form: fetched as the node starts)
+    from meshnode.models.url_fetch import is_model_url   # (checks a URL's form: fetched as the node starts)
 
     if args.no_model and (args.model or args.split or args.stages):
         raise MeshnodeError("--no-model cannot be combined with --model, --split or --stages")
@@ -171,7 +171,7 @@ def _check_model_options(args: argparse.Namespace) -> None:
         raise MeshnodeError("give either --split or --stages, not both")
     if args.stages:
         parse_explicit(args.stages)  # raises PlanError with what is wrong
-    if args.model and model_url(args.model) is None and (args.model.endswith(".gguf") or "/" in args.model):
+    if args.model and not is_model_url(args.model) and (args.model.endswith(".gguf") or "/" in args.model):
         _check_model_file(Path(args.model).expanduser())
     if args.draft_model and args.no_draft:
         raise MeshnodeError("--draft-model and --no-draft contradict each other")

@@ -36,7 +36,7 @@ from meshnode.models.index import (
     store_entries,
 )
 from meshnode.models.progress import ProgressFn
-from meshnode.models.url_fetch import fetch_url, model_url
+from meshnode.models.url_fetch import fetch_url, is_model_url
 from meshnode.paths import NodePaths
 
 __all__ = [
@@ -69,7 +69,7 @@ def resolve_model(
 
     - None / "" / "default": the default model, fetched on first use.
     - with ``allow_url`` (what the user typed on this machine, never a name from the
-      network): an http(s) URL of a .gguf file or ``hf:OWNER/REPO/FILE.gguf``, fetched
+      network): an http(s) URL of a .gguf file or a Hugging Face name (``hf:...``), fetched
       into the store on first use (:mod:`meshnode.models.url_fetch`).
     - an existing path: that GGUF (or the only GGUF in that folder), validated.
     - a name: a model in the store (exact, then case-insensitive); a known model's name
@@ -79,7 +79,7 @@ def resolve_model(
     """
     if spec is None or spec.strip() in ("", "default"):
         return fetch_default_model(paths, source_dir=source_dir, progress=progress)
-    if allow_url and model_url(spec) is not None:
+    if allow_url and is_model_url(spec):
         return fetch_url(spec, paths, progress=progress)
     candidate = Path(spec).expanduser()
     if candidate.exists():

@@ -1,10 +1,13 @@
 """Fetching a GGUF by URL into the store, resumable: ``meshnode models fetch URL`` and
 ``serve --model URL``.
 
-Theory of operation. :func:`model_url` reads what the user typed: an ``http(s)://`` URL
-of a ``.gguf`` file, or ``hf:OWNER/REPO[@REVISION]/PATH.gguf`` (Hugging Face's download
-URL, ``https://huggingface.co/OWNER/REPO/resolve/REVISION/PATH``, revision ``main`` by
-default). :func:`fetch_url` puts the file under ``<models>/<name>/<file>`` (the name is the
+Theory of operation. :func:`is_model_url` reads what the user typed: an ``http(s)://``
+URL of a ``.gguf`` file, or a Hugging Face name (:mod:`meshnode.models.hf_repo`):
+``hf:OWNER/REPO[@REVISION]/PATH.gguf`` is that file's download URL, and
+``hf:OWNER/REPO[:QUANT]`` picks the repository's model of that quantization from its
+listing, each file then checked against the sha256 the listing gives (a model fetched so
+is found in the store again by the name typed, without the network). :func:`fetch_url`
+puts the file under ``<models>/<name>/<file>`` (the name is the
 file's, less a split model's part suffix, or ``name=``) and records it
 (:mod:`meshnode.models.index`); a first part of a split model
 (``-00001-of-0000N.gguf``, docs/models.md) brings every part, from the same folder URL.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.client
+import json
 import os
 import re
 import urllib.error
@@ -41,32 +45,39 @@ from pathlib import Path
 from typing import Any
 
 from meshnode.fsutil import CHUNK, fsync_dir
+from meshnode.models import hf_repo
 from meshnode.models.errors import ChecksumError, ModelFetchError, ModelFileError
 from meshnode.models.fetch import DOWNLOAD_TIMEOUT_S, check_free_space
 from meshnode.gguf_files import model_files
-from meshnode.models.index import FETCH_NOTE, STORE_NAME, ModelRef, file_record, record_path, store_name, vouch_for
+from meshnode.models.index import (
+    FETCH_NOTE, STORE_NAME, ModelRef, file_record, record_path, store_entries, store_name, vouch_for,
+)
 from meshnode.models.progress import ProgressFn
 from meshnode.paths import NodePaths
 
-__all__ = ["DOWNLOAD_SUFFIX", "fetch_url", "model_url", "stopped_downloads"]
+__all__ = ["DOWNLOAD_SUFFIX", "fetch_url", "is_model_url", "model_url", "stopped_downloads"]
 
 DOWNLOAD_SUFFIX = ".download"        # a file being downloaded, kept to resume
-HF_PREFIX = "hf:"
-_HF = re.compile(r"^hf:(?P<owner>[\w.-]+)/(?P<repo>[\w.-]+)(?:@(?P<rev>[\w.\-/]+?))?/(?P<path>.+\.gguf)$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,250}\.gguf$")
 SPACE_CHECK_BYTES = 256 << 20        # without an announced size, the disk is checked this often
 
 
+def is_model_url(spec: str) -> bool:
+    """``spec`` names a model to download (an http(s) URL of a .gguf file, or a Hugging
+    Face name ``hf:...``); raises ModelFetchError for one that cannot be a model's."""
+    if hf_repo.parse_hf(spec) is not None:
+        return True
+    return model_url(spec) is not None
+
+
 def model_url(spec: str) -> str | None:
-    """The download URL ``spec`` names (an http(s) URL of a .gguf file, or ``hf:...``), or
-    None when it is no URL. Raises ModelFetchError for one that cannot be a model's."""
-    if spec.startswith(HF_PREFIX):
-        m = _HF.match(spec)
-        if m is None:
-            raise ModelFetchError(f"{spec!r}: write hf:OWNER/REPO/FILE.gguf (or hf:OWNER/REPO@REVISION/FILE.gguf)")
-        rev = m["rev"] or "main"
-        return (f"https://huggingface.co/{m['owner']}/{m['repo']}/resolve/{urllib.parse.quote(rev, safe='')}/"
-                f"{urllib.parse.quote(m['path'])}")
+    """The download URL of a one-file ``spec`` (an http(s) URL of a .gguf file, or
+    ``hf:OWNER/REPO[@REVISION]/FILE.gguf``), or None (not a URL, or a Hugging Face name
+    that picks its file from the repository's listing). Raises ModelFetchError for one
+    that cannot be a model's."""
+    hf = hf_repo.parse_hf(spec)
+    if hf is not None:
+        return hf_repo.file_url(hf, hf.path) if hf.path is not None else None
     if not spec.lower().startswith(("http://", "https://")):
         return None
     _file_name(spec)
@@ -119,9 +130,13 @@ def fetch_url(
 
     Raises ModelFetchError (network, disk, a bad URL or name; what arrived stays to resume),
     ChecksumError (not ``sha256``; deleted) or ModelFileError (not a GGUF; deleted)."""
-    url = model_url(spec)
-    if url is None:
-        raise ModelFetchError(f"{spec!r} is not a model URL (http(s)://.../FILE.gguf or hf:OWNER/REPO/FILE.gguf)")
+    if not is_model_url(spec):
+        raise ModelFetchError(f"{spec!r} is not a model URL (http(s)://.../FILE.gguf or hf:OWNER/REPO[:QUANT])")
+    url, listed = model_url(spec), {}
+    if url is None:   # hf:OWNER/REPO[:QUANT]: the file comes from the repository's listing
+        if sha256 is None and (ref := _fetched_before(paths, spec)) is not None:
+            return ref
+        url, listed = _from_listing(hf_repo.parse_hf(spec), opener, timeout)   # type: ignore[arg-type]
     file_name = _file_name(url)
     name = name or store_name(Path(file_name))
     if not STORE_NAME.fullmatch(name):
@@ -141,12 +156,13 @@ def fetch_url(
         whole = hashlib.sha256()
         for i, f in enumerate(files, 1):
             phase = "download" if len(files) == 1 else f"download {i}/{len(files)}"
-            whole = _download(_part_url(url, f.name), f, whole, phase, progress, opener, timeout)
+            whole = _download(_part_url(url, f.name), f, whole, listed.get(f.name), phase, progress, opener,
+                              timeout)
     sha = whole.hexdigest()
     try:
         if sha256 is not None and sha != sha256.lower():
             raise ChecksumError(f"{url} has sha256 {sha}, expected {sha256}: the files were deleted")
-        ref = vouch_for(dest, sha, dest.parent.name, {"source": {"url": url}})   # (deletes dest if not a GGUF)
+        ref = vouch_for(dest, sha, dest.parent.name, {"source": {"url": url, "spec": spec}})   # (deletes dest if not a GGUF)
     except (ChecksumError, ModelFileError):
         for f in files:
             f.unlink(missing_ok=True)
@@ -156,6 +172,57 @@ def fetch_url(
         raise
     note.unlink(missing_ok=True)
     return ref
+
+
+def _fetched_before(paths: NodePaths, spec: str) -> ModelRef | None:
+    """The model in the store that ``spec`` fetched (its record says so), else None: a
+    name that picks its file from a listing needs no network once fetched."""
+    for name, gguf in store_entries(paths):
+        with contextlib.suppress(OSError, ValueError):
+            source = json.loads(record_path(gguf).read_text()).get("source")
+            if isinstance(source, dict) and source.get("spec") == spec:
+                return file_record(gguf, record_path(gguf), name, progress=None)
+    return None
+
+
+def _from_listing(hf: hf_repo.HfSpec, opener: Callable[..., Any], timeout: float) -> tuple[str, dict[str, str]]:
+    """(the URL of the first file, {file name: sha256}) of the model ``hf`` picks from its
+    repository's listing."""
+    url = hf_repo.listing_url(hf)
+    try:
+        with opener(urllib.request.Request(url, headers=_headers(url)), timeout=timeout) as resp:
+            data = resp.read(hf_repo.MAX_LISTING_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        raise ModelFetchError(f"cannot list {hf.owner}/{hf.repo}: HTTP {exc.code} {exc.reason}{_hint(url, exc.code)}") from None
+    except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
+        raise ModelFetchError(f"cannot list {hf.owner}/{hf.repo}: {getattr(exc, 'reason', None) or exc}") from None
+    if len(data) > hf_repo.MAX_LISTING_BYTES:
+        raise ModelFetchError(f"the listing of {hf.owner}/{hf.repo} is over {hf_repo.MAX_LISTING_BYTES >> 20} MiB")
+    files = hf_repo.choose(hf_repo.parse_listing(data), hf.quant, f"{hf.owner}/{hf.repo}")
+    return hf_repo.file_url(hf, files[0].path), {f.name: f.sha256 for f in files if f.sha256}
+
+
+def _headers(url: str) -> dict[str, str]:
+    """A request's headers: who asks, and the Hugging Face token for its own host."""
+    from meshnode import __version__
+
+    headers = {"User-Agent": f"meshnode/{__version__}"}
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token and urllib.parse.urlsplit(url).hostname in _token_hosts():
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def _token_hosts() -> frozenset[str]:
+    host = urllib.parse.urlsplit(hf_repo.endpoint()).hostname
+    return TOKEN_HOSTS | ({host} if host else set())
+
+
+def _hint(url: str, code: int) -> str:
+    if code in (401, 403) and urllib.parse.urlsplit(url).hostname in _token_hosts():
+        return (f" (a gated or private model: accept its terms on its page and set {TOKEN_ENV} "
+                "to an access token, https://huggingface.co/settings/tokens)")
+    return ""
 
 
 @contextlib.contextmanager
@@ -196,31 +263,30 @@ def stopped_downloads(paths: NodePaths) -> list[tuple[str, Path, int, str]]:
     return out
 
 
-def _hash_file(path: Path, h: Any) -> None:
+def _hash_file(path: Path, *hashes: Any) -> None:
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
-            h.update(chunk)
+            for h in hashes:
+                h.update(chunk)
 
 
-def _download(url: str, dest: Path, whole: Any, phase: str, progress: ProgressFn | None,
+def _download(url: str, dest: Path, whole: Any, expect: str | None, phase: str, progress: ProgressFn | None,
               opener: Callable[..., Any], timeout: float) -> Any:
     """``url`` to ``dest`` through ``dest.download`` (resumed when there); returns
-    ``whole`` (a sha256) fed with the file's bytes."""
+    ``whole`` (a sha256) fed with the file's bytes. ``expect``: the file's own sha256, as
+    its repository lists it (a file that differs is deleted: ChecksumError)."""
+    own = hashlib.sha256()
     if dest.is_file():   # a part of a split model fetched by an earlier, stopped run
-        _hash_file(dest, whole)
+        _hash_file(dest, whole, own)
+        _check(own, expect, dest, url)
         return whole
     part = dest.with_name(dest.name + DOWNLOAD_SUFFIX)
     part.parent.mkdir(parents=True, exist_ok=True)
     before = whole.copy()
     have = part.stat().st_size if part.is_file() else 0
     if have:
-        _hash_file(part, whole)
-    from meshnode import __version__
-
-    headers = {"User-Agent": f"meshnode/{__version__}"}
-    token = os.environ.get(TOKEN_ENV, "").strip()
-    if token and urllib.parse.urlsplit(url).hostname in TOKEN_HOSTS:
-        headers["Authorization"] = f"Bearer {token}"
+        _hash_file(part, whole, own)
+    headers = _headers(url)
     if have:
         headers["Range"] = f"bytes={have}-"
     done, total = have, None
@@ -229,7 +295,7 @@ def _download(url: str, dest: Path, whole: Any, phase: str, progress: ProgressFn
             status = getattr(resp, "status", 200)
             total = _resumed_total(resp, have, url) if status == 206 else None
             if status != 206 and have:   # the server sends the whole file: start it over
-                done, have, whole = 0, 0, before
+                done, have, whole, own = 0, 0, before, hashlib.sha256()
             if total is None:
                 length = resp.headers.get("Content-Length")
                 total = have + int(length) if length and length.isdigit() else None
@@ -246,6 +312,7 @@ def _download(url: str, dest: Path, whole: Any, phase: str, progress: ProgressFn
                         check_free_space(dest.parent, SPACE_CHECK_BYTES, what=f"download {dest.name}")
                         checked = done
                     whole.update(chunk)
+                    own.update(chunk)
                     out.write(chunk)
                     if progress is not None:
                         progress(phase, done, total)
@@ -256,20 +323,24 @@ def _download(url: str, dest: Path, whole: Any, phase: str, progress: ProgressFn
     except urllib.error.HTTPError as exc:
         if exc.code == 416 and have:   # asked past the end: the file changed there; start over
             part.unlink(missing_ok=True)
-        hint = ""
-        if exc.code in (401, 403) and urllib.parse.urlsplit(url).hostname in TOKEN_HOSTS:
-            hint = (f" (a gated or private model: accept its terms on its page and set {TOKEN_ENV} "
-                    "to an access token, https://huggingface.co/settings/tokens)")
-        raise ModelFetchError(f"cannot download {url}: HTTP {exc.code} {exc.reason}{hint}") from None
+        raise ModelFetchError(f"cannot download {url}: HTTP {exc.code} {exc.reason}{_hint(url, exc.code)}") from None
     except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise ModelFetchError(f"download of {url} stopped at {done} of {total or '?'} bytes ({reason}); "
                               "the same command resumes it") from None
     except OSError as exc:
         raise ModelFetchError(f"cannot download {url} to {part}: {exc}") from None
+    _check(own, expect, part, url)
     os.replace(part, dest)
     fsync_dir(dest.parent)
     return whole
+
+
+def _check(own: Any, expect: str | None, path: Path, url: str) -> None:
+    if expect is not None and own.hexdigest() != expect:
+        path.unlink(missing_ok=True)
+        raise ChecksumError(f"{url} has sha256 {own.hexdigest()}, its repository lists {expect}: "
+                            "deleted; fetch it again")
 
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
