@@ -272,3 +272,19 @@ async def test_a_member_on_another_release_is_named_once_and_left_out(tmp_path, 
         await other.close()
         await a.stop()
         sink.close()
+
+
+def test_status_says_what_a_node_fetches_before_its_model_is_known(monkeypatch, capsys):
+    import meshnode.cli.mesh as climesh
+    from meshnode.cli import main
+
+    status = {"node": {"name": "me", "node_id": "n1", "mesh_id": "m", "address": "1.2.3.4:5",
+                       "http_url": "http://x", "capabilities": None},
+              "model": None, "stages": [], "peers": [], "status": "fetching", "status_detail": "hf:o/r:Q4_K_M",
+              "progress": [{"name": "hf:o/r:Q4_K_M (download 2/3)", "what": "download 2/3",
+                            "done_bytes": 1_500_000_000, "total_bytes": 4_000_000_000}]}
+    monkeypatch.setattr(climesh, "fetch_status", lambda paths, timeout=5.0: status)
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "model  fetching: hf:o/r:Q4_K_M" in out
+    assert "download 2/3 hf:o/r:Q4_K_M (download 2/3): 1500.0 of 4000.0 MB (38%)" in out

@@ -95,14 +95,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"node   {pr(n['name'])} ({pr(n['node_id'])})  mesh {pr(n['mesh_id'])}  {pr(n['address'])}  {pr(n['http_url'])}")
     print(f"       {_caps(n.get('capabilities'))}")
     model = data.get("model")
+    state = str(data.get("status") or "")
     if model or stages:
         print(f"model  {pr(model or '-')}")
-        for s in stages:
-            a, b = s["layers"]
-            detail = f"  ({pr(s['detail'])})" if s.get("detail") else ""
-            compute = compute_label(str(s.get("backend") or ""), int(s.get("threads") or 0), int(s.get("max_threads") or 0))
-            on = f" ({pr(compute)})" if compute else ""
-            print(f"       stage {s['index']}: layers [{a},{b}) on {labels[s['node_id']]}{on}: {pr(s['state'])}{detail}")
+    elif state not in ("", "ready", "no model"):   # e.g. fetching a model before it is known
+        print(f"model  {pr(state)}: {pr(data.get('status_detail') or '')}")
+    for s in stages:
+        a, b = s["layers"]
+        detail = f"  ({pr(s['detail'])})" if s.get("detail") else ""
+        compute = compute_label(str(s.get("backend") or ""), int(s.get("threads") or 0), int(s.get("max_threads") or 0))
+        on = f" ({pr(compute)})" if compute else ""
+        print(f"       stage {s['index']}: layers [{a},{b}) on {labels[s['node_id']]}{on}: {pr(s['state'])}{detail}")
+    for t in data.get("progress") or []:            # a fetch, a slice, a pull under way
+        total, done = int(t.get("total_bytes") or 0), int(t.get("done_bytes") or 0)
+        pct = f" ({100 * done / total:.0f}%)" if total else ""
+        print(f"       {pr(t.get('what'), 32)} {pr(t.get('name'), 128)}: {done / 1e6:.1f} of "
+              f"{total / 1e6:.1f} MB{pct}")
     for sp in data.get("spec") or []:   # docs/speculative.md, "Telemetry"
         if sp.get("strategy") in (None, "none"):
             continue

@@ -63,6 +63,8 @@ def status_json(snapshot: Any) -> dict[str, Any]:
         "status": str(snapshot.status),
         "status_detail": snapshot.status_detail,
         "failovers": to_jsonable(snapshot.failovers),
+        # long work under way: the model's fetch, hashing, slicing, pulls (bytes done of total)
+        "progress": to_jsonable(snapshot.transfers),
         "stages": [
             {"index": s.index, "node_id": s.node_id, "node": s.node_name,
              "layers": [s.layer_start, s.layer_end], "state": s.state.value, "detail": s.detail,
