@@ -132,11 +132,12 @@ def fetch_url(
     ChecksumError (not ``sha256``; deleted) or ModelFileError (not a GGUF; deleted)."""
     if not is_model_url(spec):
         raise ModelFetchError(f"{spec!r} is not a model URL (http(s)://.../FILE.gguf or hf:OWNER/REPO[:QUANT])")
-    url, listed = model_url(spec), {}
+    url, listed = model_url(spec), []
     if url is None:   # hf:OWNER/REPO[:QUANT]: the file comes from the repository's listing
         if sha256 is None and (ref := _fetched_before(paths, spec)) is not None:
             return ref
         url, listed = _from_listing(hf_repo.parse_hf(spec), opener, timeout)   # type: ignore[arg-type]
+    expect = {f.name: f.sha256 for f in listed if f.sha256}
     file_name = _file_name(url)
     name = name or store_name(Path(file_name))
     if not STORE_NAME.fullmatch(name):
@@ -152,11 +153,13 @@ def fetch_url(
         raise ModelFetchError(f"{name} is already in the store with another file ({others[0]}): "
                               "pick another --name, or `meshnode models rm` it first")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    if listed:   # every file's size is known: room for all of them, before the first byte
+        check_free_space(dest.parent, sum(f.size for f in listed) - _held(dest.parent), what=f"fetch {name}")
     with _only_fetch(note, spec):
         whole = hashlib.sha256()
         for i, f in enumerate(files, 1):
             phase = "download" if len(files) == 1 else f"download {i}/{len(files)}"
-            whole = _download(_part_url(url, f.name), f, whole, listed.get(f.name), phase, progress, opener,
+            whole = _download(_part_url(url, f.name), f, whole, expect.get(f.name), phase, progress, opener,
                               timeout)
     sha = whole.hexdigest()
     try:
@@ -185,8 +188,9 @@ def _fetched_before(paths: NodePaths, spec: str) -> ModelRef | None:
     return None
 
 
-def _from_listing(hf: hf_repo.HfSpec, opener: Callable[..., Any], timeout: float) -> tuple[str, dict[str, str]]:
-    """(the URL of the first file, {file name: sha256}) of the model ``hf`` picks from its
+def _from_listing(hf: hf_repo.HfSpec, opener: Callable[..., Any], timeout: float
+                  ) -> tuple[str, list[hf_repo.RepoFile]]:
+    """(the URL of the first file, every file) of the model ``hf`` picks from its
     repository's listing."""
     url = hf_repo.listing_url(hf)
     try:
@@ -199,7 +203,7 @@ def _from_listing(hf: hf_repo.HfSpec, opener: Callable[..., Any], timeout: float
     if len(data) > hf_repo.MAX_LISTING_BYTES:
         raise ModelFetchError(f"the listing of {hf.owner}/{hf.repo} is over {hf_repo.MAX_LISTING_BYTES >> 20} MiB")
     files = hf_repo.choose(hf_repo.parse_listing(data), hf.quant, f"{hf.owner}/{hf.repo}")
-    return hf_repo.file_url(hf, files[0].path), {f.name: f.sha256 for f in files if f.sha256}
+    return hf_repo.file_url(hf, files[0].path), files
 
 
 def _headers(url: str) -> dict[str, str]:
@@ -246,6 +250,15 @@ def _only_fetch(note: Path, spec: str) -> Any:
         yield
 
 
+def _held(folder: Path) -> int:
+    """Bytes of the files in ``folder`` (a stopped fetch's, which a resume keeps)."""
+    total = 0
+    for f in folder.iterdir():
+        with contextlib.suppress(OSError):
+            total += f.stat().st_size
+    return total
+
+
 def stopped_downloads(paths: NodePaths) -> list[tuple[str, Path, int, str]]:
     """(store name, its folder, bytes there, what the user typed) of each fetch by URL that
     stopped before its model was whole: never listed as a model, resumed by the same
@@ -253,13 +266,8 @@ def stopped_downloads(paths: NodePaths) -> list[tuple[str, Path, int, str]]:
     out = []
     for note in sorted(paths.models.glob(f"*/{FETCH_NOTE}")) if paths.models.is_dir() else ():
         folder = note.parent
-        held = 0
-        for f in folder.iterdir():
-            with contextlib.suppress(OSError):
-                st = f.stat()
-                held += st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
         with contextlib.suppress(OSError, UnicodeDecodeError):
-            out.append((folder.name, folder, held, note.read_text().strip()[:500]))
+            out.append((folder.name, folder, _held(folder), note.read_text().strip()[:500]))
     return out
 
 
