@@ -5,6 +5,7 @@ loaded into llama.cpp here; tests/test_share.py serves a split SmolLM2 end to en
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -83,6 +84,9 @@ def test_the_store_lists_a_split_model_once_under_the_hash_of_its_bytes(model, t
     assert refs["big"].path == first and refs["big"].n_layers == 4
     assert refs["big"].sha256 == _sha(*model_files(first))  # the concatenation's: one id however cut
     assert refs["m"].sha256 == _sha(*model_files(refs["m"].path)) != refs["big"].sha256
+    listed = {m["name"]: m for m in json.loads(meshnode_main("--home", str(home), "models", "list", "--json").stdout)}
+    assert listed["big"]["files"] == [str(f) for f in model_files(first)]
+    assert listed["big"]["size"] == sum(f.stat().st_size for f in model_files(first))
     info = meshnode_main("--home", str(home), "models", "info", "big")
     assert info.returncode == 0 and "in 3 files (a split model)" in info.stdout, info
     assert meshnode_main("--home", str(home), "models", "rm", "big").returncode == 0

@@ -291,7 +291,7 @@ def cmd_share_state(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from meshnode.gguf_files import model_size
+    from meshnode.gguf_files import model_files, model_size
     from meshnode.models.index import partial_pulls
     from meshnode.models.progress import TqdmProgress
     from meshnode.models.transfer import part_paths
@@ -307,7 +307,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([
             {"name": r.name, "path": str(r.path), "sha256": r.sha256,
-             "n_layers": r.n_layers, "architecture": r.architecture}
+             "n_layers": r.n_layers, "architecture": r.architecture, "size": model_size(r.path),
+             "files": [str(f) for f in model_files(r.path)]}
             for r in refs
         ], indent=2))
         return 0
