@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -292,7 +293,8 @@ def _listing(*files: Path, sha: dict[str, str] | None = None) -> bytes:
          "lfs": {"oid": sha.get(f.name, _sha(f)), "size": f.stat().st_size}} for f in files]).encode()
 
 
-def test_a_hugging_face_repository_gives_the_model_of_a_quantization(tmp_path, paths, synthetic_gguf, monkeypatch):
+def test_a_hugging_face_repository_gives_the_model_of_a_quantization(tmp_path, paths, synthetic_gguf, monkeypatch,
+                                                                     caplog):
     # a fake HF_ENDPOINT: the listing API and /resolve/ downloads, as huggingface.co has them
     with _serving(tmp_path / "hub") as (base, hub):
         monkeypatch.setenv("HF_ENDPOINT", base.removesuffix("/models/"))
@@ -302,8 +304,10 @@ def test_a_hugging_face_repository_gives_the_model_of_a_quantization(tmp_path, p
         for f in (q4, q8):
             (hub.root / f.name).write_bytes(f.read_bytes())
         hub.listing = _listing(hub.root / q4.name, hub.root / q8.name, *model_files(big))
-        ref = fetch_url("hf:me/tiny-GGUF:q8_0", paths)          # any case
+        with caplog.at_level(logging.INFO, logger="meshnode.models.url_fetch"):
+            ref = fetch_url("hf:me/tiny-GGUF:q8_0", paths)      # any case
         assert ref.name == "Tiny-Q8_0" and ref.sha256 == _sha(q8) and ref.n_layers == 3
+        assert "hf:me/tiny-GGUF:q8_0 is Tiny-Q8_0.gguf (1 file, " in caplog.text
         ref = fetch_url("hf:me/tiny-GGUF", paths)               # the default, Q4_K_M
         assert ref.name == "Tiny-Q4_K_M" and ref.sha256 == _sha(q4)
         ref = fetch_url("hf:me/tiny-GGUF:Q4_0", paths)          # a split model: every part

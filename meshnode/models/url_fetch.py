@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import http.client
 import json
+import logging
 import os
 import re
 import urllib.error
@@ -56,6 +57,8 @@ from meshnode.models.progress import ProgressFn
 from meshnode.paths import NodePaths
 
 __all__ = ["DOWNLOAD_SUFFIX", "fetch_url", "is_model_url", "model_url", "stopped_downloads"]
+
+log = logging.getLogger(__name__)
 
 DOWNLOAD_SUFFIX = ".download"        # a file being downloaded, kept to resume
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,250}\.gguf$")
@@ -138,6 +141,9 @@ def fetch_url(
             return ref
         url, listed = _from_listing(hf_repo.parse_hf(spec), opener, timeout)   # type: ignore[arg-type]
     expect = {f.name: f.sha256 for f in listed if f.sha256}
+    if listed:
+        log.info("%s is %s (%d file%s, %.2f GB)", spec, listed[0].path, len(listed), "s" if len(listed) > 1 else "",
+                 sum(f.size for f in listed) / 1e9)
     file_name = _file_name(url)
     name = name or store_name(Path(file_name))
     if not STORE_NAME.fullmatch(name):
