@@ -123,6 +123,9 @@ def test_hf_names_map_to_hugging_face_download_urls():
         "https://huggingface.co/bartowski/Llama-3.2-1B-Instruct-GGUF/resolve/main/Llama-3.2-1B-Instruct-Q4_K_M.gguf"
     assert model_url("hf:o/r@v1.0/sub/m.gguf") == "https://huggingface.co/o/r/resolve/v1.0/sub/m.gguf"
     assert model_url("smollm2") is None and model_url("/home/me/m.gguf") is None
+    # the address of a file's web page is its download's
+    assert model_url("https://huggingface.co/o/r/blob/main/m.gguf") == "https://huggingface.co/o/r/resolve/main/m.gguf"
+    assert model_url("https://example.com/o/r/blob/main/m.gguf") == "https://example.com/o/r/blob/main/m.gguf"
     assert model_url("hf:o/r:Q4_K_M") is None and is_model_url("hf:o/r:Q4_K_M") and is_model_url("hf:o/r")
     for bad in ("hf:o/r/m.bin", "hf:o", "hf:o/r/../../x.gguf", "https://example.com/m.bin", "https://example.com/models/"):
         with pytest.raises(ModelFetchError):

@@ -84,7 +84,18 @@ def model_url(spec: str) -> str | None:
     if not spec.lower().startswith(("http://", "https://")):
         return None
     _file_name(spec)
-    return spec
+    return _download_page(spec)
+
+
+def _download_page(url: str) -> str:
+    """A Hugging Face file page's URL (``/OWNER/REPO/blob/REV/FILE``, what its web page's
+    address bar shows) as its download URL (``/resolve/``): the page is HTML."""
+    parts = urllib.parse.urlsplit(url)
+    segments = parts.path.split("/")
+    if parts.hostname in _token_hosts() and len(segments) > 4 and segments[3] == "blob":
+        segments[3] = "resolve"
+        return urllib.parse.urlunsplit(parts._replace(path="/".join(segments)))
+    return url
 
 
 def _file_name(url: str) -> str:
