@@ -70,6 +70,8 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 GPU_PAD_ROWS = 2
 GPU_PAD_ROWS_ENV = "MESHNODE_GPU_PAD_ROWS"
 MAX_GPU_PAD_ROWS = 8
+# CPU threads a peer may say the stage it serves computes with (its capabilities)
+MAX_STAGE_THREADS = 4096
 
 
 _warned_env: set[tuple[str, str]] = set()

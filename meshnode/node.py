@@ -52,6 +52,8 @@ from meshnode.state import (
     PeerDiscovered,
     PeerInfo,
     PeerLost,
+    StageChanged,
+    StageState,
     TelemetryPoint,
 )
 from meshnode.wire import Message
@@ -161,7 +163,7 @@ class Node:
         shelf = EngineShelf()
         self.stage_server = StageServerRuntime(self.fabric, self.paths, n_threads=threads,
                                                decode_threads=decode_threads, gpu_layers=gpu_layers,
-                                               publish=self.publish,
+                                               publish=self._served_stage_event,
                                                max_memory=max_memory, shelf=shelf)
         self.coordinator = CoordinatorRuntime(self.fabric, self.paths, n_threads=threads,
                                               decode_threads=decode_threads, gpu_layers=gpu_layers,
@@ -381,7 +383,8 @@ class Node:
                                                share=self.share.enabled,
                                                fetch_bytes_per_s=self.share.fetch_bytes_per_s,
                                                parked_bytes=self.stage_server.shelf.held_bytes(),
-                                               parked_vram=self.stage_server.shelf.held_vram())
+                                               parked_vram=self.stage_server.shelf.held_vram(),
+                                               stage_threads=self.stage_server.served_threads())
                 await self.fabric.set_capabilities(caps)
                 await asyncio.to_thread(warm_headers, self.paths)   # for a coordinator's Prepare
                 self._caps_retry_s = 1.0
@@ -416,6 +419,14 @@ class Node:
                 yield await q.get()
         finally:
             self._subscribers.discard(q)
+
+    def _served_stage_event(self, event: NodeEvent) -> None:
+        """An event of the stage this node serves for a peer: to subscribers, and once the
+        stage is ready its CPU threads to peers (capabilities; refreshed every
+        CAPS_REFRESH_S as the engine adapts them), so its coordinator shows them."""
+        self.publish(event)
+        if isinstance(event, StageChanged) and event.stage.state is StageState.READY:
+            self.advertise_models()
 
     def publish(self, event: NodeEvent) -> None:
         """Hand ``event`` to every subscriber (a full queue drops its oldest event)."""

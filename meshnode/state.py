@@ -106,6 +106,9 @@ class Capabilities:
     # rows its GPU engines pad every smaller call to (meshnode.limits.gpu_pad_rows; 0: not
     # told, the default width): what bounds the exact verify windows of its stages
     gpu_pad_rows: int = 0
+    # the CPU threads of the stage it serves for a peer: (now, most) as its engine settled
+    # them (meshnode.engine.threads); (0, 0): none, or not a CPU stage
+    stage_threads: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True, slots=True)

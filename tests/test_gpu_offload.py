@@ -20,6 +20,7 @@ from meshnode import argtypes
 from meshnode.engine import EngineConfig, ModelLoadError, StageEngine
 from meshnode.engine import offload
 from meshnode.mesh.planner import Candidate, ModelShape, plan
+from tests.nodeproc import wait_for
 
 GIB = 1 << 30
 
@@ -192,8 +193,11 @@ def test_each_node_loads_with_its_own_gpu_layers(synthetic_gguf):
         status = coord.get("/status")
         backends = [s.get("backend") for s in status["stages"]]
         pads = [s.get("gpu_pad_rows") for s in status["stages"]]
-        threads = [(s.get("threads"), s.get("max_threads")) for s in status["stages"]]
         served = server.get("/status")["stages"]
+        if not llama_cpp.llama_supports_gpu_offload():
+            # the stage server tells its peers its stage's threads once it is ready
+            wait_for(lambda: coord.get("/status")["stages"][1].get("threads"), 10)
+        threads = [(s.get("threads"), s.get("max_threads")) for s in coord.get("/status")["stages"]]
         coord_log, server_log = coord.log_tail(200_000), server.log_tail(200_000)
     # stage 0 was built from the coordinator's flag, stage 1 from the stage server's own
     assert re.search(r"--gpu-layers all, \d+ layer\(s\) offloaded", coord_log), coord_log[-2000:]
@@ -202,10 +206,10 @@ def test_each_node_loads_with_its_own_gpu_layers(synthetic_gguf):
     assert backends == [expected, expected]
     # each stage's pad width is its own node's (what caps the windows sent to it)
     assert pads == [8, 6]
-    # a CPU stage's threads show where its engine runs: the coordinator knows its own
-    # stage's, the stage server's own status shows the one it serves
+    # a CPU stage's threads: the coordinator's own from its engine, the peer's from that
+    # peer's capabilities; the stage server's own status shows the one it serves
     cpu = 1 if expected == "cpu" else 0
-    assert threads == [(cpu, cpu), (0, 0)]
+    assert threads == [(cpu, cpu), (cpu, cpu)]
     assert [(s["index"], s["backend"], s["threads"], s["max_threads"]) for s in served] == [(1, expected, cpu, cpu)]
 
 

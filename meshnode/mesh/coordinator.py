@@ -100,9 +100,8 @@ class ServingModel:
 
     def stages(self) -> list[StageInfo]:
         """Every stage of the plan as the UI and ``meshnode status --json`` show it, with
-        the backend each runs on: stage 0's from its loaded engine (with its CPU threads),
-        a peer's as its capabilities advertise it over the authenticated link (its threads
-        show on that node's own status)."""
+        the backend each runs on and, on a CPU, its threads: stage 0's from its loaded
+        engine, a peer's as its capabilities advertise them over the authenticated link."""
         caps = {p.node_id: p.capabilities for p in self.runtime.fabric.peers()}
         out = []
         for st in self.control.stages:
@@ -111,8 +110,12 @@ class ServingModel:
                 out.append(self._worker.engine.describe(st) if self._worker is not None else st)
             else:
                 c = caps.get(st.node_id)
-                backend, pad = (c.backend, c.gpu_pad_rows) if c is not None else ("", 0)
-                out.append(dataclasses.replace(st, backend=backend, gpu_pad_rows=pad))
+                if c is None:
+                    out.append(st)
+                    continue
+                threads, most = c.stage_threads if c.backend == "cpu" else (0, 0)
+                out.append(dataclasses.replace(st, backend=c.backend, gpu_pad_rows=c.gpu_pad_rows,
+                                               threads=threads, max_threads=most))
         return out
 
     @property

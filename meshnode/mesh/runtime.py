@@ -178,20 +178,21 @@ def find_held_model(paths: NodePaths, sha256: str) -> Any:
 def node_capabilities(paths: NodePaths, *, max_memory: int | None = None,
                       models: list[HeldModel] | None = None, share: bool = False,
                       fetch_bytes_per_s: float = 0.0, parked_bytes: int = 0,
-                      parked_vram: int = 0) -> dict[str, Any]:
+                      parked_vram: int = 0, stage_threads: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """This node's capability dict for :class:`MeshFabric` (``capabilities=`` or
     ``set_capabilities``): free RAM capped by ``max_memory``, the held models and the
     measured rate of its pulls. ``parked_bytes``: the memory of the engines the node keeps
     for a moment after a re-plan (:mod:`meshnode.engine.shelf`), free to a new stage since
     they are closed before anything else loads; ``parked_vram`` the same engines' device
-    memory (added to the free VRAM of a node that offloads).
+    memory (added to the free VRAM of a node that offloads); ``stage_threads`` the CPU
+    threads of the stage it serves for a peer (``StageServerRuntime.served_threads``).
 
     Blocking when ``models`` is None (lists the store)."""
     held = tuple(held_models(paths, shared=share) if models is None else models)
     me = local_capabilities(held)
     me = dataclasses.replace(me, free_ram_bytes=me.free_ram_bytes + advertised(parked_bytes),
                              free_vram_bytes=me.free_vram_bytes + (advertised(parked_vram) if me.backend != "cpu" else 0),
-                             fetch_bytes_per_s=fetch_bytes_per_s)
+                             fetch_bytes_per_s=fetch_bytes_per_s, stage_threads=stage_threads)
     caps = capsmod.to_dict(me)
     if max_memory is not None:
         caps["free_ram"] = min(int(caps["free_ram"]), int(max_memory))

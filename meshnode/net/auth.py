@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from meshnode.limits import MAX_GPU_PAD_ROWS
+from meshnode.limits import MAX_GPU_PAD_ROWS, MAX_STAGE_THREADS
 from meshnode.wire import AuthChallenge, AuthProof, AuthResult, Error, ErrorCode, Hello, Message, Profile
 from meshnode.wire.messages import MAX_NAME_LEN
 
@@ -100,6 +100,7 @@ def check_capabilities(caps: Any) -> str | None:
         "fetch": _rate,
         "backend": lambda v: _str(v, 32),
         "gpu_pad": lambda v: _int(v, 0, MAX_GPU_PAD_ROWS),
+        "stage_threads": lambda v: isinstance(v, list) and len(v) == 2 and all(_int(x, 0, MAX_STAGE_THREADS) for x in v),
         "models": lambda v: isinstance(v, list) and len(v) <= MAX_MODELS,
     }
     for key, ok in checks.items():

@@ -1,7 +1,7 @@
 """Capability summaries as plain dicts (carried in Hello and the mDNS record) and back.
 
 Dict form (JSON-safe, stable): ``{"free_ram": int, "free_vram": int, "backend": str,
-"gpu_pad": int, "cores": int, "speed": float, "fetch": int, "models": [{"name", "sha256", "layers", "size",
+"gpu_pad": int, "stage_threads": [now, most], "cores": int, "speed": float, "fetch": int, "models": [{"name", "sha256", "layers", "size",
 "arch", "shared"}, ...]}`` (``fetch``: bytes/s of the node's latest pulls, 0 if none)
 (``shared``: members may pull the model and any layer package of it). Unknown keys
 are ignored on read, so later versions can add fields.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshnode.limits import MAX_STAGE_THREADS
 from meshnode.state import Capabilities, HeldModel
 
 
@@ -23,6 +24,7 @@ def to_dict(caps: Capabilities) -> dict[str, Any]:
         "free_vram": int(caps.free_vram_bytes),
         "backend": caps.backend,
         "gpu_pad": int(caps.gpu_pad_rows),
+        "stage_threads": [int(caps.stage_threads[0]), int(caps.stage_threads[1])],
         "cores": int(caps.cores),
         "speed": round(float(caps.speed), 2),
         "fetch": round(float(caps.fetch_bytes_per_s)),
@@ -43,6 +45,14 @@ def _rate(v: Any) -> float:
     return r if 0.0 <= r <= MAX_RATE else 0.0
 
 
+def _threads(v: Any) -> tuple[int, int]:
+    """A peer's (threads now, most) of its served stage, or (0, 0) when it is not a sane pair."""
+    if (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+            and 0 <= v[0] <= v[1] <= MAX_STAGE_THREADS):
+        return int(v[0]), int(v[1])
+    return 0, 0
+
+
 def from_dict(d: dict[str, Any] | None) -> Capabilities | None:
     if not isinstance(d, dict):
         return None
@@ -61,6 +71,7 @@ def from_dict(d: dict[str, Any] | None) -> Capabilities | None:
             speed=float(d.get("speed", 0.0)),
             fetch_bytes_per_s=_rate(d.get("fetch", 0)),
             gpu_pad_rows=int(d.get("gpu_pad", 0)),
+            stage_threads=_threads(d.get("stage_threads")),
         )
     except (KeyError, TypeError, ValueError):
         return None
