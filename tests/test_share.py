@@ -4,10 +4,12 @@ channel, HTTP); a node with an empty store fetches its layers from the holders."
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import pytest
 
+from meshnode.gguf_files import model_files
 from tests.gguf_split import split_gguf
 from tests.nodeproc import meshnode_cmd, start_node, wait_for
 from tests.test_split_serving import (  # noqa: F401 - single_node_outputs is a fixture
@@ -70,7 +72,7 @@ def test_empty_store_serves_middle_stage(smollm2, single_node_outputs, tmp_path)
 def test_a_split_model_is_served_split_by_a_node_with_an_empty_store(smollm2, single_node_outputs, tmp_path):  # noqa: F811
     """n0 holds SmolLM2 as 3 files (llama-gguf-split's parts), n1 nothing: n1 fetches the
     package of its layers, sliced from the parts, and the greedy text equals the whole
-    file's on one node. A whole split model is not pulled (a transfer is one file)."""
+    file's on one node; then n1 pulls the whole split model, every part."""
     first = split_gguf(smollm2.path, tmp_path / "parts", 3)
     homes = [_home_with_model(tmp_path, "n0", first), tmp_path / "n1"]
     homes[1].mkdir()
@@ -86,6 +88,10 @@ def test_a_split_model_is_served_split_by_a_node_with_an_empty_store(smollm2, si
         assert _complete_all(coord.info["http_port"]) == single_node_outputs
         (package,) = homes[1].rglob("*.gguf")
         assert "slices" in str(package)
+        # the whole split model: part by part, the parts together checked against its sha256
         sha = coord.status()["node"]["capabilities"]["models"][0]["sha256"]
         pulled = meshnode_cmd("models", "pull", sha, "--home", str(homes[1]))
-        assert pulled.returncode != 0 and "is a split model (3 files)" in pulled.stderr, pulled
+        assert pulled.returncode == 0, pulled
+        listed = json.loads(meshnode_cmd("models", "list", "--json", "--home", str(homes[1])).stdout)
+        assert [(m["sha256"], len(m["files"])) for m in listed] == [(sha, 3)], listed
+        assert [Path(f).read_bytes() for f in listed[0]["files"]] == [f.read_bytes() for f in model_files(first)]

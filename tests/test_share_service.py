@@ -213,3 +213,44 @@ def test_pulls_in_progress_are_the_snapshots_transfers(tmp_path):
     rows = svc.progress()
     assert [(r.name, r.done_bytes, r.total_bytes, r.what) for r in rows] == [
         ("smol", 10, 40, "pull"), ("smol layers [10, 20)", 0, 0, "pull")]
+
+
+def test_a_split_model_is_pulled_part_by_part_and_checked_whole(tmp_path, model):
+    """A split model comes as its parts, each a transfer of its own; the parts together
+    must hash to the model's sha256, so a holder whose part changed under its record (a
+    consistent but different file) fails the pull, and nothing of it is kept."""
+    from meshnode.gguf_files import model_files
+    from tests.gguf_split import split_gguf
+
+    async def main() -> None:
+        mesh: dict = {}
+        first = split_gguf(model, tmp_path / "parts", 3)
+        good = _node(tmp_path, "good", mesh, first)
+        bad = _node(tmp_path, "bad", mesh, first)
+        puller = _node(tmp_path, "puller", mesh)
+        held_models(bad.paths)                # records the parts' sha256 ...
+        third = model_files(bad.paths.models / "tiny" / first.name)[2]
+        st = third.stat()
+        third.unlink()                        # (a copy of its own, not the hard link)
+        third.write_bytes(bytes(b ^ 0x01 for b in model_files(first)[2].read_bytes()))
+        os.utime(third, ns=(st.st_atime_ns, st.st_mtime_ns))   # ... which stays trusted
+        _advertise(mesh)
+        for s in mesh.values():
+            await s.start(0)
+        try:
+            entry, _ = resolve_mesh_model(puller.fabric, "tiny")
+            dest = puller.paths.models / "m.gguf"
+            with pytest.raises(TransferError, match="the parts of .* hash to .*: deleted"):
+                await puller.pull(entry["sha256"], dest, sources=[bad.fabric.node_id])
+            assert not list(puller.paths.models.glob("*.gguf*"))
+            seen = []
+            path, _ = await puller.pull(entry["sha256"], dest, sources=[good.fabric.node_id], progress=seen.append)
+            got = model_files(path)
+            assert [f.name for f in got] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+            assert [f.read_bytes() for f in got] == [f.read_bytes() for f in model_files(first)]
+            assert {p.total for p in seen} == {f.stat().st_size for f in got}   # a progress per part
+        finally:
+            for s in mesh.values():
+                await s.close()
+
+    asyncio.run(main())

@@ -198,8 +198,9 @@ def link_model(home: Path, model: Path) -> Path:
     ``home`` (hard links: no copy of the bytes, a copy across file systems) and return
     its path there."""
     from meshnode.gguf_files import model_files
+    from meshnode.models.index import store_name
 
-    folder = home / "data" / "models" / model.stem
+    folder = home / "data" / "models" / store_name(model)
     folder.mkdir(parents=True, exist_ok=True)
     for f in model_files(model):
         dest = folder / f.name

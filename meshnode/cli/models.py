@@ -230,7 +230,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
                         bar.close()
                     print(f"{item['name']}: {item['path']} (sha256 {item['sha256']}, verified)")
                     return 0
-                if bar is None:
+                if bar is None or item["total"] != bar.total:   # (a split model: a bar per part)
+                    if bar is not None:
+                        bar.close()
                     bar = tqdm(total=item["total"], desc=args.model, unit="B", unit_scale=True,
                                unit_divisor=1024, file=sys.stderr)
                 bar.update(item["done"] - bar.n)   # tqdm shows the rate and the ETA

@@ -38,7 +38,8 @@ from meshnode.errors import MeshnodeError
 from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.runtime import find_held_model
 from meshnode.models.errors import ModelFileError, SliceRangeError, UnsupportedArchitectureError
-from meshnode.gguf_files import model_files
+from meshnode.fsutil import sha256_files
+from meshnode.gguf_files import MAX_SPLIT_PARTS, model_files
 from meshnode.models.transfer import (
     CHUNK_SIZE,
     ChunkPlan,
@@ -102,6 +103,15 @@ class _Refused(MeshnodeError):
     def __init__(self, code: wire.ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def _split_part(manifest: Any) -> tuple[int, int] | None:
+    """(part, of how many) a holder's manifest says its file is of a split model, else None."""
+    v = manifest.get("part") if isinstance(manifest, dict) else None
+    if (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+            and 1 <= v[0] <= v[1] <= MAX_SPLIT_PARTS and v[1] > 1):
+        return v[0], v[1]
+    return None
 
 
 def split_hostport(address: str) -> tuple[str, int]:
@@ -195,13 +205,18 @@ class ShareService:
             raise _Refused(wire.ErrorCode.BUSY, f"{name} does not share {model.name}")
         if model is None:
             raise _Refused(wire.ErrorCode.BAD_FIELD, f"{name} holds no model with sha256 {msg.model_sha256[:16]}")
+        split_part: list[int] | None = None
         if msg.whole:
             path, what = Path(model.path), "model"
-            parts = len(model_files(path))
-            if parts > 1:
-                # a transfer is one file; the layers a member serves come as one package
-                raise _Refused(wire.ErrorCode.BAD_FIELD, f"{model.name} is a split model ({parts} files): "
-                               "members pull the layers they serve, not the whole model")
+            files = model_files(path)
+            if len(files) > 1:
+                # a split model: a transfer is one file, so each part is pulled on its own
+                # (layer_start names the part, 1-based; 0 the first) and its manifest says
+                # which part of how many it is
+                no = msg.layer_start or 1
+                if not 1 <= no <= len(files):
+                    raise _Refused(wire.ErrorCode.BAD_FIELD, f"{model.name} has {len(files)} parts, not {no}")
+                path, what, split_part = files[no - 1], f"part {no} of {len(files)}", [no, len(files)]
         else:
             try:
                 check_range(msg.layer_start, msg.layer_end, model.n_layers, model.name)
@@ -220,8 +235,9 @@ class ShareService:
                                               manifest.n_chunks, now) for _ in range(self.streams))
         ident = getattr(self.fabric, "identity")
         log.info("offering %s of %s to %s (%d bytes)", what, model.name, node_id, manifest.size)
+        body = manifest.to_dict() if split_part is None else {**manifest.to_dict(), "part": split_part}
         return wire.ShareTicket(ref=msg.ref, port=self._server.port, cert_sha256=cert_fingerprint(ident.certificate),
-                                tickets=tickets, manifest=manifest.to_dict(), name=model.name)
+                                tickets=tickets, manifest=body, name=model.name)
 
     # ---- puller side ---------------------------------------------------------------------
 
@@ -269,7 +285,9 @@ class ShareService:
             raise
 
     async def _offers(self, sha256: str, sources: list[str], whole: bool, start: int, end: int
-                      ) -> tuple[Manifest, str, list[tuple[str, wire.ShareTicket]]]:
+                      ) -> tuple[Manifest, str, list[tuple[str, wire.ShareTicket]], tuple[int, int] | None]:
+        """The sources' offers that agree, with their manifest, the model's name and, for
+        a part of a split model, (part, of how many)."""
         from meshnode.mesh.fabric import PeerReplyError
 
         async def ask(src: str) -> tuple[str, Any]:
@@ -288,6 +306,7 @@ class ShareService:
         errors = [f"{s}: {a}" for s, a in answers if isinstance(a, str)]
         offers: list[tuple[str, wire.ShareTicket]] = []
         manifest: Manifest | None = None
+        part: tuple[int, int] | None = None
         for src, a in answers:
             if not isinstance(a, wire.ShareTicket):
                 if not isinstance(a, str):
@@ -298,12 +317,16 @@ class ShareService:
             except TransferError as exc:
                 errors.append(f"{src}: {exc}")
                 continue
-            if whole and m.sha256 != sha256:
+            got = _split_part(a.manifest) if whole else None
+            if whole and (got is None and m.sha256 != sha256
+                          or got is not None and (got[0] != max(start, 1) or end and got[1] != end)):
+                # (a part's own sha256 is not the model's: the parts together are checked
+                # against it once all are here)
                 errors.append(f"{src}: offered a file whose sha256 is not the one asked for")
                 continue
             if manifest is None:
-                manifest = m
-            if m != manifest:
+                manifest, part = m, got
+            if m != manifest or got != part:
                 errors.append(f"{src}: its package differs from {offers[0][0]}'s")
                 continue
             offers.append((src, a))
@@ -311,11 +334,35 @@ class ShareService:
             raise TransferError("no peer could offer it: " + ("; ".join(errors) or "no peer holds it"))
         for e in errors:
             log.warning("share: %s", e)
-        return manifest, offers[0][1].name, offers
+        return manifest, offers[0][1].name, offers, part
 
     async def _pull(self, info: TransferInfo, sha256: str, dest: Path, sources: list[str], whole: bool,
                     start: int, end: int) -> tuple[Path, str]:
-        manifest, name, offers = await self._offers(sha256, sources, whole, start, end)
+        manifest, name, offers, split = await self._offers(sha256, sources, whole, start, end)
+        if split is None:
+            await self._fetch(info, manifest, name, offers, dest)
+            return dest, name
+        # a split model: its parts one by one, named as llama.cpp finds them beside ``dest``'s
+        # place; then all of them together must hash to the model's sha256
+        count = split[1]
+        paths = [dest.with_name(f"{dest.stem}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
+        for k, path in enumerate(paths, 1):
+            if k > 1:
+                manifest, name, offers, _ = await self._offers(sha256, sources, True, k, count)
+            if not path.exists():   # (a part whole from an earlier, stopped pull is kept)
+                info.what = f"model, part {k} of {count}"
+                await self._fetch(info, manifest, name, offers, path)
+        whole_sha = await asyncio.to_thread(sha256_files, paths)
+        if whole_sha != sha256:
+            for path in paths:
+                path.unlink(missing_ok=True)
+            raise TransferError(f"the parts of {name} hash to {whole_sha[:16]}, not the model's {sha256[:16]}: "
+                                "deleted")
+        return paths[0], name
+
+    async def _fetch(self, info: TransferInfo, manifest: Manifest, name: str,
+                     offers: list[tuple[str, wire.ShareTicket]], dest: Path) -> None:
+        """One file of ``manifest`` from ``offers`` to ``dest`` (resumed when a part file is there)."""
         info.name = name
         part = await asyncio.to_thread(PartFile, dest, manifest)
         if part.done:
@@ -360,7 +407,6 @@ class ShareService:
             raise
         log.info("fetched %s of %s (%d bytes) from %s", info.what, name, manifest.size,
                  ", ".join(s for s, _ in offers))
-        return dest, name
 
     def _measured(self, moved: int, seconds: float) -> None:
         """Fold a finished pull into :attr:`fetch_bytes_per_s` (pulls too small to say
