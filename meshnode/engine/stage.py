@@ -453,12 +453,16 @@ class StageEngine:
         """The CPU threads the engine settled on (a try may run a call with another count)."""
         return self._governor.threads if self._governor is not None else self.n_threads_batch
 
+    @property
+    def cpu_threads(self) -> tuple[int, int]:
+        """(the CPU threads it settled on, the most it may use); (0, 0) on a GPU."""
+        return (self.threads, self.n_threads_batch) if self.backend == "cpu" else (0, 0)
+
     def describe(self, stage: StageInfo) -> StageInfo:
-        """``stage`` as the UI shows it when this engine computes it: its backend and, on a
-        CPU, the threads it settled on of the most it may use."""
-        cpu = self.backend == "cpu"
-        return dataclasses.replace(stage, backend=self.backend, threads=self.threads if cpu else 0,
-                                   max_threads=self.n_threads_batch if cpu else 0)
+        """``stage`` as the UI shows it when this engine computes it: its backend and its
+        :attr:`cpu_threads`."""
+        threads, most = self.cpu_threads
+        return dataclasses.replace(stage, backend=self.backend, threads=threads, max_threads=most)
 
     def _set_threads(self, threads: int) -> None:
         """Compute the next calls with ``threads`` CPU threads (the governor's choice)."""

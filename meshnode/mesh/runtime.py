@@ -34,6 +34,7 @@ from typing import Any
 from meshnode.errors import MeshnodeError
 from meshnode.fsutil import atomic_write
 from meshnode.mesh.fabric_api import Fabric
+from meshnode.gguf_files import model_size
 from meshnode.mesh.local_caps import advertised, local_capabilities
 from meshnode.mesh.planner import ModelShape
 from meshnode.mesh.stage_control import LoadLimits, Timeouts
@@ -157,7 +158,7 @@ def held_models(paths: NodePaths, *, shared: bool = False) -> list[HeldModel]:
     from meshnode.models.sharing import unshared
 
     kept = unshared(paths) if shared else set()
-    return [HeldModel(r.name, r.sha256, r.n_layers, _size(r.path), r.architecture, shared and r.sha256 not in kept)
+    return [HeldModel(r.name, r.sha256, r.n_layers, model_size(Path(r.path)), r.architecture, shared and r.sha256 not in kept)
             for r in refs]
 
 
@@ -197,13 +198,6 @@ def node_capabilities(paths: NodePaths, *, max_memory: int | None = None,
     if max_memory is not None:
         caps["free_ram"] = min(int(caps["free_ram"]), int(max_memory))
     return caps
-
-
-def _size(path: Any) -> int:
-    """Bytes of the model at ``path`` (every part of a split model; 0 when missing)."""
-    from meshnode.gguf_files import model_size
-
-    return model_size(Path(path))
 
 
 # ---- the planner's view of a model ----------------------------------------------------
@@ -327,7 +321,7 @@ def load_limits(model_path: Any, slice_path: Any, layer_start: int, layer_end: i
     return LoadLimits(
         n_ctx_train=_as_max(h.fields["context_length"]),
         budget_bytes=budget_bytes,
-        weights_bytes=_size(slice_path),
+        weights_bytes=model_size(Path(slice_path)),
         kv_bytes_per_cell=_kv_bytes_per_token(h) * (layer_end - layer_start),
         n_embd=info.n_embd,
         n_head=_n_head(h),

@@ -144,11 +144,7 @@ class StageServerRuntime:
     def served_threads(self) -> tuple[int, int]:
         """(threads now, most) of the CPU stage this node serves for a peer; (0, 0) when
         it serves none or on a GPU (what its capabilities tell the coordinator)."""
-        host = self._host
-        if host is None:
-            return 0, 0
-        st = host.worker.engine.describe(StageInfo(0, "", "", 0, 0, StageState.READY))
-        return st.threads, st.max_threads
+        return self._host.worker.engine.cpu_threads if self._host is not None else (0, 0)
 
     def sessions(self) -> list[int]:
         """Sessions whose KV this node holds for the stage it serves."""

@@ -1,8 +1,8 @@
 """Hugging Face names: ``hf:OWNER/REPO[@REVISION]/PATH.gguf`` (one file) and
 ``hf:OWNER/REPO[@REVISION][:QUANT]`` (the repository's GGUF of that quantization).
 
-Theory of operation. Sans-IO apart from nothing: :func:`parse_hf` reads what the user
-typed, :func:`file_url` and :func:`listing_url` say where to ask (Hugging Face's
+Theory of operation. Sans-IO (meshnode.models.url_fetch does the requests):
+:func:`parse_hf` reads what the user typed, :func:`file_url` and :func:`listing_url` say where to ask (Hugging Face's
 ``/resolve/`` download URLs and its ``/api/models/.../tree`` listing, under
 ``$HF_ENDPOINT`` as huggingface_hub reads it, https://huggingface.co by default), and
 :func:`choose` picks the files of one model from a listing (:func:`parse_listing`, which

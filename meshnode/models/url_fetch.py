@@ -22,8 +22,8 @@ when given; the file must then read as a GGUF (every part), or it is deleted. Wh
 server sends is bounded by what it announced (Content-Length / Content-Range), and
 without an announcement by the disk's free space (checked every 256 MiB), so a server
 cannot fill the disk. ``HF_TOKEN`` (a Hugging Face access token) is sent to
-huggingface.co for gated and private models, never to the host a download is redirected
-to.
+huggingface.co (and to ``$HF_ENDPOINT``'s host) for gated and private models, never to
+the host a download is redirected to.
 
 URLs are fetched only for what the user typed on this machine (``models fetch``,
 ``serve --model``): never for names that come from the network or from a model package.
@@ -139,18 +139,18 @@ def fetch_url(
     progress: ProgressFn | None = None, opener: Callable[..., Any] = _urlopen,
     timeout: float = DOWNLOAD_TIMEOUT_S,
 ) -> ModelRef:
-    """The model at URL ``spec`` (:func:`model_url`) in the store, downloaded unless it is
+    """The model at URL ``spec`` (:func:`is_model_url`) in the store, downloaded unless it is
     there already; resumes a download that stopped (module docstring).
 
     Raises ModelFetchError (network, disk, a bad URL or name; what arrived stays to resume),
     ChecksumError (not ``sha256``; deleted) or ModelFileError (not a GGUF; deleted)."""
-    if not is_model_url(spec):
+    hf, url, listed = hf_repo.parse_hf(spec), model_url(spec), []
+    if url is None and hf is None:
         raise ModelFetchError(f"{spec!r} is not a model URL (http(s)://.../FILE.gguf or hf:OWNER/REPO[:QUANT])")
-    url, listed = model_url(spec), []
     if url is None:   # hf:OWNER/REPO[:QUANT]: the file comes from the repository's listing
         if sha256 is None and (ref := _fetched_before(paths, spec)) is not None:
             return ref
-        url, listed = _from_listing(hf_repo.parse_hf(spec), opener, timeout)   # type: ignore[arg-type]
+        url, listed = _from_listing(hf, opener, timeout)   # type: ignore[arg-type]
     expect = {f.name: f.sha256 for f in listed if f.sha256}
     if listed:
         log.info("%s is %s (%d file%s, %.2f GB)", spec, listed[0].path, len(listed), "s" if len(listed) > 1 else "",

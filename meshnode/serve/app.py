@@ -57,6 +57,10 @@ def create_app(node: Any, security: HttpSecurity | None = None) -> FastAPI:
     return app
 
 
+# The OpenAI API's routes a node answers (what a 404 names)
+SERVED = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
+
+
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's own refusals (no such path, wrong method) in OpenAI's error shape too."""
     assert isinstance(exc, StarletteHTTPException)
@@ -72,9 +76,6 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
                         status_code=exc.status_code, headers=exc.headers)
 
-
-# The OpenAI API's routes a node answers (what a 404 names)
-SERVED = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
