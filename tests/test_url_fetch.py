@@ -272,6 +272,12 @@ def test_the_token_goes_to_the_model_host_only_and_a_refusal_says_what_to_do(tmp
             fetch_url(hub_base + "gated.gguf", paths)
 
 
+def test_a_fetch_that_got_no_byte_leaves_nothing(paths):
+    with pytest.raises(ModelFetchError, match=r"cannot download http://127.0.0.1:1/m.gguf: .*refused"):
+        fetch_url("http://127.0.0.1:1/m.gguf", paths)
+    assert not (paths.models / "m").exists() and list_models(paths) == []
+
+
 def test_a_second_fetch_of_the_same_model_at_once_is_refused(server, paths, synthetic_gguf):
     import fcntl
 

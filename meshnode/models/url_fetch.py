@@ -174,10 +174,17 @@ def fetch_url(
         check_free_space(dest.parent, sum(f.size for f in listed) - _held(dest.parent), what=f"fetch {name}")
     with _only_fetch(note, spec):
         whole = hashlib.sha256()
-        for i, f in enumerate(files, 1):
-            phase = "download" if len(files) == 1 else f"download {i}/{len(files)}"
-            whole = _download(_part_url(url, f.name), f, whole, expect.get(f.name), phase, progress, opener,
-                              timeout)
+        try:
+            for i, f in enumerate(files, 1):
+                phase = "download" if len(files) == 1 else f"download {i}/{len(files)}"
+                whole = _download(_part_url(url, f.name), f, whole, expect.get(f.name), phase, progress, opener,
+                                  timeout)
+        except ModelFetchError:
+            if not any(f != note for f in dest.parent.iterdir()):   # not a byte arrived: nothing to resume
+                note.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    dest.parent.rmdir()
+            raise
     sha = whole.hexdigest()
     try:
         if sha256 is not None and sha != sha256.lower():
@@ -351,6 +358,8 @@ def _download(url: str, dest: Path, whole: Any, expect: str | None, phase: str, 
         raise ModelFetchError(f"cannot download {url}: HTTP {exc.code} {exc.reason}{_hint(url, exc.code)}") from None
     except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as exc:
         reason = getattr(exc, "reason", None) or exc
+        if not done:
+            raise ModelFetchError(f"cannot download {url}: {reason}") from None
         raise ModelFetchError(f"download of {url} stopped at {done} of {total or '?'} bytes ({reason}); "
                               "the same command resumes it") from None
     except OSError as exc:
