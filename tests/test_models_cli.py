@@ -173,3 +173,19 @@ def test_quantize_answers_ctrl_c(tmp_path: Path, synthetic_gguf):
     assert time.monotonic() - t0 < 5
     assert "quantize cancelled: nothing was added to the store" in err and "Traceback" not in err
     assert not folder.exists()
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path, monkeypatch, capsys):
+    # `meshnode models list | head`: the pipe closes while the command still prints
+    import sys
+
+    class ClosedPipe:
+        def write(self, _text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["models", "list", "--home", str(tmp_path)]) == 141
+    assert "Traceback" not in capsys.readouterr().err

@@ -9,8 +9,10 @@ mistake or the environment's) is printed as one line, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
 import sys
 
 from meshnode import __version__
@@ -68,6 +70,17 @@ def _commands(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # the reader left (`meshnode status | head`): no traceback, now or when Python
+        # flushes stdout into the closed pipe at exit; 141 as a shell reports SIGPIPE
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # Bare `meshnode [node options]` is `meshnode run [node options]`: the node plus its TUI.
