@@ -472,7 +472,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             # this process exits, a moment later)
             shutil.rmtree(folder, ignore_errors=True)
             print("quantize cancelled: nothing was added to the store", file=sys.stderr)
-            return 130
+            # Leave without tearing the interpreter down: the quantizer thread cannot be
+            # stopped and calls back into Python (its log lines), and a callback that lands
+            # while the interpreter finalizes crashes the process (SIGSEGV) instead of
+            # exiting 130.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         if failed:
             with contextlib.suppress(OSError):
                 folder.rmdir()   # empty unless the copy was written
