@@ -43,6 +43,7 @@ from meshnode.fsutil import atomic_write
 from meshnode.mesh.local_caps import local_capabilities, set_offload
 from meshnode.net import caps as capsmod
 from meshnode.paths import NodePaths
+from meshnode.quantizer import hand_in_quantizer
 from meshnode.state import (
     LogEmitted,
     ModelStatus,
@@ -130,6 +131,7 @@ class Node:
         if self.http_security.bound_host != http_host:
             self.http_security = replace(self.http_security, bound_host=http_host)
         self.paths = paths.ensure()
+        hand_in_quantizer()   # the store makes the default model with it on first use
         set_offload(gpu_layers != 0)
         self.name = name or socket.gethostname()
         self.fabric = MeshFabric(

