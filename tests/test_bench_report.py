@@ -42,7 +42,8 @@ def _strategy(tok_s, acc, speedup, same=True):
     return {"tok_s": tok_s, "acceptance": acc, "speedup": speedup, "draft_n": 100 if acc else 0,
             "draft_n_accepted": int(100 * acc), "windows": 10, "ms_per_window": 50.0,
             "plain_steps": 20, "ms_per_plain_step": 30.0, "lookahead": 0, "lookahead_used": 0,
-            "tokens": 192, "same_text_as_baseline": same}
+            "tokens": 192, "same_text_as_baseline": same,
+            "wall_tok_s": tok_s * 0.8, "wall_speedup": 1 + (speedup - 1) * 0.75, "ttft_ms": 1500.0}
 
 
 SPEC = {"code_edit": {"baseline": _strategy(21.4, 0.0, 1.0), "ngram_auto": _strategy(38.6, 0.75, 1.8),
@@ -86,12 +87,12 @@ def test_every_benchmark_has_its_command_table_and_reading():
     assert md.count("How to read it:") == 4
     assert "| decode ms/token | 10.37 | 10.71 | 1.032 |" in md
     assert "| 2 | 55.0 | 0.92x | 0.90-0.93 | 80 | 300.0 | 50.0 (0.90) | 100.0 (0.80) |" in md
-    assert "| code_edit | ngram_auto | 38.6 | 0.75 | 100 | 1.80x | yes |" in md
-    assert "| mixed_chat | draft | 16.5 | 0.49 | 100 | 0.68x | **NO** |" in md  # a mismatch stands out
+    assert "| code_edit | ngram_auto | 30.9 | 1.60x | 1500 | 38.6 | 1.80x | 0.75 | 100 | yes |" in md
+    assert "| mixed_chat | draft | 13.2 | 0.76x | 1500 | 16.5 | 0.68x | 0.49 | 100 | **NO** |" in md  # a mismatch stands out
     assert "| 576 x f32 | 0.379 | 0.305 |" in md
     assert "- 2 stage(s): 18000 us (median of 29 steps) = s0 compute 7000 + hop to s1 200 + s1 compute 9000\n" in md
     assert "- 3 stage(s)" not in md                                             # nothing marked: no line
-    assert "\n|---|---|---:|---:|---:|---:|---:|\n" in md  # workload and strategy are text: left
+    assert "\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n" in md  # workload and strategy are text: left
 
 
 def test_charts_are_well_formed_svg_and_linked():
@@ -194,3 +195,11 @@ def test_the_command_runs_a_benchmark_and_splices_its_results(tmp_path):
     assert "$ meshnode bench net --iters 50 --bulk-mb 8 --json" in md and "| 576 x f32 lane |" in md
     saved = json.loads((tmp_path / "bench" / "results.json").read_text())
     assert saved["quick"] and saved["benchmarks"]["net"][0]["datagram"] == 1350
+
+
+def test_spec_results_saved_before_wall_clock_still_render():
+    # `--from-json` of a results.json written before wall clock was measured: dashes
+    from meshnode.bench.report import _spec
+
+    old = {k: v for k, v in _strategy(38.6, 0.75, 1.8).items() if k not in ("wall_tok_s", "wall_speedup", "ttft_ms")}
+    assert "| code_edit | ngram_auto | - | - | - | 38.6 | 1.80x | 0.75 | 100 | yes |" in _spec({"code_edit": {"ngram_auto": old}})

@@ -336,14 +336,21 @@ def _spec(d: dict) -> str:
     rows = []
     for w, strategies in d.items():
         for s, r in strategies.items():
-            rows.append([w, s, _f(r["tok_s"]), _f(r["acceptance"], 2), str(r["draft_n"]),
-                         f"{r['speedup']:.2f}x", "yes" if r["same_text_as_baseline"] else "**NO**"])
-    md = _table(["workload", "strategy", "tok/s", "acceptance", "drafted", "speedup", "same text"], rows,
-                text_columns=2)
-    md += ("\nHow to read it: a 2-stage split on loopback with 5 ms of emulated latency each way; "
-           "`speedup` is decode tokens/s over `baseline` (no speculation) on the same prompts; "
-           "acceptance is accepted / drafted tokens. Greedy decoding, so every strategy must give "
-           "the baseline's text.\n")
+            # (results.json files written before wall clock was measured lack the first three)
+            wall_x = r.get("wall_speedup")
+            rows.append([w, s, _f(r.get("wall_tok_s")), "-" if wall_x is None else f"{wall_x:.2f}x",
+                         _f(r.get("ttft_ms"), 0),
+                         _f(r["tok_s"]), f"{r['speedup']:.2f}x", _f(r["acceptance"], 2), str(r["draft_n"]),
+                         "yes" if r["same_text_as_baseline"] else "**NO**"])
+    md = _table(["workload", "strategy", "wall t/s", "wall x", "TTFT ms", "decode t/s", "decode x",
+                 "acceptance", "drafted", "same text"], rows, text_columns=2)
+    md += ("\nHow to read it: a 2-stage split on loopback with 5 ms of emulated latency each way, "
+           "one thread per stage, the held-out prompts. `wall x` is the client's tokens/s, "
+           "prefill included, over `baseline` (no speculation) on the same prompts: what a user "
+           "waits for; `decode x` counts decoding only; TTFT is the time to the first token. "
+           "Acceptance is accepted / drafted tokens. Greedy decoding, so every strategy must give "
+           "the baseline's text. The `draft` strategy's draft is the target requantized to Q4_0 "
+           "(`bench spec`, docs/benchmarks.md).\n")
     return md
 
 
