@@ -3,15 +3,15 @@
 The store makes some known models itself (the default model is the wheel's Q4_1
 requantized to Q8_0: meshnode.models.catalog), but it sits beside the engine, not above
 it, and may not import llama.cpp. Each process that can fetch models (the command line,
-a :class:`~meshnode.node.Node`) calls :func:`hand_in_quantizer` once; llama_cpp itself
-loads only when something is quantized.
+a :class:`~meshnode.node.Node`) calls :func:`hand_in_quantizer` once; it imports nothing
+heavy (llama_cpp loads only when something is quantized).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from meshnode.models.fetch import set_quantizer
+from meshnode.models.quantizer_hook import set_quantizer
 from meshnode.models.progress import ProgressFn
 
 __all__ = ["hand_in_quantizer"]

@@ -138,7 +138,7 @@ def test_interrupted_extraction_leaves_nothing(wheel, tmp_path: Path):
 def llama_quantizer(monkeypatch):
     """The store's quantizer, as meshnode.quantizer hands it in; the calls it made."""
     from meshnode.engine.quantize import quantize_model
-    from meshnode.models import fetch as fetch_mod
+    from meshnode.models import quantizer_hook as hook
 
     calls: list[tuple[str, str]] = []
 
@@ -146,7 +146,7 @@ def llama_quantizer(monkeypatch):
         calls.append((Path(src).name, ftype))
         quantize_model(src, dest, ftype, progress, n_threads=2)
 
-    monkeypatch.setattr(fetch_mod, "_quantizer", quantizer)
+    monkeypatch.setattr(hook, "_quantizer", quantizer)
     return calls
 
 
@@ -181,7 +181,7 @@ def test_default_model_is_made_from_the_wheel_model(wheel, tmp_path: Path, monke
 def test_default_model_made_from_a_base_already_in_the_store(smollm2, tmp_path: Path, monkeypatch):
     # a node that had the old default (the Q4_1) makes the new one without the wheel;
     # a quantizer that fails leaves no trace of the derived model
-    from meshnode.models import fetch as fetch_mod
+    from meshnode.models import quantizer_hook as hook
 
     paths = NodePaths.resolve(tmp_path / "home")
     folder = paths.models / SMOLLM2.name
@@ -193,11 +193,11 @@ def test_default_model_made_from_a_base_already_in_the_store(smollm2, tmp_path: 
         progress("quantize", 1, 10)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fetch_mod, "_quantizer", failing)
+    monkeypatch.setattr(hook, "_quantizer", failing)
     with pytest.raises(OSError, match="No space"):
         resolve_model(None, paths, progress=quiet)
     assert not (paths.models / DEFAULT_MODEL.name).exists()
-    monkeypatch.setattr(fetch_mod, "_quantizer", lambda src, dest, ftype, progress: shutil.copy(src, dest))
+    monkeypatch.setattr(hook, "_quantizer", lambda src, dest, ftype, progress: shutil.copy(src, dest))
     ref = resolve_model(None, paths, progress=quiet)
     # (a copy is not what the pinned quantizer makes: kept, with a warning, under its own hash)
     assert ref.name == DEFAULT_MODEL.name and ref.sha256 == SMOLLM2.gguf_sha256

