@@ -12,7 +12,7 @@ store; nothing here touches the disk or the network.
   multiplies it with a tiled kernel for batches of rows, where Q4_1 takes one row at a
   time: on a CPU node prefill runs ~1.8x faster and a speculative verify window costs
   less, so long prompts (an editor's) and speculation gain; plain one-row decoding is
-  5-20% slower (docs/models.md, "Why the default is Q8_0").
+  5-23% slower (docs/models.md, "Default model").
 - ``gemma-3-270m-q4_k_m`` (a test model with sliding-window layers) is four PyPI wheels
   whose data parts concatenate to the GGUF (:class:`PipPartsSource`).
 """
