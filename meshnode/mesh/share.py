@@ -39,7 +39,7 @@ from meshnode.mesh.fabric_api import Fabric
 from meshnode.mesh.runtime import find_held_model
 from meshnode.models.errors import ModelFileError, SliceRangeError, UnsupportedArchitectureError
 from meshnode.fsutil import sha256_files
-from meshnode.gguf_files import MAX_SPLIT_PARTS, model_files
+from meshnode.gguf_files import MAX_SPLIT_PARTS, model_files, split_part_name
 from meshnode.models.transfer import (
     CHUNK_SIZE,
     ChunkPlan,
@@ -345,7 +345,7 @@ class ShareService:
         # a split model: its parts one by one, named as llama.cpp finds them beside ``dest``'s
         # place; then all of them together must hash to the model's sha256
         count = split[1]
-        paths = [dest.with_name(f"{dest.stem}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
+        paths = [dest.with_name(split_part_name(dest.stem, k, count)) for k in range(1, count + 1)]
         for k, path in enumerate(paths, 1):
             if k > 1:
                 manifest, name, offers, _ = await self._offers(sha256, sources, True, k, count)

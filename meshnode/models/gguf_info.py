@@ -31,7 +31,7 @@ from typing import Any
 
 from gguf import GGUFReader, GGUFValueType, LlamaFileType
 
-from meshnode.gguf_files import MAX_SPLIT_PARTS, model_size, split_part, split_part_path
+from meshnode.gguf_files import MAX_SPLIT_PARTS, model_size, split_part, split_part_name, split_part_path
 from meshnode.gguf_reader import PARSE_ERRORS, BulkReader
 from meshnode.models.errors import ModelFileError
 
@@ -151,7 +151,7 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
         raise ModelFileError(f"{p}: bad split metadata (split.no {no!r}, split.count {count!r})")
     if where is None or where != (no + 1, count):
         raise ModelFileError(f"{p} is part {no + 1} of {count} of a split model but not named as one "
-                             f"(llama.cpp finds the parts by name: <name>-{no + 1:05d}-of-{count:05d}.gguf)")
+                             f"(llama.cpp finds the parts by name: {split_part_name('<name>', no + 1, count)})")
     if no != 0:
         first = split_part_path(p, 1, count)
         raise ModelFileError(f"{p} is part {no + 1} of {count} of a split model: give its first part, {first.name}")

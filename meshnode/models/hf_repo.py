@@ -23,7 +23,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from meshnode.gguf_files import split_part
+from meshnode.gguf_files import split_part, split_part_name, split_prefix
 from meshnode.models.errors import ModelFetchError
 
 __all__ = ["DEFAULT_QUANT", "HfSpec", "RepoFile", "choose", "endpoint", "file_url", "listing_url",
@@ -119,12 +119,11 @@ def _models(files: list[RepoFile]) -> dict[str, list[RepoFile]]:
     by_path = {f.path: f for f in files}
     out: dict[str, list[RepoFile]] = {}
     for f in files:
-        part = split_part(Path(f.name))
-        if part is None:
+        prefix, part = split_prefix(f.path), split_part(Path(f.name))
+        if prefix is None or part is None:
             out[f.path] = [f]
         elif part[0] == 1:
-            stem = f.path[:-len("00001-of-00000.gguf")]
-            parts = [by_path.get(f"{stem}{i:05d}-of-{part[1]:05d}.gguf") for i in range(1, part[1] + 1)]
+            parts = [by_path.get(split_part_name(prefix, i, part[1])) for i in range(1, part[1] + 1)]
             if all(p is not None for p in parts):
                 out[f.path] = parts   # type: ignore[assignment]
     return {k: v for k, v in out.items() if "mmproj" not in PurePosixPath(k).name.lower()}

@@ -24,7 +24,7 @@ from typing import Any
 
 from meshnode.fsutil import atomic_write, sha256_file, sha256_files
 from meshnode.models.errors import ModelFileError
-from meshnode.gguf_files import model_files, split_part
+from meshnode.gguf_files import model_files, split_part, split_prefix
 from meshnode.models.gguf_info import read_model_info
 from meshnode.models.progress import ProgressFn
 from meshnode.models.transfer import PART_SUFFIX
@@ -202,7 +202,7 @@ STORE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 def store_name(path: Path) -> str:
     """The name a GGUF in the store goes by: its stem, a split model's without the
     ``-00001-of-0000N`` of its first part."""
-    return path.stem[:-len("-00001-of-00000")] if split_part(path) is not None else path.stem
+    return split_prefix(path.name) or path.stem
 
 
 def _model_ggufs(folder: Path) -> list[Path]:
