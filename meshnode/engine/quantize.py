@@ -93,7 +93,7 @@ def quantize_model(src: Path, dest: Path, ftype: str, progress: PhaseProgress, *
                    n_threads: int | None = None, drawing: Callable[[], bool] = lambda: True) -> None:
     """:func:`requantize` (every core unless ``n_threads``) with its progress in bytes of
     ``src`` as the store's phase "quantize": `models quantize`, and the store's quantizer
-    for derived models (meshnode.models.fetch.set_quantizer). ``drawing()`` false stops
+    for derived models (meshnode.quantizer hands it in). ``drawing()`` false stops
     the progress calls (a cancelled command's closed bar)."""
     size = model_size(src)
 
