@@ -62,11 +62,13 @@ def test_a_node_drafts_from_two_token_matches_only_where_its_windows_cost_next_t
     # repeats only 2-token spans (12, 13 are followed by 99 once more)
     prompt = CODE + [12, 13, 99, 50, 51, 98]
     answer = CODE[:12] + [60, 12, 13, 99, 61, 50, 51, 98]
-    cheap = replay([prompt], [answer], 12, _cost(40.0, 1.0), None)
-    dear = replay([prompt], [answer], 12, _cost(40.0, 40.0), None)
-    assert dear["accepted"] == replay([prompt], [answer], 12, _cost(40.0, 40.0), 3)["accepted"]
+    # (the rule alone: the copy cursor would draft after the inserted 60 and 61 too)
+    cheap = replay([prompt], [answer], 12, _cost(40.0, 1.0), None, cursor=False)
+    dear = replay([prompt], [answer], 12, _cost(40.0, 40.0), None, cursor=False)
+    assert dear["accepted"] == replay([prompt], [answer], 12, _cost(40.0, 40.0), 3, cursor=False)["accepted"]
     # cheap windows: the 2-token spans drafted too, once the costs are learned
-    assert dear["accepted"] < cheap["accepted"] <= replay([prompt], [answer], 12, _cost(40.0, 1.0), 2)["accepted"]
+    assert dear["accepted"] < cheap["accepted"] <= \
+        replay([prompt], [answer], 12, _cost(40.0, 1.0), 2, cursor=False)["accepted"]
 
 
 def test_the_min_match_option_takes_numbers_and_auto():
@@ -78,6 +80,28 @@ def test_the_min_match_option_takes_numbers_and_auto():
     for bad in ("0", "x", "", "2,-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             _min_matches(bad)
+
+
+def test_the_copy_cursor_takes_a_renamed_copy_in_fewer_steps():
+    """An answer that copies the prompt with every other stretch renamed: the cursor
+    drafts again two tokens after each rename, the suffix match only after three."""
+    source = list(range(100, 160))
+    answer = [900 + t if t % 12 == 0 else t for t in source]
+    on = replay([source], [answer], 12, _cost(), 3)
+    off = replay([source], [answer], 12, _cost(), 3, cursor=False)
+    assert on["accepted"] > off["accepted"] and on["steps"] < off["steps"]
+    assert on["tokens"] == off["tokens"] == len(answer)
+
+
+def test_the_cursor_option_takes_on_and_off():
+    import argparse
+
+    from meshnode.bench.replay_bench import _switches
+
+    assert _switches("on,off") == [True, False] and _switches("off") == [False]
+    for bad in ("", "yes", "on,x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _switches(bad)
 
 
 class _OracleDraft:

@@ -156,3 +156,78 @@ def test_propose_after_guesses_past_the_drafts_in_flight():
     # drafts 3 4 in flight: what follows them is 5 6 ...
     assert p.propose(3, after=[3, 4]) == [5, 6, 7]
     assert p.propose(2, after=[8, 8]) == []
+
+
+# ---- the copy cursor -------------------------------------------------------------
+
+# A "file" of distinct tokens, as code mostly is at the scale of a few tokens.
+SOURCE = list(range(100, 140))
+
+
+def _copying(prompt: list[int], out: list[int]) -> NGramProposer:
+    p = NGramProposer(prompt)
+    p.observe(out)
+    return p
+
+
+def test_cursor_takes_a_copy_up_again_after_a_replaced_token():
+    # the answer copies the file, renaming token 110 (one token) as 999 (not in the prompt)
+    p = _copying(SOURCE, SOURCE[:10] + [999])
+    assert p.propose(4, min_match=3) == []              # off the text: nothing to go by
+    p.observe([111])                                     # one token could be chance
+    assert p.propose(4, min_match=3) == []
+    p.observe([112])
+    # a 3-token match does not exist yet ([999, 111, 112]); the cursor knows the place
+    assert p.propose(4, min_match=3) == [113, 114, 115, 116]
+    assert p.would_hit(113, min_match=3) is True
+
+
+def test_cursor_skips_a_replaced_span_and_an_insertion():
+    # 110 111 112 replaced by one token: the output takes the file up at 113 114
+    p = _copying(SOURCE, SOURCE[:10] + [999, 113, 114])
+    assert p.propose(3, min_match=3) == [115, 116, 117]
+    # too far on (more than RESYNC_SKIP past the output's gap): not taken up
+    from meshnode.spec.ngram import RESYNC_SKIP
+
+    far = 113 + RESYNC_SKIP
+    assert _copying(SOURCE, SOURCE[:10] + [999, far, far + 1]).propose(3, min_match=3) == []
+    # an inserted run of new tokens, then the file again where it left off
+    q = _copying(SOURCE, SOURCE[:10] + [900, 901, 902, 903, 904, 110])
+    assert q.propose(3, min_match=3) == [111, 112, 113]
+
+
+def test_cursor_is_dropped_far_off_the_text():
+    from meshnode.spec.ngram import CURSOR_MAX_GAP
+
+    p = _copying(SOURCE, SOURCE[:10] + list(range(900, 901 + CURSOR_MAX_GAP)))
+    p.observe([110])   # the file's next token, but the output has long left the file
+    assert p.propose(3, min_match=3) == []
+
+
+def test_cursor_follows_drafts_in_flight():
+    p = _copying(SOURCE, SOURCE[:10] + [999, 111, 112])
+    assert p.propose(2, min_match=3, after=[113, 114]) == [115, 116]
+    assert p.propose(2, min_match=3, after=[998, 997]) == []   # they leave the text
+    assert p.propose(2, min_match=3) == [113, 114]              # nothing was moved
+
+
+def test_cursor_does_not_follow_the_prompt():
+    # indexing the prompt places no cursor: only generated text is followed
+    p = NGramProposer(SOURCE + [999, 111, 112])
+    assert p.propose(2, min_match=3) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(out=st.lists(st.integers(0, 4), max_size=40), k=st.integers(1, 6), min_match=st.integers(1, 4))
+def test_cursor_only_drafts_where_the_match_would_not(out, k, min_match):
+    # a match of min_match tokens is followed as without a cursor; the cursor only adds
+    # drafts where there were none, and they continue the context
+    prompt = [random.Random(len(out)).randrange(5) for _ in range(30)]
+    p = _copying(prompt, out)
+    toks = prompt + out
+    expect = reference_propose(toks, k, 12, min_match)
+    got = p.propose(k, min_match=min_match)
+    if expect:
+        assert got == expect
+    else:
+        assert len(got) in (0, k)

@@ -71,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-match", type=_min_matches, default=None, metavar="N|auto,...",
                    help="shortest suffix match an n-gram draft continues, values to compare; "
                         "auto: as a node picks it from the learned step costs (default auto)")
+    p.add_argument("--cursor", type=_switches, default=[True], metavar="on|off,...",
+                   help="the n-gram proposer's copy cursor, values to compare (default on)")
     p.add_argument("--max-window", type=positive_int, default=None, metavar="N",
                    help="most drafts per window (default: the window policy's; 3 is a GPU "
                         "route's cap at the default pad)")
@@ -105,6 +107,14 @@ def _min_matches(text: str) -> list[int | None]:
     if not out or 0 in out:
         raise argparse.ArgumentTypeError(f"want positive integers or auto, separated by commas, got {text!r}")
     return out
+
+
+def _switches(text: str) -> list[bool]:
+    """``--cursor``: ``on`` and/or ``off``, comma separated."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items or any(x not in ("on", "off") for x in items):
+        raise argparse.ArgumentTypeError(f"want on or off, separated by commas, got {text!r}")
+    return [x == "on" for x in items]
 
 
 def _step_ms(text: str) -> dict[int, float]:
@@ -205,21 +215,23 @@ def run(args: argparse.Namespace) -> int:
     configs = []
     for name in args.proposers:
         if name == "draft":
-            configs.append(("draft", name, args.max_n[0], None, min_matches[0]))
+            configs.append(("draft", name, args.max_n[0], None, min_matches[0], True))
             continue
         for max_n in args.max_n:
             for hmin in ((args.history_min or [HISTORY_MIN_MATCH]) if name != "ngram" else [None]):
                 for mm in min_matches:
-                    label = (f"{name}/{max_n}" + (f"/h{hmin}" if hmin is not None else "")
-                             + (f"/m{mm or 'auto'}" if args.min_match else ""))
-                    configs.append((label, name, max_n, hmin, mm))
+                    for cursor in args.cursor:
+                        label = (f"{name}/{max_n}" + (f"/h{hmin}" if hmin is not None else "")
+                                 + (f"/m{mm or 'auto'}" if args.min_match else "")
+                                 + (f"/c-{'on' if cursor else 'off'}" if len(args.cursor) > 1 else ""))
+                        configs.append((label, name, max_n, hmin, mm, cursor))
     print(f"{'workload':11s} {'proposer':16s} {'steps':>6s} {'plain':>6s} {'windows':>7s} {'drafts':>7s} "
           f"{'accepted':>8s} {'accept':>7s} {'acc/win':>7s} {'predicted':>10s}")
     result: dict = {"step_ms": {str(k): round(v, 3) for k, v in step_ms.items()}}
     for w in prompts:
         result[w] = {}
-        for label, name, max_n, hmin, mm in configs:
-            r = replay(prompts[w], answers[w], max_n, cost, mm,
+        for label, name, max_n, hmin, mm, cursor in configs:
+            r = replay(prompts[w], answers[w], max_n, cost, mm, cursor=cursor,
                        clients=[p.client for p in chosen[w]] if name != "ngram" else None,
                        kinds=[p.kind for p in chosen[w]], history_min=hmin, max_window=args.max_window,
                        draft=draft if name in DRAFTING else None, draft_ms=draft_ms,
@@ -306,14 +318,16 @@ def _step_costs(engine, prompt: list[int], drafts: tuple[int, ...]) -> dict[int,
 def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost, min_match: int | None, *,
            clients: list[str] | None = None, kinds: list[str] | None = None,
            history_min: int | None = None, max_window: int | None = None,
-           draft=None, draft_ms: float = 0.0, n_gram: bool = True, split_windows: bool = False) -> dict:
+           draft=None, draft_ms: float = 0.0, n_gram: bool = True, split_windows: bool = False,
+           cursor: bool = True) -> dict:
     """Replay known greedy ``answers`` through a proposer and the serving loop's default
     window (one window for all prompts, as in one server): what drafting would do, and
     what it would cost by ``cost`` (a CostModel of the true step costs). The window is
     sized as a node sizes it, by a cost model that starts from the default prior and
     learns every step's cost as it goes. ``clients`` (one per prompt): use the suffix
     proposer, each prompt drafting also from the earlier texts of its client, as a server
-    remembers them; None: the n-gram proposer.
+    remembers them; None: the n-gram proposer. ``cursor``: the proposer keeps its copy
+    cursor (spec/ngram.py).
 
     ``draft`` (a DraftModelProposer): drafts where the n-gram proposer has none (or
     always, without ``n_gram``), each of its windows charged ``draft_ms`` per call the
@@ -336,9 +350,9 @@ def replay(prompts: list[list[int]], answers: list[list[int]], max_n: int, cost,
         if recent is not None:
             assert clients is not None
             ngram = SuffixProposer(prompt, recent.automaton(clients[j], float(j)), max_n=max_n,
-                                   history_min=history_min or HISTORY_MIN_MATCH)
+                                   history_min=history_min or HISTORY_MIN_MATCH, cursor=cursor)
         else:
-            ngram = NGramProposer(prompt, max_n=max_n)
+            ngram = NGramProposer(prompt, max_n=max_n, cursor=cursor)
         if draft is not None:
             draft.reset(prompt)        # its prefill is the request's, not a step's
         mine = by_kind.setdefault(kinds[j] if kinds else "all", _Tally())

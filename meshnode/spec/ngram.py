@@ -27,7 +27,19 @@ at 0.76 instead of 0.72 with 7% fewer pipeline steps (docs/speculative.md).
 
 A continuation that runs into the end of the context continues from the proposal
 itself (``ext = tokens + proposal``), so a periodic tail such as ``a b a b`` proposes
-``a b a b ...`` for any window. :meth:`NGramProposer.would_hit` is the cheap check the
+``a b a b ...`` for any window.
+
+The *copy cursor* keeps the place in the copied text across an edit. An answer that
+copies a file with a renamed identifier leaves the file at the new name, and the
+suffix match needs ``min_match`` tokens past it before it finds the file again (or finds
+the wrong place: ``(x)`` occurs everywhere). The cursor is the position the generated
+text is copying from: placed by a match of ``CURSOR_ANCHOR_N`` tokens, moved one on for
+every generated token that the text has there, and kept while the output is off the
+text, so that the output taking it up again (the token at the cursor: the end of an
+insertion; two tokens a little further on: the end of a replacement) puts it back in
+step. Where the suffix match is shorter than ``min_match`` and the cursor is in step, a
+proposal continues from the cursor. Only generated tokens move it (a prompt is indexed,
+not followed). :meth:`NGramProposer.would_hit` is the cheap check the
 auto policy uses while speculation is cold: did the index predict the token that was
 actually generated? It costs one lookup and no verify pass.
 
@@ -54,6 +66,16 @@ MIN_NGRAM_MATCH = 3
 # on the tune and held-out code edits against 1.42x and 1.41x for 3 (chat 1.15x
 # against 1.13x); with this 2-core VM's own (1.52 plain steps) 3 predicts 1.17x against 1.15x.
 CHEAP_WINDOW_STEPS = 1.25
+# The copy cursor (see the module doc). A resync may skip up to RESYNC_SKIP tokens of the
+# copied text beyond the output's own tokens since it left it (a replaced identifier of
+# more tokens), and needs the output's last two tokens to agree there (one, right at the
+# cursor: the end of an insertion); after CURSOR_MAX_GAP output tokens off the text the
+# cursor is dropped; a match of CURSOR_ANCHOR_N tokens (re)places it. Settled on the tune
+# half of `meshnode bench replay` (docs/speculative.md, "Proposers"): two tokens against
+# one, skips of 8 against 2 and 4, gaps of 16 against 8 and 32, anchors of 4 against 3 and 6.
+RESYNC_SKIP = 8
+CURSOR_MAX_GAP = 16
+CURSOR_ANCHOR_N = 4
 
 
 def min_match_for(window_steps: float | None) -> int:
@@ -72,9 +94,10 @@ class NGramProposer:
     ``ValueError`` when ``not 1 <= min_n <= max_n``.
     """
 
-    __slots__ = ("max_n", "min_n", "_base", "_tokens", "_index", "_starts")
+    __slots__ = ("max_n", "min_n", "_base", "_tokens", "_index", "_starts", "_follows", "_cur", "_gap")
 
-    def __init__(self, prompt: Iterable[int] = (), *, max_n: int = DEFAULT_MAX_N, min_n: int = 1) -> None:
+    def __init__(self, prompt: Iterable[int] = (), *, max_n: int = DEFAULT_MAX_N, min_n: int = 1,
+                 cursor: bool = True) -> None:
         if not (isinstance(min_n, int) and isinstance(max_n, int)) or not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n = max_n
@@ -86,7 +109,9 @@ class NGramProposer:
         # _starts[base-gram] = positions following each of its occurrences, ascending
         # (only kept when longer matches are wanted)
         self._starts: dict[tuple[int, ...], list[int]] | None = {} if max_n > self._base else None
-        self.observe(prompt)
+        self._follows = cursor         # keep a copy cursor (see the module doc)?
+        self._cur, self._gap = -1, 0   # ... where it is; -1: none
+        self._index_only(prompt)
 
     # ---- feeding --------------------------------------------------------------
 
@@ -97,10 +122,34 @@ class NGramProposer:
             d.clear()
         if self._starts is not None:
             self._starts.clear()
-        self.observe(prompt)
+        self._cur, self._gap = -1, 0
+        self._index_only(prompt)
 
     def observe(self, tokens: Iterable[int]) -> None:
-        """Append ``tokens`` (accepted / generated tokens, in order) to the context."""
+        """Append ``tokens`` (accepted / generated tokens, in order) to the context, and
+        move the copy cursor along them."""
+        if not self._follows:
+            self._index_only(tokens)
+            return
+        for t in tokens:
+            self._index_only((t,))
+            self._follow(t)
+
+    def _follow(self, t: int) -> None:
+        """Move the copy cursor past ``t``, the token just appended: along the text it
+        copies, to where that text takes up ``t`` again, or (re)placed by a long match."""
+        toks = self._tokens
+        cur, gap = self._cur, self._gap
+        if cur >= 0:
+            cur, gap = _advance(toks, cur, gap, len(toks) - 1, t, toks[-2] if len(toks) > 1 else None)
+        if cur < 0 or gap:
+            m = self.match()
+            if m is not None and m[0] >= CURSOR_ANCHOR_N:
+                cur, gap = m[1], 0
+        self._cur, self._gap = cur, gap
+
+    def _index_only(self, tokens: Iterable[int]) -> None:
+        """Append ``tokens`` to the context and the index; the cursor stays."""
         toks = self._tokens
         index = self._index
         starts = self._starts
@@ -181,9 +230,13 @@ class NGramProposer:
         if k <= 0:
             return []
         m = self.match(after)
-        if m is None or m[0] < min_match:
-            return []
-        _, start = m
+        if m is not None and m[0] >= min_match:
+            start = m[1]
+        else:
+            cursor = self._cursor(after)
+            if cursor is None:
+                return []
+            start = cursor
         toks = self._tokens
         n_toks = len(toks)
         size = n_toks + len(after)   # the context as extended by ``after``
@@ -205,10 +258,36 @@ class NGramProposer:
 
         Call *before* :meth:`observe` of ``actual_next``. Cost: one index lookup.
         """
-        m = self.match()
-        if m is None or m[0] < min_match:
-            return None
-        return self._tokens[m[1]] == actual_next
+        d = self.propose(1, min_match=min_match)
+        return None if not d else d[0] == actual_next
+
+    def _cursor(self, after: Sequence[int] = ()) -> int | None:
+        """Where the copy cursor says the text goes on (after ``after``, drafts in
+        flight), or None: no cursor, or the output has left the copied text and not
+        taken it up again."""
+        toks = self._tokens
+        cur, gap = self._cur, self._gap
+        prev = toks[-1] if toks else None
+        for t in after:
+            if cur < 0:
+                return None
+            cur, gap = _advance(toks, cur, gap, len(toks), int(t), prev)
+            prev = t
+        return cur if cur >= 0 and not gap and cur < len(toks) else None
+
+
+def _advance(toks: Sequence[int], cur: int, gap: int, limit: int, t: int, prev: int | None) -> tuple[int, int]:
+    """The copy cursor ``(cur, gap)`` after the output token ``t`` (``prev`` before it):
+    past ``t`` where the copied text (before ``limit``) has it at the cursor, or ``prev
+    t`` within reach after it; else one more output token off the text (dropped, -1,
+    after too many)."""
+    if cur < limit and toks[cur] == t:
+        return cur + 1, 0
+    for q in range(cur + 1, min(cur + gap + RESYNC_SKIP + 1, limit)):
+        if toks[q] == t and toks[q - 1] == prev:
+            return q + 1, 0
+    gap += 1
+    return (cur, gap) if gap <= CURSOR_MAX_GAP else (-1, 0)
 
 
 class NGramDrafter:

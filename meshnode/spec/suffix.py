@@ -228,12 +228,14 @@ class SuffixProposer:
     __slots__ = ("ngram", "history", "history_min", "_state", "_length")
 
     def __init__(self, prompt: Iterable[int] = (), history: SuffixAutomaton | None = None, *,
-                 max_n: int = DEFAULT_MAX_N, history_min: int = HISTORY_MIN_MATCH) -> None:
-        self.ngram = NGramProposer(max_n=max_n)
+                 max_n: int = DEFAULT_MAX_N, history_min: int = HISTORY_MIN_MATCH,
+                 cursor: bool = True) -> None:
+        prompt = [int(t) for t in prompt]
+        self.ngram = NGramProposer(prompt, max_n=max_n, cursor=cursor)   # (the prompt is not followed)
         self.history = history if history is not None and len(history) else None
         self.history_min = history_min
         self._state = self._length = 0
-        self.observe(prompt)
+        self._walk(prompt)
 
     def __len__(self) -> int:
         return len(self.ngram)
@@ -245,6 +247,9 @@ class SuffixProposer:
     def observe(self, tokens: Iterable[int]) -> None:
         toks = [int(t) for t in tokens]
         self.ngram.observe(toks)
+        self._walk(toks)
+
+    def _walk(self, toks: list[int]) -> None:
         if self.history is not None:
             s, n, walk = self._state, self._length, self.history.walk
             for t in toks:
@@ -272,7 +277,8 @@ class SuffixProposer:
                 out = self.history.continuation(s, k)
                 if out:
                     return out
-        return self.ngram.propose(k, min_match=min_match, after=after) if n_ctx else []
+        # (the request's own text, also where only its copy cursor has a draft)
+        return self.ngram.propose(k, min_match=min_match, after=after)
 
     def would_hit(self, actual_next: int, *, min_match: int = 1) -> bool | None:
         d = self.propose(1, min_match=min_match)
