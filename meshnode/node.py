@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 EVENT_QUEUE = 1000
 CAPS_REFRESH_S = 30.0
+THREADS_CHECK_S = 2.0   # how often the served stage's thread count is looked at (a read)
 TELEMETRY_POINTS = 240      # one a second: the last four minutes
 HTTP_CONNECTIONS = 256
 DEFAULT_SHUTDOWN_GRACE = 3.0    # seconds requests in flight get to finish at shutdown
@@ -424,8 +425,8 @@ class Node:
 
     def _served_stage_event(self, event: NodeEvent) -> None:
         """An event of the stage this node serves for a peer: to subscribers, and once the
-        stage is ready its CPU threads to peers (capabilities; refreshed every
-        CAPS_REFRESH_S as the engine adapts them), so its coordinator shows them."""
+        stage is ready its CPU threads to peers (capabilities; again when the engine
+        adapts them: :meth:`_refresh_caps`), so its coordinator shows them."""
         self.publish(event)
         if isinstance(event, StageChanged) and event.stage.state is StageState.READY:
             self.advertise_models()
@@ -475,9 +476,18 @@ class Node:
         return tuple(svc.serving.stages()) if svc is not None and svc.serving is not None else ()
 
     async def _refresh_caps(self) -> None:
+        """Capabilities again every CAPS_REFRESH_S, and soon after the served stage's
+        thread count changes (its engine adapts it to the cores free), so that the
+        coordinator's status shows the new count within seconds rather than half a minute."""
+        told = self.stage_server.served_threads()
+        waited = 0.0
         while True:
-            await asyncio.sleep(CAPS_REFRESH_S)
-            await self._advertise()
+            await asyncio.sleep(THREADS_CHECK_S)
+            waited += THREADS_CHECK_S
+            now = self.stage_server.served_threads()
+            if waited >= CAPS_REFRESH_S or now != told:
+                told, waited = now, 0.0
+                await self._advertise()
 
     def _install_log_handler(self) -> None:
         node = self

@@ -23,3 +23,36 @@ def test_bad_threads_are_refused_at_authentication_and_read_as_unknown(bad):
                                                            and 0 <= x <= 4096 for x in bad)):
         assert "bad stage_threads" in check_capabilities({"free_ram": 1, "stage_threads": bad})
     assert from_dict({"free_ram": 1, "stage_threads": bad}).stage_threads == (0, 0)
+
+
+async def test_a_thread_count_change_is_advertised_within_seconds(monkeypatch):
+    """The node re-sends its capabilities soon after its served stage's thread count
+    moves (not only every CAPS_REFRESH_S), and not while it stays put."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshnode import node as node_mod
+
+    monkeypatch.setattr(node_mod, "THREADS_CHECK_S", 0.01)
+    monkeypatch.setattr(node_mod, "CAPS_REFRESH_S", 3600.0)
+    threads = [(2, 2)]
+    sent: list[tuple[int, int]] = []
+
+    async def advertise():
+        sent.append(threads[0])
+
+    fake = SimpleNamespace(stage_server=SimpleNamespace(served_threads=lambda: threads[0]), _advertise=advertise)
+    task = asyncio.get_running_loop().create_task(node_mod.Node._refresh_caps(fake))
+    try:
+        await asyncio.sleep(0.1)
+        assert sent == []                      # nothing moved: nothing sent
+        threads[0] = (1, 2)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if sent:
+                break
+        assert sent == [(1, 2)]
+        await asyncio.sleep(0.1)
+        assert sent == [(1, 2)]                # once per change
+    finally:
+        task.cancel()
