@@ -450,7 +450,7 @@ def _status_snap(status: str, detail: str = "", **changes):
     from meshnode.state import ModelStatus, TransferInfo
 
     base = FakeNode().snapshot()
-    changes.setdefault("transfers", (TransferInfo("default model (extract)", 45, 100, "extract"),))
+    changes.setdefault("transfers", (TransferInfo("default model", 45, 100, "extract"),))
     return replace(base, status=ModelStatus(status), status_detail=detail, **changes)
 
 

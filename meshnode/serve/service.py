@@ -131,7 +131,7 @@ class ModelService:
         started: dict[str, float] = {}
 
         def hook(phase: str, done: int, total: int | None) -> None:
-            info = TransferInfo(f"{what} ({phase})", done, total or 0, phase)
+            info = TransferInfo(what, done, total or 0, phase)   # (shown as "{phase} {what}")
             loop.call_soon_threadsafe(self._transfers.__setitem__, what, info)
             # Headless users see progress in the log, every 10 %, once a phase has run for
             # PROGRESS_LOG_AFTER_S: hashing a small model (60 ms) logged eleven lines.
