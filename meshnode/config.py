@@ -23,6 +23,7 @@ the speculative-decoding precedence). docs/config.md lists every option.
     cors_origins = ["http://localhost:3000"]
     max_body = "4MiB"
     max_queue = 16
+    keep_responses = "disk"             # or "memory": kept Responses survive a restart?
 
     [defaults.speculative]              # every model
     strategy = "ngram"
@@ -102,6 +103,7 @@ class HttpSettings:
     cors_origins: tuple[str, ...] = ()
     max_body: int | None = None         # bytes
     max_queue: int | None = None
+    keep_responses: str | None = None   # "disk" | "memory" (serve/response_disk.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,13 +325,15 @@ def parse_config(data: Mapping[str, Any] | str, path: Path | str | None = None) 
     )
 
     http_t = r.table(data, "http", "http")
-    r.warn_unknown(http_t, "http.", ("api_key", "allowed_hosts", "cors_origins", "max_body", "max_queue"))
+    r.warn_unknown(http_t, "http.", ("api_key", "allowed_hosts", "cors_origins", "max_body", "max_queue",
+                                   "keep_responses"))
     http = HttpSettings(
         api_key=r.str_(http_t, "api_key", "http.api_key"),
         allowed_hosts=r.strs(http_t, "allowed_hosts", "http.allowed_hosts"),
         cors_origins=r.strs(http_t, "cors_origins", "http.cors_origins"),
         max_body=r.size_(http_t, "max_body", "http.max_body", lo=1024),
         max_queue=r.int_(http_t, "max_queue", "http.max_queue", 0, 100_000),
+        keep_responses=r.str_(http_t, "keep_responses", "http.keep_responses", ("disk", "memory")),
     )
 
     defaults_t = r.table(data, "defaults", "defaults")

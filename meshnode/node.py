@@ -116,6 +116,7 @@ class Node:
         http_security: Any = None,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
         share: bool = True,
+        keep_responses: str = "disk",
     ) -> None:
         from meshnode.engine.shelf import EngineShelf
         from meshnode.mesh.coordinator import CoordinatorRuntime
@@ -132,6 +133,11 @@ class Node:
         if self.http_security.bound_host != http_host:
             self.http_security = replace(self.http_security, bound_host=http_host)
         self.paths = paths.ensure()
+        # the Responses API's kept answers (serve/response_store.py), on disk unless told
+        from meshnode.serve.response_disk import ResponseDisk
+        from meshnode.serve.response_store import ResponseStore
+
+        self.responses = ResponseStore(journal=ResponseDisk.open(self.paths.data) if keep_responses == "disk" else None)
         hand_in_quantizer()   # the store makes the default model with it on first use
         set_offload(gpu_layers != 0)
         self.name = name or socket.gethostname()
@@ -205,6 +211,12 @@ class Node:
         # they must be known before the first link: peers reached by --peer see no mDNS.
         await self._advertise()
         await self.fabric.start()
+        journal = self.responses.journal
+        if journal is not None:
+            kept = self.responses.restore(await asyncio.to_thread(
+                journal.load, self.responses.max_entries, self.responses.max_bytes))
+            if kept:
+                log.info("kept responses: %d taken back from %s", kept, self.paths.data)
         self.app = create_app(self)
         await self.share.start(self.fabric.port)
         config = uvicorn.Config(
@@ -294,6 +306,9 @@ class Node:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.wait_for(self._server_task, HTTP_CLOSE_S + 0.5)
             self._server = None
+        if self.responses.journal is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.responses.journal.close)
         log.info("node %s stopped in %.1f s", self.name, time.monotonic() - t0)
         if self._log_handler is not None:
             logging.getLogger("meshnode").removeHandler(self._log_handler)

@@ -36,13 +36,15 @@ def test_every_documented_key_is_read_by_the_parser():
     # a file setting every documented key parses with no "unknown key" warning
     lines = ["[node]", 'name = "n"', "http_port = 1", "quic_port = 2", 'max_memory = "1GB"',
              "shutdown_grace = 5", "prefix_cache = 2", "busy_poll = true", "[http]", 'api_key = "k"', 'allowed_hosts = ["a"]', 'cors_origins = ["http://x"]',
-             'max_body = "1MiB"', "max_queue = 3", "[defaults.speculative]", 'strategy = "ngram"',
+             'max_body = "1MiB"', "max_queue = 3", 'keep_responses = "memory"', "[defaults.speculative]",
+             'strategy = "ngram"',
              'mode = "on"', 'draft_model = "d.gguf"', "[defaults.speculative.window]",
              'policy = "fixed"', "initial = 2", "min = 1", "max = 3"]
     conf = parse_config("\n".join(lines))
     assert conf.warnings == ()
     documented = {k.split(".", 1)[1] for k in config_doc.KEYS if k.startswith(("node.", "http."))}
-    assert documented == {ln.split(" =")[0] for ln in lines[1:14] if "=" in ln}
+    assert documented == {ln.split(" =")[0] for ln in lines[1:15] if "=" in ln}
+    assert conf.http.keep_responses == "memory"
 
 
 def test_the_defaults_are_the_nodes_own():

@@ -202,3 +202,27 @@ def test_previous_response_id_continues_the_conversation_kept_on_the_node(node):
         r = httpx.post(f"http://127.0.0.1:{proc.info['http_port']}/v1/responses",
                        json={"model": model, "input": "hi", "previous_response_id": rid}, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+
+
+def test_a_restarted_node_still_continues_a_kept_response(smollm2, tmp_path):
+    """Kept answers live on disk (responses.sqlite3 in the node's data folder): the same
+    home started again continues them; with --keep-responses memory it forgets them."""
+    args = dict(instructions="Be brief.", max_output_tokens=12, temperature=0)
+    with solo_node(tmp_path, smollm2.path) as proc:
+        client = OpenAI(base_url=f"http://127.0.0.1:{proc.info['http_port']}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        first = client.responses.create(model=model, input=QUESTION, **args)
+        gone = client.responses.create(model=model, input="Say hi.", **args)
+        client.responses.delete(gone.id)
+        before = client.responses.create(model=model, input="One more.", previous_response_id=first.id, **args)
+    with solo_node(tmp_path, smollm2.path) as proc:
+        client = OpenAI(base_url=f"http://127.0.0.1:{proc.info['http_port']}/v1", api_key="none", max_retries=0)
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        after = client.responses.create(model=model, input="One more.", previous_response_id=first.id, **args)
+        assert after.output_text == before.output_text       # the same conversation, greedy
+        with pytest.raises(NotFoundError):
+            client.responses.retrieve(gone.id)               # deleted stays deleted
+    with solo_node(tmp_path, smollm2.path, "--keep-responses", "memory") as proc:
+        client = OpenAI(base_url=f"http://127.0.0.1:{proc.info['http_port']}/v1", api_key="none", max_retries=0)
+        with pytest.raises(NotFoundError):
+            client.responses.retrieve(first.id)

@@ -55,6 +55,9 @@ KEYS: dict[str, tuple[str, str, str]] = {
     "http.max_body": ("size (>= 1KiB)", "--max-body", "largest request body"),
     "http.max_queue": ("int >= 0", "--max-queue",
                        "requests waiting beyond `--parallel`; later ones get 429"),
+    "http.keep_responses": ('`"disk"` or `"memory"`', "--keep-responses",
+                            "where the Responses API's kept answers live (docs/api.md, \"Kept "
+                            "responses\"): on disk a restarted node still continues them"),
     "models.share": ("bool", "--no-share",
                      "members may list this node's models and pull them or any layer package of "
                      "them (docs/models.md, \"Sharing\"); false: nothing is listed or served"),
@@ -123,6 +126,7 @@ def defaults() -> dict[str, object]:
         "http.api_key": sec.api_key, "http.allowed_hosts": list(sec.allowed_hosts),
         "http.cors_origins": list(sec.cors_origins), "http.max_body": sec.max_body,
         "http.max_queue": kw["service"].max_queue if kw["service"] else _max_queue(args),
+        "http.keep_responses": kw["keep_responses"],
         "models.share": kw["share"],
         "speculative.strategy": spec.strategy_name, "speculative.mode": spec.mode,
         "speculative.draft_model": spec.draft_model,

@@ -75,6 +75,10 @@ def _add_node_options(p: argparse.ArgumentParser) -> None:
                    help="largest request body (default 4MiB)")
     h.add_argument("--max-queue", type=non_negative_int, default=None, metavar="N",
                    help="requests waiting beyond --parallel; more are answered 429 (default 16)")
+    h.add_argument("--keep-responses", choices=("disk", "memory"), default=None,
+                   help="where the Responses API's kept answers live (previous_response_id, GET "
+                        "/v1/responses/ID): disk, so a restarted node continues them, or memory "
+                        "(default disk, or [http] keep_responses)")
 
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None, metavar="MODEL",
@@ -228,6 +232,7 @@ def _node_kwargs(args: argparse.Namespace, paths, config=None) -> dict:
         decode_threads=args.decode_threads, gpu_layers=args.gpu_layers, max_memory=max_memory,
         shutdown_grace=_first(args.shutdown_grace, node_cfg.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
         share=not args.no_share and config.share is not False,
+        keep_responses=_first(args.keep_responses, config.http.keep_responses, "disk"),
     )
 
 

@@ -43,7 +43,7 @@ def create_app(node: Any, security: HttpSecurity | None = None) -> FastAPI:
     app = FastAPI(title="meshnode", version=__version__, docs_url=None, redoc_url=None)
     app.state.node = node
     app.include_router(router)
-    app.include_router(make_openai_router(lambda: node.engine_client))
+    app.include_router(make_openai_router(lambda: node.engine_client, responses=getattr(node, "responses", None)))
     from meshnode.serve.mesh_share import MeshForwardMiddleware
 
     app.add_middleware(MeshForwardMiddleware, node=node)   # inside the guard: requests passed it

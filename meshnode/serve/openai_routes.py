@@ -211,10 +211,13 @@ class OpenAIRoute(APIRoute):
 
 
 def make_openai_router(
-    get_client: Callable[[], EngineClient], *, keepalive_s: float = DEFAULT_KEEPALIVE_S
+    get_client: Callable[[], EngineClient], *, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+    responses: ResponseStore | None = None,
 ) -> APIRouter:
     """Build the ``/v1`` router. ``get_client`` is called once per request; it may raise
-    ``EngineUnavailableError`` (-> 503). Include it with ``app.include_router(router)``."""
+    ``EngineUnavailableError`` (-> 503). ``responses``: where the Responses API keeps
+    answers (a node's own, on disk; default a new one in memory). Include it with
+    ``app.include_router(router)``."""
     router = APIRouter(prefix="/v1", route_class=OpenAIRoute, tags=["openai"])
     # llama.cpp server's own endpoints, at their paths
     llamacpp_router = APIRouter(route_class=OpenAIRoute, tags=["llama.cpp"])
@@ -239,7 +242,8 @@ def make_openai_router(
         chunks = _ChatChunks(body.model, body.include_usage, body.tool_names(), body.legacy_functions)
         return await _serve(request, body, [body.to_generation_request(chunks.id)], chunks, "messages")
 
-    kept = ResponseStore()   # the Responses API's answers, for previous_response_id and GET
+    # the Responses API's answers, for previous_response_id and GET
+    kept = responses if responses is not None else ResponseStore()
 
     @router.post("/responses", response_model=None, **_post_docs(ResponsesRequest, ResponseObject))
     async def responses(request: Request) -> Response:

@@ -8,11 +8,14 @@ and its own output as an assistant message) with the response object for
 ``GET /v1/responses/{id}``. Instructions are not part of it (OpenAI's rule: each request
 gives its own).
 
-The store is memory only and bounded by count and by size (the conversations' JSON),
-least recently used out: a node forgets, so a client that must not lose a conversation
-sends it whole. Response ids are random (128 bits) and the store belongs to the node
-that answered, which is the model's coordinator (a member forwards the request there).
-Pure: no I/O, one event loop.
+The store is bounded by count and by size (the conversations' JSON), least recently
+used out: a node forgets, so a client that must not lose a conversation sends it whole.
+It lives in memory; a *journal* (:class:`Journal`, by default
+:class:`~meshnode.serve.response_disk.ResponseDisk`) is told every change and mirrors
+them on disk, and :meth:`ResponseStore.restore` takes them back when the node starts.
+Response ids are random (128 bits) and the store belongs to the node that answered,
+which is the model's coordinator (a member forwards the request there). Pure: no I/O
+(the journal's is its own), one event loop.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from meshnode.limits import MAX_STORED_RESPONSE_BYTES, MAX_STORED_RESPONSES
 
@@ -32,14 +35,39 @@ class StoredResponse:
     size: int                              # bytes of both as JSON (what the bound counts)
 
 
+class Journal(Protocol):
+    """Where the store's changes go besides memory (each call returns at once)."""
+
+    def put(self, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None: ...
+
+    def delete(self, response_id: str) -> None: ...
+
+    def touch(self, response_id: str) -> None: ...
+
+    def load(self, max_entries: int, max_bytes: int) -> list[tuple[str, list[dict[str, Any]], dict[str, Any]]]: ...
+
+
 class ResponseStore:
     """Kept responses by id, least recently used first. See the module docstring."""
 
-    def __init__(self, max_entries: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_RESPONSE_BYTES) -> None:
+    def __init__(self, max_entries: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_RESPONSE_BYTES,
+                 journal: Journal | None = None) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.journal = journal
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
+
+    def restore(self, entries: list[tuple[str, list[dict[str, Any]], dict[str, Any]]]) -> int:
+        """Take back ``entries`` (the journal's ``load``, least recently used first: a
+        restarted node) without writing them back; returns how many are kept."""
+        journal, self.journal = self.journal, None
+        try:
+            for response_id, messages, response in entries:
+                self.put(response_id, messages, response)
+        finally:
+            self.journal = journal
+        return len(self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -54,21 +82,34 @@ class ResponseStore:
         size = len(json.dumps(messages)) + len(json.dumps(response))
         if size > self.max_bytes or self.max_entries <= 0:
             return False
-        self.delete(response_id)
+        self._forget(response_id)
         while self._entries and (len(self._entries) >= self.max_entries or self._bytes + size > self.max_bytes):
-            _, old = self._entries.popitem(last=False)
+            gone, old = self._entries.popitem(last=False)
             self._bytes -= old.size
+            if self.journal is not None:
+                self.journal.delete(gone)
         self._entries[response_id] = StoredResponse(tuple(messages), response, size)
         self._bytes += size
+        if self.journal is not None:
+            self.journal.put(response_id, messages, response)
         return True
 
     def get(self, response_id: str) -> StoredResponse | None:
         hit = self._entries.get(response_id)
         if hit is not None:
             self._entries.move_to_end(response_id)
+            if self.journal is not None:
+                self.journal.touch(response_id)
         return hit
 
     def delete(self, response_id: str) -> bool:
+        if not self._forget(response_id):
+            return False
+        if self.journal is not None:
+            self.journal.delete(response_id)
+        return True
+
+    def _forget(self, response_id: str) -> bool:
         old = self._entries.pop(response_id, None)
         if old is None:
             return False
@@ -76,4 +117,4 @@ class ResponseStore:
         return True
 
 
-__all__ = ["ResponseStore", "StoredResponse"]
+__all__ = ["Journal", "ResponseStore", "StoredResponse"]
