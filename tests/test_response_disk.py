@@ -65,7 +65,7 @@ def test_reading_back_is_bounded_by_bytes(tmp_path):
     disk = ResponseDisk.open(tmp_path)
     big = [{"role": "user", "content": "x" * 5000}]
     for i in range(5):
-        disk.put(f"resp_{i}", big, _resp(i))
+        disk.put(f"resp_{i}", json.dumps(big), json.dumps(_resp(i)))
     disk.close()
     back = _reopen(tmp_path, max_bytes=12_000)     # two of ~5 KB fit
     assert [rid for rid, _, _ in back] == ["resp_3", "resp_4"]
@@ -73,7 +73,7 @@ def test_reading_back_is_bounded_by_bytes(tmp_path):
 
 def test_rows_that_are_not_what_the_node_writes_are_skipped(tmp_path):
     disk = ResponseDisk.open(tmp_path)
-    disk.put("resp_ok", _msgs(1), _resp(1))
+    disk.put("resp_ok", json.dumps(_msgs(1)), json.dumps(_resp(1)))
     disk.close()
     with sqlite3.connect(tmp_path / FILE_NAME) as db:
         rows = [("bad_json", 5, 0, "{not json", "{}"), ("not_a_list", 6, 0, '{"a": 1}', "{}"),

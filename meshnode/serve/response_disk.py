@@ -99,8 +99,9 @@ class ResponseDisk:
 
     # ---- mirroring the store ----------------------------------------------------------
 
-    def put(self, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
-        m, r = json.dumps(messages), json.dumps(response)
+    def put(self, response_id: str, messages_json: str, response_json: str) -> None:
+        """Keep one answer: its conversation's and its own JSON, as the store wrote them."""
+        m, r = messages_json, response_json
         used = self._next_used()
         self._submit(lambda c: c.execute(
             "INSERT OR REPLACE INTO responses (id, used, size, messages, response) VALUES (?, ?, ?, ?, ?)",

@@ -38,7 +38,7 @@ class StoredResponse:
 class Journal(Protocol):
     """Where the store's changes go besides memory (each call returns at once)."""
 
-    def put(self, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None: ...
+    def put(self, response_id: str, messages_json: str, response_json: str) -> None: ...
 
     def delete(self, response_id: str) -> None: ...
 
@@ -79,7 +79,8 @@ class ResponseStore:
     def put(self, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> bool:
         """Keep ``response`` and the conversation it ends; False when it alone is larger
         than the whole store (then nothing is kept)."""
-        size = len(json.dumps(messages)) + len(json.dumps(response))
+        m, r = json.dumps(messages), json.dumps(response)
+        size = len(m) + len(r)
         if size > self.max_bytes or self.max_entries <= 0:
             return False
         self._forget(response_id)
@@ -91,7 +92,7 @@ class ResponseStore:
         self._entries[response_id] = StoredResponse(tuple(messages), response, size)
         self._bytes += size
         if self.journal is not None:
-            self.journal.put(response_id, messages, response)
+            self.journal.put(response_id, m, r)
         return True
 
     def get(self, response_id: str) -> StoredResponse | None:
