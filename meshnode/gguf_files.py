@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 
 __all__ = [
-    "MAX_SPLIT_PARTS", "model_files", "model_size", "split_part", "split_part_name", "split_part_path",
-    "split_prefix",
+    "MAX_SPLIT_PARTS", "model_files", "model_size", "split_name", "split_part", "split_part_name",
+    "split_part_path", "split_prefix",
 ]
 
 # llama.cpp's name for part i (1-based) of n: llama_split_path, "%s-%05d-of-%05d.gguf"
@@ -21,7 +21,9 @@ _SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gg
 MAX_SPLIT_PARTS = 999   # llama-gguf-split's own limit is far above any real model's parts
 
 
-def _split(name: str) -> tuple[str, int, int] | None:
+def split_name(name: str) -> tuple[str, int, int] | None:
+    """(prefix, part number from 1, part count) when ``name`` is named as a part of a
+    split model, else None."""
     m = _SPLIT_NAME.match(name)
     if m is None:
         return None
@@ -32,7 +34,7 @@ def _split(name: str) -> tuple[str, int, int] | None:
 def split_part(path: Path) -> tuple[int, int] | None:
     """(part number from 1, part count) when ``path`` is named as a part of a split
     model, else None (by name alone)."""
-    split = _split(path.name)
+    split = split_name(path.name)
     return None if split is None else split[1:]
 
 
@@ -43,7 +45,7 @@ def split_part_name(prefix: str, no: int, count: int) -> str:
 
 def split_prefix(name: str) -> str | None:
     """What comes before ``-0000K-of-0000N.gguf`` in a part's name (None: not a part)."""
-    split = _split(name)
+    split = split_name(name)
     return None if split is None else split[0]
 
 

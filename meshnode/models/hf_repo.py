@@ -21,9 +21,9 @@ import os
 import re
 import urllib.parse
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
-from meshnode.gguf_files import split_part, split_part_name, split_prefix
+from meshnode.gguf_files import split_name, split_part_name
 from meshnode.models.errors import ModelFetchError
 
 __all__ = ["DEFAULT_QUANT", "HfSpec", "RepoFile", "choose", "endpoint", "file_url", "listing_url",
@@ -119,11 +119,12 @@ def _models(files: list[RepoFile]) -> dict[str, list[RepoFile]]:
     by_path = {f.path: f for f in files}
     out: dict[str, list[RepoFile]] = {}
     for f in files:
-        prefix, part = split_prefix(f.path), split_part(Path(f.name))
-        if prefix is None or part is None:
+        split = split_name(f.path)
+        if split is None:
             out[f.path] = [f]
-        elif part[0] == 1:
-            parts = [by_path.get(split_part_name(prefix, i, part[1])) for i in range(1, part[1] + 1)]
+        elif split[1] == 1:
+            prefix, _, count = split
+            parts = [by_path.get(split_part_name(prefix, i, count)) for i in range(1, count + 1)]
             if all(p is not None for p in parts):
                 out[f.path] = parts   # type: ignore[assignment]
     return {k: v for k, v in out.items() if "mmproj" not in PurePosixPath(k).name.lower()}

@@ -229,7 +229,13 @@ class NGramProposer:
         """
         if k <= 0:
             return []
-        m = self.match(after)
+        return self.propose_matched(self.match(after), k, min_match=min_match, after=after)
+
+    def propose_matched(self, m: tuple[int, int] | None, k: int, *, min_match: int = 1,
+                        after: Sequence[int] = ()) -> list[int]:
+        """:meth:`propose` with ``m`` the caller's ``match(after)`` (looked up once)."""
+        if k <= 0:
+            return []
         if m is not None and m[0] >= min_match:
             start = m[1]
         else:

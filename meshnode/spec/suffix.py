@@ -278,7 +278,7 @@ class SuffixProposer:
                 if out:
                     return out
         # (the request's own text, also where only its copy cursor has a draft)
-        return self.ngram.propose(k, min_match=min_match, after=after)
+        return self.ngram.propose_matched(m, k, min_match=min_match, after=after)
 
     def would_hit(self, actual_next: int, *, min_match: int = 1) -> bool | None:
         d = self.propose(1, min_match=min_match)
