@@ -11,7 +11,7 @@
 # reported and the next one runs. MEASURE_DRY=1 runs the same steps on CPU with tiny sizes
 # (a check of the script itself, not a measurement).
 set -u
-PART=${1:?part 1-37}
+PART=${1:?part 1-38}
 OUT=${2:?output folder}
 M=${MEASURE_MODELS:-/tmp/gpumodels}
 HOME_DIR=${MEASURE_HOME:-/tmp/gpuhome}
@@ -605,5 +605,51 @@ if [ "$PART" = 37 ]; then
       --tokens ${MEASURE_TOKENS:-300} --warmup 4 --reps 1 --prefill 64 --windows none --gap-ms 0 \
       --load $load --adapt --json
   done
+fi
+# Part 38: the default model's weight type (Q8_0, docs/models.md "Default model") on a GPU.
+# The GPU's window bound (4 rows at pad 2, spec/window.py) was measured on Q4_0 and f16
+# weights; CUDA picks its matmul kernels by weight type too. certify --schedule on random
+# models of SmolLM2's shape and of the 8B's width (8 layers) in Q8_0, written here (no
+# carry beyond .gpukit); with SmolLM2's two halves carried (chained like part 24) also the
+# real model's Q8_0 copy, then the held-out run of part 33 on it (the text must equal plain
+# decoding's). ~4 minutes without SmolLM2 after the build, ~9 with it.
+if [ "$PART" = 38 ]; then
+  SMOLQ8=$M/smolshape-q8_0.gguf
+  step 120 "write a SmolLM2-shaped random model in Q8_0" "$PY" - "$SMOLQ8" "$DRY" <<'PY'
+import sys
+from pathlib import Path
+from meshnode.engine.quantize import requantize
+from meshnode.models.synthetic import SyntheticSpec, write_synthetic_gguf
+out, dry = Path(sys.argv[1]), sys.argv[2] == "1"
+if not out.exists():
+    f16 = out.with_name(out.stem + "-f16.gguf")
+    write_synthetic_gguf(f16, SyntheticSpec(
+        architecture="llama", n_layer=4 if dry else 30, n_embd=576, n_head=9, n_kv_head=3,
+        n_ff=1536, vocab=4096 if dry else 49152, dtype="f16", tied_embeddings=True,
+        rope_freq_base=100000.0, rms_eps=1e-5, name="synthetic-smollm2-shape"))
+    requantize(f16, out, "Q8_0", n_threads=4)
+    f16.unlink()
+print(out, out.stat().st_size)
+PY
+  schedule "$SMOLQ8" "SmolLM2 shape Q8_0, GPU defaults, windows 2-4" -- --windows 2,3,4 --json
+  schedule "$SMOLQ8" "SmolLM2 shape Q8_0, GPU defaults, windows 5-8 (beyond the bound)" -- --windows 5,6,8 --json
+  if [ "$DRY" = 1 ]; then
+    L8Q8=$SMOLQ8
+  else
+    L8Q8=$M/l8b-8layers-q8_0.gguf
+    [ -f "$L8Q8" ] || step 240 "write the 8B shape, 8 layers, Q8_0" env MK8B_LAYERS=8 "$PY" "$KIT/mkmodels.py" 8b "$L8Q8" Q8_0
+  fi
+  schedule "$L8Q8" "8B shape (8 layers) Q8_0, GPU defaults, windows 2-4" -- --windows 2,3,4 --json
+  if [ -f "$SMOLDIR/part2" ] || [ -f "$SMOL" ]; then
+    [ -f "$SMOL" ] || cat "$SMOLDIR"/part1 "$SMOLDIR"/part2 > "$SMOL"
+    REALQ8=$SMOLDIR/SmolLM2-135M-Instruct.Q8_0.gguf
+    [ -f "$REALQ8" ] || step 60 "SmolLM2 Q8_0 from the wheel's Q4_1 (as a node makes it)" "$PY" -c \
+      "import sys; from meshnode.engine.quantize import requantize; requantize(sys.argv[1], sys.argv[2], 'Q8_0', n_threads=4)" \
+      "$SMOL" "$REALQ8"
+    schedule "$REALQ8" "SmolLM2 Q8_0, GPU defaults, windows 2-4" -- --windows 2,3,4 --json
+    step 560 "bench spec SmolLM2 Q8_0 held-out, 2 stages on GPU 0, max_tokens 160, 1 round" \
+      env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$REALQ8" \
+      --set heldout --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
+  fi
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
