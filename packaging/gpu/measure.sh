@@ -649,7 +649,8 @@ PY
     schedule "$REALQ8" "SmolLM2 Q8_0, GPU defaults, windows 2-4" -- --windows 2,3,4 --json
     step 560 "bench spec SmolLM2 Q8_0 held-out, 2 stages on GPU 0, max_tokens 160, 1 round" \
       env CUDA_VISIBLE_DEVICES=0 "$PY" -m meshnode bench spec --model "$REALQ8" \
-      --set heldout --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json
+      --set heldout --rounds 1 --strategies baseline,ngram_auto,draft --gpu-layers all --busy-poll --json \
+      $([ "$DRY" = 1 ] && echo --quick --tokens 8)
   fi
 fi
 grep "^===" "$LOG" > "$OUT/part$PART.summary"
